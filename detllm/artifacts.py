@@ -1,0 +1,282 @@
+"""The run folder: its layout, atomic writes, schema validation, loading.
+
+Owns the contract of what a run folder holds. Every JSON file carries
+`schema_version` and `artifact_type` and is validated against
+`schemas/<artifact_type>.schema.json` before it is written and after it is read.
+Does not own what goes into the files (runner, compare) or manifests (integrity).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from .errors import ArtifactError, UsageError
+
+SCHEMA_VERSION = "1"
+READABLE_SCHEMA_VERSIONS = ("1",)
+ENV = "env.json"
+RUN_CONFIG = "run_config.json"
+APPLIED = "determinism_applied.json"
+TRACE = "trace.jsonl"
+REPORT = "report.json"
+REPORT_TXT = "report.txt"
+REPORT_MD = "report.md"
+FIRST_DIVERGENCE = "diffs/first_divergence.json"
+MANIFEST = "manifest.json"
+JSON_FILES = {ENV: "env", RUN_CONFIG: "run_config", APPLIED: "determinism_applied", REPORT: "report", FIRST_DIVERGENCE: "first_divergence"}
+# Names detllm writes into a run folder; a re-used --out loses all of them first.
+OWNED_NAMES = (ENV, RUN_CONFIG, APPLIED, TRACE, REPORT, REPORT_TXT, REPORT_MD, MANIFEST, "manifest.sig", "diffs", "plots")
+
+
+def schema_dir() -> Path:
+    """Schemas ship inside the wheel as detllm/schemas; in a source checkout they are ../schemas."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "schemas", here.parent / "schemas"):
+        if cand.is_dir():
+            return cand
+    raise ArtifactError("detllm's JSON schemas are missing from this installation", hint="reinstall detllm")
+
+
+@lru_cache(maxsize=None)
+def load_schema(artifact_type: str) -> dict[str, Any]:
+    path = schema_dir() / f"{artifact_type}.schema.json"
+    if not path.is_file():
+        raise ArtifactError(f"no schema for artifact_type {artifact_type!r}")
+    return json.loads(path.read_text())
+
+
+@lru_cache(maxsize=None)
+def _validator(artifact_type: str):
+    from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
+
+    resources = []
+    for p in schema_dir().glob("*.schema.json"):
+        s = json.loads(p.read_text())
+        resources.append((s["$id"], Resource.from_contents(s)))
+    registry = Registry().with_resources(resources)
+    schema = load_schema(artifact_type)
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema, registry=registry)
+
+
+def validate(obj: Any, artifact_type: str, *, where: str = "") -> None:
+    """Raise ArtifactError naming the first violation."""
+    err = next(iter(_validator(artifact_type).iter_errors(obj)), None)
+    if err is not None:
+        loc = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise ArtifactError(f"{where or artifact_type}: schema violation at {loc}: {err.message[:200]}")
+
+
+def stamp(artifact_type: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"schema_version": SCHEMA_VERSION, "artifact_type": artifact_type, **body}
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats become null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, *, indent: int | None = 2) -> str:
+    return json.dumps(_finite(obj), indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary name in the same folder, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(folder: Path, name: str, obj: dict[str, Any]) -> Path:
+    """Validate against the schema named by obj['artifact_type'], then write atomically."""
+    validate(_finite(obj), obj["artifact_type"], where=name)
+    path = folder / name
+    atomic_write_text(path, dumps(obj) + "\n")
+    return path
+
+
+class TraceWriter:
+    """Appends validated records to `trace.jsonl.partial`; `finish()` renames it into place,
+    so an interrupted run never leaves a trace.jsonl that looks complete."""
+
+    def __init__(self, folder: Path) -> None:
+        self.final = folder / TRACE
+        self.partial = folder / (TRACE + ".partial")
+        self._f = open(self.partial, "w", encoding="utf-8")
+        self.count = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = _finite(record)
+        validate(record, "trace_record", where=f"{TRACE} line {self.count + 1}")
+        self._f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self.count += 1
+
+    def finish(self) -> Path:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.partial, self.final)
+        return self.final
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+def is_detllm_folder(path: Path) -> bool:
+    cfg = path / RUN_CONFIG
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("artifact_type") == "run_config"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def default_out_dir(command: str, root: Path = Path("artifacts")) -> Path:
+    stamp_ = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = root / f"{command}-{stamp_}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = Path(f"{base}-{n}")
+    return out
+
+
+def check_out_dir(out: Path, *, force: bool) -> None:
+    """Refuse (before anything runs) an existing folder that holds files detllm did not write."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not is_detllm_folder(out) and not force:
+        raise UsageError(f"--out {str(out)!r} is not empty and is not a detllm run folder", hint="choose another --out or pass --force")
+
+
+def prepare_out_dir(out: Path, *, force: bool) -> Path:
+    """Create `out`, removing every file an earlier detllm run left there (never the user's files)."""
+    check_out_dir(out, force=force)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OWNED_NAMES + (TRACE + ".partial",):
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    return out
+
+
+# ---------------------------------------------------------------- loading
+
+
+@dataclass
+class RunFolder:
+    """A loaded run folder; every file already validated against its schema."""
+
+    path: Path
+    env: dict[str, Any]
+    run_config: dict[str, Any]
+    applied: dict[str, Any]
+    records: list[dict[str, Any]]
+    report: dict[str, Any] | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def read_json(path: Path, artifact_type: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"{path}: missing", hint="is this a detllm run folder?") from exc
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: not valid JSON ({exc})") from exc
+    check_header(obj, artifact_type, str(path))
+    validate(obj, artifact_type, where=str(path))
+    return obj
+
+
+def check_header(obj: Any, artifact_type: str, where: str) -> None:
+    if not isinstance(obj, dict):
+        raise ArtifactError(f"{where}: expected a JSON object")
+    if obj.get("artifact_type") != artifact_type:
+        raise ArtifactError(f"{where}: artifact_type is {obj.get('artifact_type')!r}, expected {artifact_type!r}")
+    if obj.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+        raise ArtifactError(
+            f"{where}: schema_version {obj.get('schema_version')!r} is not one this detllm reads ({', '.join(READABLE_SCHEMA_VERSIONS)})",
+            hint="upgrade detllm",
+        )
+
+
+def iter_trace(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        f = open(path, encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"{path}: missing", hint="the run may have been interrupted") from exc
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as exc:
+                raise ArtifactError(f"{path} line {n}: not valid JSON") from exc
+            check_header(rec, "trace_record", f"{path} line {n}")
+            yield rec
+
+
+def load_trace(path: Path, *, validate_records: bool = True) -> list[dict[str, Any]]:
+    recs = list(iter_trace(path))
+    if validate_records:
+        for n, rec in enumerate(recs, 1):
+            validate(rec, "trace_record", where=f"{path} line {n}")
+    return recs
+
+
+def load_run(path: Path, *, validate_records: bool = True) -> RunFolder:
+    """Load and validate a run folder; ArtifactError names the first bad file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
+    if not (path / RUN_CONFIG).is_file():
+        raise ArtifactError(f"{str(path)!r} is not a detllm run folder (no {RUN_CONFIG})")
+    report = read_json(path / REPORT, "report") if (path / REPORT).is_file() else None
+    return RunFolder(
+        path=path,
+        env=read_json(path / ENV, "env"),
+        run_config=read_json(path / RUN_CONFIG, "run_config"),
+        applied=read_json(path / APPLIED, "determinism_applied"),
+        records=load_trace(path / TRACE, validate_records=validate_records),
+        report=report,
+    )
+
+
+def iter_json_files(folder: Path) -> Iterable[tuple[str, str]]:
+    """(relative name, artifact_type) of each JSON artifact present in `folder`."""
+    for name, kind in JSON_FILES.items():
+        if (folder / name).is_file():
+            yield name, kind

@@ -1,0 +1,200 @@
+"""The backend interface: a small abstract class every engine adapter implements.
+
+A backend turns a batch of tokenized prompts into generated token ids with
+per-step logprobs, declares what it can enforce (`Capabilities`) and records what
+it actually applied (`Applied`). It knows nothing of runs, tiers, comparisons or
+artifacts: the runner owns those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Sequence
+
+from ..config import Decoding, RunConfig
+from ..errors import UsageError
+
+FINISH_REASONS = ("length", "stop")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence of a batch. Fillers have prompt_index -1 and are never traced."""
+
+    prompt_index: int
+    input_ids: tuple[int, ...]  # what the engine is fed, exactly as recorded in the trace
+    text: str = ""  # the prompt text (engines that need text, e.g. for chat templates)
+
+    @property
+    def is_filler(self) -> bool:
+        return self.prompt_index < 0
+
+
+@dataclass
+class Generation:
+    """What one request produced; lists are indexed by generated-token position."""
+
+    token_ids: list[int]
+    token_texts: list[str]  # each token decoded on its own
+    text: str  # the whole generation decoded at once
+    finish_reason: str  # "length" or "stop"
+    logprobs: list[float] | None = None  # log p(chosen token) from the raw (unscaled) logits
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # top-k (id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    max_tier: int  # highest tier this backend enforces as configured
+    logprobs: bool  # can return per-step logprobs (needed for tier 2)
+    sampling: bool  # honours temperature/top_p/top_k with seeded randomness
+    batch_invariant: bool  # outputs independent of batch composition (tier 3)
+    notes: tuple[str, ...] = ()  # why max_tier is not higher, in plain words
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One determinism setting: what was requested and what is in effect."""
+
+    name: str
+    requested: Any
+    applied: bool  # False: not honoured (recorded, never silently dropped)
+    value: Any = None  # the value in effect while generating
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    file: str  # path relative to the model folder
+    sha256: str
+    size: int  # bytes
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    id: str  # what the user passed (built-in name, path or hub id)
+    path: str | None  # resolved local path
+    revision: str | None
+    format: str  # safetensors, pytorch, gguf, fake
+    weights: tuple[WeightFile, ...]
+    weights_sha256: str  # sha256 over the sorted (file, sha256) list
+    tokenizer_sha256: str  # sha256 over the tokenizer files' contents, not their paths
+    quantization: str | None = None  # e.g. Q4_1 for a GGUF file
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["weights"] = [dataclasses.asdict(w) for w in self.weights]
+        return d
+
+
+class Backend(ABC):
+    """Engine adapter. Subclasses take typed constructor arguments and declare an
+    `Options` dataclass for the `--opt key=value` settings they accept."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type] | None = None
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: RunConfig) -> "Backend":
+        """Build from a validated RunConfig; raise UsageError/BackendUnavailableError."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Prompt text to input ids exactly as the engine would feed them."""
+
+    @abstractmethod
+    def generate(
+        self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool
+    ) -> list[Generation]:
+        """Generate all requests as ONE batch. Per-request randomness is seeded from
+        (seed, prompt_index) so sampled output does not depend on batch order."""
+
+    @abstractmethod
+    def model_identity(self) -> ModelIdentity: ...
+
+    @contextmanager
+    def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
+        """Apply determinism settings for the duration of a run and restore them after.
+        Yields the list of settings as applied. Default: nothing applied."""
+        yield [Applied("seed", seed, True, seed, "passed to every request")]
+
+    def env_info(self) -> dict[str, Any]:
+        """Engine name, version and build for env.json."""
+        return {"name": self.name}
+
+    def close(self) -> None:
+        """Release engine resources (processes, memory). Safe to call twice."""
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse_options(options_cls: type, pairs: tuple[tuple[str, str], ...], backend: str) -> Any:
+    """Turn `--opt key=value` strings into the backend's typed Options dataclass.
+    Unknown keys and values of the wrong type are UsageErrors."""
+    fields = {f.name: f for f in dataclasses.fields(options_cls)}
+    hints = typing.get_type_hints(options_cls)
+    kwargs: dict[str, Any] = {}
+    for key, raw in pairs:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known options: {', '.join(sorted(fields)) or 'none'}"
+            raise UsageError(f"unknown --opt {key!r} for backend {backend!r}", hint=hint)
+        kwargs[key] = _convert(raw, hints[key], f"--opt {key}")
+    return options_cls(**kwargs)
+
+
+def _convert(raw: str, hint: Any, what: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if raw.lower() in ("none", "null", ""):
+            return None
+        hint = args[0]
+    try:
+        if hint is bool:
+            low = raw.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if hint in (int, float, str):
+            return hint(raw)
+    except ValueError as exc:
+        raise UsageError(f"{what} expects {hint.__name__}, got {raw!r}") from exc
+    return raw
+
+
+def options_json(options: Any) -> dict[str, Any]:
+    return dataclasses.asdict(options) if options is not None else {}
+
+
+__all__ = [
+    "Applied",
+    "Backend",
+    "Capabilities",
+    "FINISH_REASONS",
+    "Generation",
+    "ModelIdentity",
+    "Request",
+    "WeightFile",
+    "options_json",
+    "parse_options",
+    "field",
+]

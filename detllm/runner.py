@@ -1,0 +1,220 @@
+"""Run prompts through a backend and write the run folder.
+
+Owns the order of events that makes "nothing written on bad input" true: validate
+the config, read the prompts, check --out, create the backend, gate the tier,
+tokenize — and only then create the folder, generate batch after batch, write the
+trace, compare and report. Batches are real: at batch size b the prompts are
+generated b at a time, the last batch topped up with built-in fillers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from . import artifacts
+from .backends.base import Backend, Capabilities, Request
+from .backends.registry import create_backend
+from .compare.verdict import check_comparisons, check_report
+from .config import RunConfig
+from .env import collect_env
+from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError
+from .hashing import canonical_json, sha256_bytes
+from .prompts import FILLERS, PromptSet, load_prompts
+from .render.text import render_text
+
+Progress = Callable[[int, int], None]  # (batches done, batches total)
+
+
+@dataclass
+class Outcome:
+    out_dir: Path
+    report: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return self.report["status"]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FAIL if self.status == "FAIL" else EXIT_PASS
+
+
+def gate_tier(config: RunConfig, caps: Capabilities) -> tuple[int, str | None]:
+    """(effective tier, downgrade reason). Strict mode refuses instead of downgrading."""
+    max_tier = caps.max_tier if caps.logprobs else min(caps.max_tier, 1)
+    if config.tier <= max_tier:
+        return config.tier, None
+    why = f"backend {config.backend!r} enforces tier {max_tier} at most" + (f": {'; '.join(caps.notes)}" if caps.notes else "")
+    if config.mode == "strict":
+        raise TierUnsupportedError(f"tier {config.tier} refused in strict mode: {why}", hint=f"use --tier {max_tier} or --mode best-effort")
+    return max_tier, why
+
+
+def plan_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
+    """Prompt indexes per batch; short batches are topped up with fillers (index < 0)."""
+    batches = []
+    for start in range(0, n_prompts, batch_size):
+        idx = list(range(start, min(start + batch_size, n_prompts)))
+        idx += [-(k + 1) for k in range(batch_size - len(idx))]
+        batches.append(idx)
+    return batches
+
+
+def _record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[int], gen, run: int, batch: int, pos: int) -> dict[str, Any]:
+    keep = config.record_prompt_text
+    return artifacts.stamp("trace_record", {
+        "run_index": run,
+        "batch_size": batch,
+        "batch_position": pos,
+        "prompt_index": i,
+        "prompt_id": prompts.ids[i],
+        "prompt_text": prompts.texts[i] if keep else None,
+        "input_ids": list(ids) if keep else None,
+        "input_ids_sha256": sha256_bytes(canonical_json(list(ids))),
+        "token_ids": list(gen.token_ids),
+        "token_texts": list(gen.token_texts),
+        "text": gen.text,
+        "logprobs": gen.logprobs,
+        "top_logprobs": [[[t, lp] for t, lp in step] for step in gen.top_logprobs] if gen.top_logprobs is not None else None,
+        "finish_reason": gen.finish_reason,
+    })
+
+
+def execute(
+    config: RunConfig,
+    *,
+    command: str,
+    prompts_path: str | Path | None = None,
+    out: Path | None = None,
+    force: bool = False,
+    backend: Backend | None = None,
+    progress: Progress | None = None,
+) -> Outcome:
+    """Run `config` (command "run" or "check"), write the run folder, return the outcome."""
+    config.validate(command=command)
+    prompts = load_prompts(prompts_path)
+    out = Path(out) if out is not None else artifacts.default_out_dir(command)
+    artifacts.check_out_dir(out, force=force)
+    owned = backend is None
+    backend = backend or create_backend(config)
+    try:
+        tier, why = gate_tier(config, backend.capabilities())
+        caps = backend.capabilities()
+        input_ids = [tuple(backend.tokenize(t)) for t in prompts.texts]
+        filler_ids = [tuple(backend.tokenize(t)) for t in FILLERS]
+        identity = backend.model_identity()
+        artifacts.prepare_out_dir(out, force=force)
+        artifacts.write_json(out, artifacts.RUN_CONFIG, artifacts.stamp("run_config", {
+            "detllm_version": _version(),
+            "command": command,
+            "created_at": artifacts.utc_now(),
+            "config": config.to_json(),
+            "backend_options": _options_json(backend),
+            "model": identity.to_json(),
+            "prompts": {"source": prompts.source, "count": len(prompts.texts), "sha256": prompts.sha256},
+        }))
+        with backend.determinism(tier=tier, seed=config.seed, threads=config.threads) as applied:
+            artifacts.write_json(out, artifacts.ENV, collect_env(backend.env_info()))
+            artifacts.write_json(out, artifacts.APPLIED, artifacts.stamp("determinism_applied", {
+                "backend": config.backend,
+                "tier_requested": config.tier,
+                "tier_effective": tier,
+                "mode": config.mode,
+                "downgraded": tier != config.tier,
+                "downgrade_reason": why,
+                "capabilities": {"max_tier": caps.max_tier, "logprobs": caps.logprobs, "sampling": caps.sampling,
+                                 "batch_invariant": caps.batch_invariant, "notes": list(caps.notes)},
+                "settings": [a.to_json() for a in applied],
+            }))
+            records = _generate(config, backend, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
+    finally:
+        if owned:
+            backend.close()
+    return _finish(config, command, out, records, tier)
+
+
+def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> list[dict[str, Any]]:
+    schedule = [(b, r) for b in config.batch_sizes for r in range(config.runs if b == config.batch_size else 1)]
+    total = sum(len(plan_batches(len(prompts.texts), b)) for b, _ in schedule)
+    done = 0
+    writer = artifacts.TraceWriter(out)
+    records = []
+    try:
+        for batch_size, run in schedule:
+            for batch in plan_batches(len(prompts.texts), batch_size):
+                reqs = [Request(i, input_ids[i], prompts.texts[i]) if i >= 0
+                        else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)])
+                        for i in batch]
+                gens = backend.generate(reqs, config.decoding, seed=config.seed, top_k=config.logprobs_top_k, logprobs=want_logprobs)
+                for pos, (req, gen) in enumerate(zip(reqs, gens)):
+                    if req.is_filler:
+                        continue
+                    rec = _record(config, prompts, req.prompt_index, req.input_ids, gen, run, batch_size, pos)
+                    writer.write(rec)
+                    records.append(rec)
+                done += 1
+                if progress:
+                    progress(done, total)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return records
+
+
+def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, Any]], tier: int) -> Outcome:
+    summary = {
+        "backend": config.backend,
+        "model": config.model,
+        "prompts": len({r["prompt_index"] for r in records}),
+        "runs": config.runs,
+        "batch_sizes": list(config.batch_sizes),
+        "generated_tokens": sum(len(r["token_ids"]) for r in records),
+        "records": len(records),
+        "atol": config.atol,
+    }
+    if command == "run":
+        report = artifacts.stamp("report", {
+            "command": "run", "status": "RECORDED", "category": "RECORDED",
+            "tier": {"requested": config.tier, "effective": tier},
+            "causes": [], "first_divergence": None, "comparisons": [], "summary": summary,
+        })
+    else:
+        comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
+                                  tier=tier, atol=config.atol, dtype=config.dtype)
+        report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary)
+    write_report(out, report)
+    return Outcome(out, report)
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """report.json, report.txt and, on FAIL, diffs/first_divergence.json."""
+    if report["first_divergence"] is not None:
+        comp = next((c for c in report["comparisons"] if c["first_divergence"] is report["first_divergence"]), None)
+        body: dict[str, Any] = {"divergence": report["first_divergence"]}
+        if comp is not None:
+            body["per_prompt"] = comp["divergences"]
+        artifacts.write_json(out, artifacts.FIRST_DIVERGENCE, artifacts.stamp("first_divergence", body))
+    artifacts.write_json(out, artifacts.REPORT, report)
+    artifacts.atomic_write_text(out / artifacts.REPORT_TXT, render_text(report))
+
+
+def _options_json(backend: Backend) -> dict[str, Any]:
+    import dataclasses
+
+    opts = getattr(backend, "options", None)
+    return dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else {}
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("detllm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+__all__ = ["Outcome", "execute", "gate_tier", "plan_batches", "write_report", "load_prompts"]

@@ -49,6 +49,7 @@ def run(config: RunConfig | None = None, *, prompts: str | Path | None = None, o
 def check(config: RunConfig | None = None, *, prompts: str | Path | None = None, out: str | Path | None = None,
           force: bool = False, progress=None, **fields: Any) -> Outcome:
     """Repeat runs (and vary batch size), compare, and write a run folder with the verdict."""
-    fields.setdefault("runs", config.runs if config and config.runs >= 2 else 3)
+    if config is None:
+        fields.setdefault("runs", 3)  # RunConfig's default of 1 suits `run`; a check compares repeats
     cfg = make_config(config, **fields)
     return execute(cfg, command="check", prompts_path=prompts, out=Path(out) if out else None, force=force, progress=progress)

@@ -280,3 +280,16 @@ def iter_json_files(folder: Path) -> Iterable[tuple[str, str]]:
     for name, kind in JSON_FILES.items():
         if (folder / name).is_file():
             yield name, kind
+
+
+def validate_folder(folder: Path) -> list[str]:
+    """Validate every JSON artifact present and every trace line; returns the names checked."""
+    folder = Path(folder)
+    checked = []
+    for name, kind in iter_json_files(folder):
+        read_json(folder / name, kind)
+        checked.append(name)
+    if (folder / TRACE).is_file():
+        load_trace(folder / TRACE)
+        checked.append(TRACE)
+    return checked

@@ -1,0 +1,108 @@
+"""Every bad input: one line on stderr, a documented non-zero exit code, nothing written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+BAD = [
+    (["--tier", "4"], 2, "--tier must be 0, 1, 2 or 3"),
+    (["--tier", "-1"], 2, "--tier must be 0, 1, 2 or 3"),
+    (["--runs", "1"], 2, "check needs --runs of at least 2"),
+    (["--batch-size", "0"], 2, "--batch-size must be at least 1"),
+    (["--vary-batch", "1,0"], 2, "--vary-batch sizes must be at least 1"),
+    (["--vary-batch", "1,two"], 2, "--vary-batch expects comma-separated integers"),
+    (["--max-new-tokens", "0"], 2, "--max-new-tokens must be at least 1"),
+    (["--backend", "hff"], 2, "unknown backend 'hff' (did you mean 'hf'?)"),
+    (["--backend", "vllmm"], 2, "did you mean 'vllm'?"),
+    (["--model", "./no/such/model"], 2, "model path './no/such/model' does not exist"),
+    (["--model", "tinyy"], 2, "unknown model 'tinyy'"),
+    (["--mode", "lenient"], 2, "--mode must be strict or best-effort"),
+    (["--dtype", "fp8"], 2, "--dtype must be one of"),
+    (["--opt", "novalue"], 2, "--opt expects key=value"),
+    (["--backend", "fake", "--opt", "diverg=prompt=0,pos=1"], 2, "unknown --opt 'diverg' for backend 'fake' (did you mean 'diverge'?)"),
+    (["--backend", "fake", "--opt", "max_tier=two"], 2, "--opt max_tier expects int"),
+    (["--temperature", "-1"], 2, "--temperature must be >= 0"),
+    (["--top-p", "0"], 2, "--top-p must be in (0, 1]"),
+    (["--top-k", "0"], 2, "--top-k must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_flag(cli, tmp_path, args, code, message):
+    out = tmp_path / "out"
+    r = cli("check", *args, "--out", out)
+    assert r.exit_code == code, r.output
+    assert message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_device_cuda_without_cuda(cli, tmp_path):
+    out = tmp_path / "out"
+    r = cli("check", "--device", "cuda", "--out", out)
+    assert r.exit_code == 4
+    assert "CUDA is not available" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "does not exist"),
+    (b"", "holds no prompts"),
+    (b'{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
+    (b'{"text": ""}\n', "line 1: expected an object with a non-empty"),
+    (b"\xff\xfe\x00bad", "cannot be read as UTF-8"),
+])
+def test_bad_prompt_file(cli, tmp_path, content, message):
+    p = tmp_path / "prompts.jsonl"
+    if content is not None:
+        p.write_bytes(content)
+    out = tmp_path / "out"
+    r = cli("check", "--backend", "fake", "--prompts", p, "--out", out)
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_prompt_file(cli, tmp_path):
+    p = tmp_path / "p.txt"
+    p.write_text("hello\n")
+    p.chmod(0)
+    r = cli("check", "--backend", "fake", "--prompts", p, "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "cannot be read" in r.stderr
+
+
+def test_non_detllm_out_is_refused_without_force(cli, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    r = cli("check", "--backend", "fake", "--out", out)
+    assert r.exit_code == 2 and "not a detllm run folder" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"]
+    r = cli("check", "--backend", "fake", "--out", out, "--force")
+    assert r.exit_code == 0
+    assert (out / "thesis.tex").read_text() == "precious"
+
+
+def test_unknown_builtin_model_export(cli, tmp_path):
+    r = cli("models", "export", "smolm2-135m", tmp_path / "x")
+    assert r.exit_code == 2 and "did you mean 'smollm2-135m'?" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_report_on_a_non_detllm_folder(cli, tmp_path):
+    r = cli("report", tmp_path)
+    assert r.exit_code == 5 and "has no report.json" in r.stderr
+
+
+def test_report_with_unknown_schema_version(cli, tmp_path):
+    import detllm
+
+    detllm.check(backend="fake", out=tmp_path / "r")
+    p = tmp_path / "r" / "report.json"
+    p.write_text(p.read_text().replace('"schema_version": "1"', '"schema_version": "99"'))
+    r = cli("report", tmp_path / "r")
+    assert r.exit_code == 5 and "schema_version '99' is not one this detllm reads" in r.stderr

@@ -1,0 +1,488 @@
+"""Tamper evidence for run folders: manifest.json, the trace's hash chain, verify, Ed25519 signing.
+
+Owns what manifest.json and manifest.sig hold, how they are computed (byte for byte in
+docs/integrity.md) and how a folder is checked against them. Reads bytes and JSON only and
+never imports an engine, so `detllm verify` runs without torch. Does not own archives
+(pack.py) or re-running a pack (replay.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import artifacts
+from .artifacts import ENV, MANIFEST, RUN_CONFIG, TRACE
+from .errors import ArtifactError, IntegrityError, UsageError
+from .hashing import canonical_json
+
+SIG = "manifest.sig"
+SEAL_FILES = (MANIFEST, SIG)  # never listed in the manifest itself
+CHAIN = "detllm-trace-chain/1"
+GENESIS_TAG = b"detllm-trace-chain/1 genesis\x00"  # 29 bytes
+RECORD_TAG = b"detllm-trace-chain/1 record\x00"  # 28 bytes
+LOCATOR_HEX = 16  # hex digits of each h_i kept in the manifest to name the first broken line
+_CHUNK = 1 << 20  # 1 MiB reads
+
+
+# ---------------------------------------------------------------- the chain
+
+
+def genesis(run_config: bytes, env: bytes) -> bytes:
+    """h_0 = SHA256(GENESIS_TAG || SHA256(run_config.json) || SHA256(env.json) || weights || tokenizer)."""
+    try:
+        model = json.loads(run_config)["model"]
+        ident = bytes.fromhex(model["weights_sha256"]) + bytes.fromhex(model["tokenizer_sha256"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{RUN_CONFIG}: cannot read the model identity the chain starts from") from exc
+    if len(ident) != 64:
+        raise ArtifactError(f"{RUN_CONFIG}: model weights_sha256/tokenizer_sha256 are not sha256 digests")
+    return _sha(GENESIS_TAG + _sha(run_config) + _sha(env) + ident)
+
+
+def step(prev: bytes, record: Any, index: int) -> bytes:
+    """h_i = SHA256(RECORD_TAG || h_{i-1} || SHA256(canonical JSON of record i) || i as 8 bytes LE); i from 1."""
+    return _sha(RECORD_TAG + prev + _sha(canonical_json(record)) + index.to_bytes(8, "little"))
+
+
+def _sha(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+class _Lines:
+    """Streams a file line by line (bytes, newline stripped) while hashing every byte read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.sha, self.size = path, hashlib.sha256(), 0
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        with open(self.path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                self.sha.update(line)
+                self.size += len(line)
+                yield n, line[:-1] if line.endswith(b"\n") else line
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    """(sha256 hex, size) read from disk now; deliberately not hashing.sha256_file's mtime memo,
+    which cannot see an edit made within the filesystem's timestamp granularity."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def walk(folder: Path) -> tuple[dict[str, Path], list[str]]:
+    """Regular files under `folder` by '/'-separated relative path (manifest.json and
+    manifest.sig excluded), and the relative paths of anything else (symlinks, fifos, devices)."""
+    files: dict[str, Path] = {}
+    odd: list[str] = []
+    for root, dirs, names in os.walk(folder):
+        for name in sorted(dirs) + sorted(names):
+            p = Path(root) / name
+            rel = p.relative_to(folder).as_posix()
+            mode = os.lstat(p).st_mode
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                odd.append(rel)
+            elif rel not in SEAL_FILES:
+                files[rel] = p
+    return files, sorted(odd)
+
+
+# ---------------------------------------------------------------- sealing
+
+
+def build_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of `folder` as it is on disk now."""
+    files, odd = walk(folder)
+    if odd:
+        raise ArtifactError(f"{folder}: {odd[0]} is not a regular file; a sealed folder holds regular files only")
+    entries, trace = [], None
+    for rel, p in sorted(files.items()):
+        if rel == TRACE:
+            trace, (sha, size) = _chain_of(folder)
+        else:
+            sha, size = file_digest(p)
+        entries.append({"path": rel, "sha256": sha, "size": size})
+    return artifacts.stamp("manifest", {
+        "detllm_version": _version(), "algorithm": "sha256", "files": entries, "trace": trace,
+    })
+
+
+def _chain_of(folder: Path) -> tuple[dict[str, Any], tuple[str, int]]:
+    for name in (RUN_CONFIG, ENV):
+        if not (folder / name).is_file():
+            raise ArtifactError(f"{folder}: {name} is missing; the trace's hash chain starts from it")
+    h0 = genesis((folder / RUN_CONFIG).read_bytes(), (folder / ENV).read_bytes())
+    h, locators, lines = h0, [], _Lines(folder / TRACE)
+    for n, body in lines:
+        try:
+            rec = json.loads(body)
+        except ValueError as exc:
+            raise ArtifactError(f"{TRACE} line {n}: not valid JSON; refusing to seal it") from exc
+        h = step(h, rec, n)
+        locators.append(h.hex()[:LOCATOR_HEX])
+    trace = {"path": TRACE, "chain": CHAIN, "records": len(locators), "genesis": h0.hex(), "head": h.hex(),
+             "record_hashes": locators}
+    return trace, (lines.sha.hexdigest(), lines.size)
+
+
+def seal(folder: Path, signer: "Signer | None" = None) -> dict[str, Any]:
+    """Write manifest.json (last, atomically) and, with a signer, manifest.sig over its bytes.
+    A stale manifest.sig is removed when not signing: it could not verify any more."""
+    folder = Path(folder)
+    manifest = build_manifest(folder)
+    artifacts.write_json(folder, MANIFEST, manifest)
+    if signer is not None:
+        artifacts.atomic_write_text(folder / SIG, signer.sign((folder / MANIFEST).read_bytes()))
+    else:
+        (folder / SIG).unlink(missing_ok=True)
+    return manifest
+
+
+# ---------------------------------------------------------------- verify
+
+
+@dataclass
+class Problem:
+    where: str  # the file (and line) at fault
+    message: str
+    schema: bool = False  # True: a schema or JSON error in bytes that match the manifest (exit 5)
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+@dataclass
+class Verification:
+    """What `verify` checked, when everything matched."""
+
+    path: Path
+    files: int  # files listed in the manifest and found unchanged
+    records: int | None  # trace records whose chain matched; None without a trace
+    head: str | None  # the chain head (hex)
+    signature: str  # "verified", "not checked" (manifest.sig present, no --pubkey) or "absent"
+    key_sha256: str | None = None  # sha256 of the raw Ed25519 public key that verified it
+    notes: list[str] = field(default_factory=list)
+
+
+def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verification:
+    """Check a run folder or .tar.gz pack against its manifest, chain, schemas and (optionally)
+    signature. Raises IntegrityError (exit 6) naming the first changed file or trace line,
+    ArtifactError (exit 5) when it is not a pack or a file breaks its schema."""
+    with artifacts.open_run_path(Path(path)) as folder:
+        result = verify_folder(folder, pubkey=pubkey)
+    result.path = Path(path)
+    return result
+
+
+def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verification:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ArtifactError(f"{str(folder)!r} is not a folder or a .tar.gz pack")
+    raw = _read_manifest_bytes(folder)
+    manifest = _parse_manifest(raw)
+    signature, key_sha = _check_signature(folder, raw, pubkey)
+    problems: list[Problem] = []
+    files, odd = walk(folder)
+    problems += [Problem(rel, "is a symlink or special file; a pack holds regular files only") for rel in odd]
+    listed = {f["path"]: f for f in manifest["files"]}
+    if len(listed) != len(manifest["files"]):
+        raise ArtifactError(f"{MANIFEST}: lists a path twice")
+    trace = manifest["trace"]
+    for rel in sorted(set(listed) | set(files)):
+        if rel not in files:
+            problems.append(Problem(rel, "is listed in the manifest but missing (removed after sealing)"))
+        elif rel not in listed:
+            problems.append(Problem(rel, "is not in the manifest (added after sealing)"))
+        elif rel == TRACE and trace is not None:
+            problems += _check_trace(folder, trace, listed[rel])
+        else:
+            sha, size = file_digest(files[rel])
+            if (sha, size) != (listed[rel]["sha256"], listed[rel]["size"]):
+                problems.append(Problem(rel, f"changed after sealing (sha256 {sha[:12]}…, {size} bytes; "
+                                             f"manifest {listed[rel]['sha256'][:12]}…, {listed[rel]['size']} bytes)"))
+    if trace is None and TRACE in listed:
+        problems.append(Problem(MANIFEST, f"lists {TRACE} but carries no hash chain for it"))
+    if trace is not None and TRACE not in listed:
+        problems.append(Problem(MANIFEST, f"carries a hash chain but does not list {TRACE}"))
+    _raise_first([p for p in problems if not p.schema], IntegrityError, "the pack changed after it was sealed")
+    problems += [Problem(rel, msg, schema=True) for rel, msg in _schema_problems(folder, files)]
+    _raise_first(problems, ArtifactError, "the pack was sealed with invalid content")
+    notes = [] if signature == "verified" else ["unsigned check: it catches accidents, not a forger who rewrites the manifest"]
+    return Verification(folder, len(listed), trace["records"] if trace else None, trace["head"] if trace else None,
+                        signature, key_sha, notes)
+
+
+def _raise_first(problems: list[Problem], cls: type, why: str) -> None:
+    if problems:
+        more = f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+        raise cls(str(problems[0]), hint=why + more)
+
+
+def _read_manifest_bytes(folder: Path) -> bytes:
+    p = folder / MANIFEST
+    if not p.is_file() or p.is_symlink():
+        what = "a detllm run folder without a manifest" if artifacts.is_detllm_folder(folder) else "not a detllm pack"
+        raise ArtifactError(f"{str(folder)!r} is {what} (no {MANIFEST})", hint="seal it by running it with this detllm, then `detllm pack`")
+    return p.read_bytes()
+
+
+def _parse_manifest(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise ArtifactError(f"{MANIFEST}: not valid JSON") from exc
+    artifacts.check_header(obj, "manifest", MANIFEST)
+    artifacts.validate(obj, "manifest", where=MANIFEST)
+    return obj
+
+
+def _check_trace(folder: Path, trace: dict[str, Any], entry: dict[str, Any]) -> list[Problem]:
+    """Stream trace.jsonl once: its file digest, every record's schema, and the chain.
+    Locating runs from the manifest's genesis so an edited env.json does not hide a bad line."""
+    out: list[Problem] = []
+    try:
+        h0 = genesis((folder / RUN_CONFIG).read_bytes(), (folder / ENV).read_bytes())
+    except (OSError, ArtifactError):
+        h0 = None  # the missing or changed file is already named
+    genesis_ok = h0 is not None and h0.hex() == trace["genesis"]
+    if h0 is not None and not genesis_ok:
+        out.append(Problem(TRACE, f"chain genesis does not match: {RUN_CONFIG}, {ENV} or the model identity changed"))
+    h, locators, expected = bytes.fromhex(trace["genesis"]), trace["record_hashes"], trace["records"]
+    first: Problem | None = None
+    lines, n = _Lines(folder / TRACE), 0
+    for n, body in lines:
+        if first is not None:
+            continue  # keep reading: the file digest still needs every byte
+        try:
+            rec = json.loads(body)
+        except ValueError:
+            first = Problem(f"{TRACE} line {n}", "not valid JSON", schema=True)
+            continue
+        bad = check_trace_record(rec)
+        if bad is not None:
+            first = Problem(f"{TRACE} line {n}", f"schema violation: {bad}", schema=True)
+            continue
+        h = step(h, rec, n)
+        if n > expected or h.hex()[:LOCATOR_HEX] != locators[n - 1]:
+            first = Problem(f"{TRACE} line {n}", "record does not match the hash chain (edited, reordered, inserted or removed)")
+    sha, size = lines.sha.hexdigest(), lines.size
+    changed = (sha, size) != (entry["sha256"], entry["size"])
+    if first is not None:
+        first.schema = first.schema and not changed  # bad bytes that were sealed as-is are a schema error
+        out.append(first)
+    elif n != expected:
+        out.append(Problem(TRACE, f"holds {n} records, the manifest records {expected} (truncated or lines appended)"))
+    elif genesis_ok and h.hex() != trace["head"]:
+        out.append(Problem(TRACE, "chain head does not match the manifest"))
+    if changed and not out:
+        out.append(Problem(TRACE, "changed after sealing (bytes differ; the records still chain: re-serialised?)"))
+    elif not changed and out and not out[-1].schema and len(out) == 1 and genesis_ok:
+        out[-1].message += f"; the file digest matches, so {MANIFEST}'s chain was edited"
+    return out
+
+
+def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str, str]]:
+    """Every .json file against the schema its artifact_type names; every other .jsonl line too."""
+    for rel, p in sorted(files.items()):
+        if rel == TRACE or not rel.endswith((".json", ".jsonl")):
+            continue
+        docs = [(rel, p.read_bytes())] if rel.endswith(".json") else \
+            [(f"{rel} line {n}", body) for n, body in _Lines(p)]
+        for where, body in docs:
+            try:
+                obj = json.loads(body)
+                kind = obj.get("artifact_type") if isinstance(obj, dict) else None
+                artifacts.check_header(obj, kind if isinstance(kind, str) else "?", where)
+                artifacts.validate(obj, kind, where=where)
+            except ValueError:
+                yield where, "not valid JSON"
+                break
+            except ArtifactError as exc:
+                yield where, exc.message.removeprefix(f"{where}: ")
+                break
+
+
+# ---------------------------------------------------------------- fast trace-record check
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TRACE_KEYS = frozenset(artifacts.load_schema("trace_record")["required"])
+
+
+def check_trace_record(rec: Any) -> str | None:
+    """schemas/trace_record.schema.json by hand, ~50x faster than jsonschema on long traces
+    (tests/test_integrity_fastcheck.py holds the two to the same answers). Stricter in one way:
+    Infinity/NaN are refused, since detllm never writes them. Returns the first problem or None."""
+    if type(rec) is not dict:
+        return "expected a JSON object"
+    if rec.keys() != _TRACE_KEYS:
+        missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS)
+        return f"missing {missing}" if missing else f"unexpected {extra}"
+    if rec["schema_version"] != "1" or type(rec["schema_version"]) is not str:
+        return "schema_version is not '1'"
+    if rec["artifact_type"] != "trace_record" or type(rec["artifact_type"]) is not str:
+        return "artifact_type is not 'trace_record'"
+    for key, lo in (("run_index", 0), ("batch_size", 1), ("batch_position", 0), ("prompt_index", 0)):
+        if not _int(rec[key], lo):
+            return f"{key} is not an integer >= {lo}"
+    for key in ("prompt_id", "input_ids_sha256"):
+        if type(rec[key]) is not str or not _HEX64.fullmatch(rec[key]):
+            return f"{key} is not a sha256 hex digest"
+    if rec["prompt_text"] is not None and type(rec["prompt_text"]) is not str:
+        return "prompt_text is not a string or null"
+    if type(rec["text"]) is not str:
+        return "text is not a string"
+    if rec["finish_reason"] not in ("length", "stop") or type(rec["finish_reason"]) is not str:
+        return "finish_reason is not 'length' or 'stop'"
+    for key, nullable in (("input_ids", True), ("token_ids", False)):
+        v = rec[key]
+        if not ((nullable and v is None) or (type(v) is list and _ints(v))):
+            return f"{key} is not a list of integers >= 0" + (" or null" if nullable else "")
+    if type(rec["token_texts"]) is not list or not all(type(t) is str for t in rec["token_texts"]):
+        return "token_texts is not a list of strings"
+    lps = rec["logprobs"]
+    if lps is not None and (type(lps) is not list or not all(x is None or _num(x) for x in lps)):
+        return "logprobs is not a list of numbers or nulls, or null"
+    tops = rec["top_logprobs"]
+    if tops is not None and (type(tops) is not list or not all(_top_step(s) for s in tops)):
+        return "top_logprobs is not a list of [[token_id >= 0, logprob or null], ...] per step, or null"
+    return None
+
+
+def _int(x: Any, lo: int) -> bool:
+    # JSON Schema "integer" is any number with a zero fractional part (1.0 counts), never a bool
+    return (type(x) is int and x >= lo) or (type(x) is float and x.is_integer() and x >= lo)
+
+
+def _ints(xs: list) -> bool:
+    if all(type(x) is int for x in xs):
+        return not xs or min(xs) >= 0
+    return all(_int(x, 0) for x in xs)
+
+
+def _num(x: Any) -> bool:
+    return type(x) is int or (type(x) is float and math.isfinite(x))
+
+
+def _top_step(step_: Any) -> bool:
+    if type(step_) is not list:
+        return False
+    for pair in step_:
+        if type(pair) is not list or len(pair) != 2 or not _int(pair[0], 0):
+            return False
+        lp = pair[1]
+        if lp is not None and not _num(lp):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- signing (optional: detllm[sign])
+
+
+def _crypto():
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as exc:
+        raise UsageError("signing needs the 'cryptography' package", hint="install detllm[sign]") from exc
+    return serialization, ed25519, InvalidSignature
+
+
+@dataclass(frozen=True)
+class Signer:
+    """An Ed25519 private key, loaded and checked before anything runs."""
+
+    key: Any  # cryptography Ed25519PrivateKey
+
+    def sign(self, data: bytes) -> str:
+        """manifest.sig: the 64-byte signature over `data`, base64, one line."""
+        return base64.b64encode(self.key.sign(data)).decode("ascii") + "\n"
+
+    @property
+    def key_sha256(self) -> str:
+        return _key_sha256(self.key.public_key())
+
+
+def load_signing_key(path: str | Path) -> Signer:
+    """A PEM (PKCS#8) Ed25519 private key, unencrypted: `openssl genpkey -algorithm ed25519`."""
+    serialization, ed25519, _ = _crypto()
+    data = _read_key(path, "--sign-key")
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--sign-key {str(path)!r} is not an unencrypted PEM private key ({str(exc).splitlines()[0][:120]})",
+                         hint="create one with: openssl genpkey -algorithm ed25519 -out key.pem") from exc
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise UsageError(f"--sign-key {str(path)!r} is not an Ed25519 key", hint="openssl genpkey -algorithm ed25519 -out key.pem")
+    return Signer(key)
+
+
+def load_public_key(path: str | Path):
+    """A PEM Ed25519 public key (`openssl pkey -in key.pem -pubout`) or an OpenSSH `ssh-ed25519` line."""
+    serialization, ed25519, _ = _crypto()
+    data = _read_key(path, "--pubkey")
+    try:
+        key = (serialization.load_ssh_public_key(data) if data.lstrip().startswith(b"ssh-")
+               else serialization.load_pem_public_key(data))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UsageError(f"--pubkey {str(path)!r} is not a PEM or OpenSSH public key") from exc
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise UsageError(f"--pubkey {str(path)!r} is not an Ed25519 public key")
+    return key
+
+
+def _read_key(path: str | Path, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{flag} {str(path)!r} cannot be read ({exc.__class__.__name__})") from exc
+
+
+def _key_sha256(public_key) -> str:
+    serialization, _, _ = _crypto()
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _check_signature(folder: Path, manifest_bytes: bytes, pubkey: str | Path | None) -> tuple[str, str | None]:
+    sig_path = folder / SIG
+    if pubkey is None:
+        return ("not checked" if sig_path.exists() else "absent"), None
+    key = load_public_key(pubkey)
+    _, _, InvalidSignature = _crypto()
+    if not sig_path.is_file() or sig_path.is_symlink():
+        raise IntegrityError(f"{SIG}: missing, so the pack is not signed", hint="verify without --pubkey, or ask for a signed pack")
+    try:
+        sig = base64.b64decode(sig_path.read_bytes().strip(), validate=True)
+        key.verify(sig, manifest_bytes)
+    except (ValueError, InvalidSignature) as exc:
+        raise IntegrityError(f"{SIG}: does not verify {MANIFEST} with {str(pubkey)!r}",
+                             hint="the manifest changed after signing, or another key signed it") from exc
+    return "verified", _key_sha256(key)
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("detllm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+__all__ = ["CHAIN", "Problem", "Signer", "Verification", "build_manifest", "check_trace_record", "genesis",
+           "load_public_key", "load_signing_key", "seal", "step", "verify", "verify_folder"]

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -32,7 +33,8 @@ REPORT_TXT = "report.txt"
 REPORT_MD = "report.md"
 FIRST_DIVERGENCE = "diffs/first_divergence.json"
 MANIFEST = "manifest.json"
-JSON_FILES = {ENV: "env", RUN_CONFIG: "run_config", APPLIED: "determinism_applied", REPORT: "report", FIRST_DIVERGENCE: "first_divergence"}
+JSON_FILES = {ENV: "env", RUN_CONFIG: "run_config", APPLIED: "determinism_applied", REPORT: "report", FIRST_DIVERGENCE: "first_divergence",
+              MANIFEST: "manifest"}
 # Names detllm writes into a run folder; a re-used --out loses all of them first.
 OWNED_NAMES = (ENV, RUN_CONFIG, APPLIED, TRACE, REPORT, REPORT_TXT, REPORT_MD, MANIFEST, "manifest.sig", "diffs", "plots")
 
@@ -257,9 +259,27 @@ def load_trace(path: Path, *, validate_records: bool = True) -> list[dict[str, A
     return recs
 
 
+@contextmanager
+def open_run_path(path: Path) -> Iterator[Path]:
+    """A run folder as given, or a .tar.gz pack safely extracted (pack.py) to a temporary
+    folder that is removed when the block ends."""
+    from .pack import extracted, is_archive
+
+    if is_archive(path):
+        with extracted(path) as folder:
+            yield folder
+    else:
+        yield Path(path)
+
+
 def load_run(path: Path, *, validate_records: bool = True) -> RunFolder:
-    """Load and validate a run folder; ArtifactError names the first bad file."""
+    """Load and validate a run folder or .tar.gz pack; ArtifactError names the first bad file."""
     path = Path(path)
+    if str(path).lower().endswith((".tar.gz", ".tgz")) and path.is_file():
+        with open_run_path(path) as folder:
+            run = load_run(folder, validate_records=validate_records)
+        run.path = path  # everything is in memory; the extracted copy is gone
+        return run
     if not path.is_dir():
         raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
     if not (path / RUN_CONFIG).is_file():

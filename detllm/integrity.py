@@ -290,8 +290,8 @@ def _check_trace(folder: Path, trace: dict[str, Any], entry: dict[str, Any]) -> 
         out.append(Problem(TRACE, "chain head does not match the manifest"))
     if changed and not out:
         out.append(Problem(TRACE, "changed after sealing (bytes differ; the records still chain: re-serialised?)"))
-    elif not changed and out and not out[-1].schema and len(out) == 1 and genesis_ok:
-        out[-1].message += f"; the file digest matches, so {MANIFEST}'s chain was edited"
+    elif not changed and first is not None and not first.schema:
+        first.message += f"; the file's digest matches, so {MANIFEST}'s chain was edited"
     return out
 
 
@@ -306,7 +306,10 @@ def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str
             try:
                 obj = json.loads(body)
                 kind = obj.get("artifact_type") if isinstance(obj, dict) else None
-                artifacts.check_header(obj, kind if isinstance(kind, str) else "?", where)
+                if not isinstance(kind, str):
+                    yield where, "has no artifact_type, so no schema to check it against"
+                    break
+                artifacts.check_header(obj, kind, where)
                 artifacts.validate(obj, kind, where=where)
             except ValueError:
                 yield where, "not valid JSON"

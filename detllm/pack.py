@@ -1,0 +1,194 @@
+"""Repro packs as .tar.gz: create one from a sealed run folder, extract one without trusting it.
+
+Creation verifies the folder first and is reproducible (sorted members, zeroed times and
+owners, no gzip timestamp). Extraction refuses absolute paths, `..`, links, devices,
+fifos, duplicate names, files that are not JSON/text artifacts, oversize members or totals
+and too many members, and writes only regular files into a fresh temporary folder.
+Nothing from a pack is ever executed or unpickled: callers read its JSON.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Iterator
+
+from .errors import ArtifactError, IntegrityError, UsageError
+
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
+# What a run folder holds: JSON, JSON lines, rendered text, the signature, plots. Anything else
+# (.pkl, .py, .so, ...) is refused at extraction, so it can never reach a loader.
+ALLOWED_SUFFIXES = (".json", ".jsonl", ".txt", ".md", ".sig", ".png", ".svg")
+_CHUNK = 1 << 20  # 1 MiB copies
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Extraction ceilings; a 1M-step trace (1,000 prompts x 1,000 tokens, top-5) is ~120 MB."""
+
+    max_members: int = 10_000  # files and folders
+    max_member_bytes: int = 4 << 30  # 4 GiB per file
+    max_total_bytes: int = 8 << 30  # 8 GiB in all
+    max_depth: int = 8  # path components
+
+
+def is_archive(path: str | Path) -> bool:
+    return str(path).lower().endswith(ARCHIVE_SUFFIXES) and Path(path).is_file()
+
+
+# ---------------------------------------------------------------- create
+
+
+def create_pack(run_dir: str | Path, dest: str | Path, *, force: bool = False) -> Path:
+    """Verify `run_dir` against its manifest, then write exactly its sealed files to `dest`
+    (.tar.gz, one top-level folder named after `dest`). Returns `dest`."""
+    from .integrity import SEAL_FILES, verify_folder, walk
+
+    run_dir, dest = Path(run_dir), Path(dest)
+    if not str(dest).lower().endswith(ARCHIVE_SUFFIXES):
+        raise UsageError(f"-o {str(dest)!r} must end in .tar.gz or .tgz")
+    if dest.exists() and not force:
+        raise UsageError(f"-o {str(dest)!r} exists", hint="choose another name or pass --force")
+    if is_archive(run_dir):
+        raise UsageError(f"{str(run_dir)!r} is already a pack")
+    verify_folder(run_dir)  # never pack a folder that changed after sealing
+    files, _ = walk(run_dir)
+    names = sorted(files) + [n for n in SEAL_FILES if (run_dir / n).is_file()]
+    for rel in names:
+        if not rel.lower().endswith(ALLOWED_SUFFIXES):
+            raise UsageError(f"{rel} in {str(run_dir)!r} is not a detllm artifact ({', '.join(ALLOWED_SUFFIXES)})",
+                             hint="packs hold JSON and text only; move it out of the run folder and re-run")
+    root = _root_name(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz, \
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for d in sorted({""} | {str(PurePosixPath(n).parent) for n in names} - {"."}):
+                tar.addfile(_info(f"{root}/{d}".rstrip("/"), tarfile.DIRTYPE, 0, 0o755))
+            for rel in sorted(names):
+                p = run_dir / rel
+                with open(p, "rb") as f:
+                    tar.addfile(_info(f"{root}/{rel}", tarfile.REGTYPE, os.fstat(f.fileno()).st_size, 0o644), f)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _root_name(dest: Path) -> str:
+    name = dest.name
+    for suf in ARCHIVE_SUFFIXES:
+        if name.lower().endswith(suf):
+            name = name[: -len(suf)]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "detllm-pack"
+
+
+def _info(name: str, kind: bytes, size: int, mode: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.size, ti.mode, ti.mtime = kind, size, mode, 0
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    return ti
+
+
+# ---------------------------------------------------------------- extract
+
+
+@contextmanager
+def extracted(archive: str | Path, limits: Limits = Limits()) -> Iterator[Path]:
+    """Extract `archive` into a new temporary folder; yield the run folder inside; remove it all on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="detllm-pack-"))
+    try:
+        yield extract(archive, tmp, limits)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def extract(archive: str | Path, dest: Path, limits: Limits = Limits()) -> Path:
+    """Safely extract into the empty folder `dest`; returns the run folder (dest or its one subfolder)."""
+    archive = Path(archive)
+    try:
+        with tarfile.open(archive, mode="r:gz") as tar:
+            _extract_members(tar, dest, limits, archive.name)
+    except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
+        raise ArtifactError(f"{str(archive)!r} is not a readable .tar.gz pack ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
+    except OSError as exc:
+        raise ArtifactError(f"{str(archive)!r} cannot be read ({exc.__class__.__name__})") from exc
+    entries = [p for p in dest.iterdir()]
+    if len(entries) == 1 and entries[0].is_dir():
+        return entries[0]
+    return dest
+
+
+def _extract_members(tar: tarfile.TarFile, dest: Path, limits: Limits, label: str) -> None:
+    seen: set[str] = set()
+    total = 0
+    for count, member in enumerate(_members(tar), 1):
+        if count > limits.max_members:
+            raise IntegrityError(f"{label}: more than {limits.max_members} members; refusing to extract")
+        parts = _safe_parts(member.name, label)
+        key = "/".join(parts).lower()  # case-insensitive: two names must not land on one file
+        if key in seen:
+            raise IntegrityError(f"{label}: member {member.name!r} appears twice; refusing to extract")
+        seen.add(key)
+        if len(parts) > limits.max_depth:
+            raise IntegrityError(f"{label}: member {member.name!r} is nested deeper than {limits.max_depth} folders")
+        if member.isdir():
+            dest.joinpath(*parts).mkdir(parents=True, exist_ok=True)
+            continue
+        if not member.isreg() or member.issparse():
+            kind = "a symlink" if member.issym() else "a hard link" if member.islnk() else \
+                "a device" if member.isdev() else "a special file"
+            raise IntegrityError(f"{label}: member {member.name!r} is {kind}; a pack holds regular files only")
+        if not parts[-1].lower().endswith(ALLOWED_SUFFIXES):
+            raise IntegrityError(f"{label}: member {member.name!r} is not a detllm artifact; packs hold only "
+                                 f"{', '.join(ALLOWED_SUFFIXES)} files and nothing in them is ever executed or unpickled")
+        if member.size > limits.max_member_bytes:
+            raise IntegrityError(f"{label}: member {member.name!r} is {member.size} bytes, over the {limits.max_member_bytes}-byte limit")
+        total += member.size
+        if total > limits.max_total_bytes:
+            raise IntegrityError(f"{label}: members add up to more than {limits.max_total_bytes} bytes; refusing to extract")
+        _write_member(tar, member, dest.joinpath(*parts))
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """Members one at a time (never getmembers(): a crafted archive may hold millions of headers)."""
+    while (member := tar.next()) is not None:
+        yield member
+
+
+def _safe_parts(name: str, label: str) -> list[str]:
+    if not name or "\x00" in name or "\\" in name or name.startswith("/") or _DRIVE.match(name):
+        raise IntegrityError(f"{label}: member {name!r} has an absolute or unsafe path; refusing to extract")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise IntegrityError(f"{label}: member {name!r} leaves the pack ('..'); refusing to extract")
+    return parts
+
+
+def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    src = tar.extractfile(member)
+    if src is None:
+        raise IntegrityError(f"member {member.name!r} has no data")
+    # O_EXCL + O_NOFOLLOW: never overwrite, never write through a link (there are none: we made every folder)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    left = member.size
+    with os.fdopen(fd, "wb") as out, src:
+        while left > 0:
+            chunk = src.read(min(_CHUNK, left))
+            if not chunk:
+                raise ArtifactError(f"member {member.name!r} is truncated")
+            out.write(chunk)
+            left -= len(chunk)

@@ -86,6 +86,9 @@ def build_model(vocab_size: int):
 
 def build(dest: Path) -> Path:
     """Write the tiny model as a plain HF folder at `dest` (created; must not exist)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep stderr for detllm's one-line messages
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer))
     dest.mkdir(parents=True)

@@ -4,7 +4,12 @@ imported lazily by the backends that need them."""
 
 from .api import check, make_config, run
 from .config import Decoding, RunConfig
+from .diff import diff
 from .errors import DetllmError
+from .integrity import Verification, verify
+from .pack import create_pack
+from .replay import replay
 from .runner import Outcome
 
-__all__ = ["Decoding", "DetllmError", "Outcome", "RunConfig", "check", "make_config", "run"]
+__all__ = ["Decoding", "DetllmError", "Outcome", "RunConfig", "Verification", "check", "create_pack", "diff", "make_config",
+           "replay", "run", "verify"]

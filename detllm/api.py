@@ -40,16 +40,18 @@ def make_config(base: RunConfig | None = None, **fields: Any) -> RunConfig:
 
 
 def run(config: RunConfig | None = None, *, prompts: str | Path | None = None, out: str | Path | None = None,
-        force: bool = False, progress=None, **fields: Any) -> Outcome:
-    """Generate once per batch size and write a run folder (status RECORDED)."""
+        force: bool = False, progress=None, sign_key: str | Path | None = None, **fields: Any) -> Outcome:
+    """Generate once per batch size and write a run folder (status RECORDED); `sign_key` signs its manifest."""
     cfg = make_config(config, **fields)
-    return execute(cfg, command="run", prompts_path=prompts, out=Path(out) if out else None, force=force, progress=progress)
+    return execute(cfg, command="run", prompts_path=prompts, out=Path(out) if out else None, force=force, progress=progress,
+                   sign_key=sign_key)
 
 
 def check(config: RunConfig | None = None, *, prompts: str | Path | None = None, out: str | Path | None = None,
-          force: bool = False, progress=None, **fields: Any) -> Outcome:
+          force: bool = False, progress=None, sign_key: str | Path | None = None, **fields: Any) -> Outcome:
     """Repeat runs (and vary batch size), compare, and write a run folder with the verdict."""
     if config is None:
         fields.setdefault("runs", 3)  # RunConfig's default of 1 suits `run`; a check compares repeats
     cfg = make_config(config, **fields)
-    return execute(cfg, command="check", prompts_path=prompts, out=Path(out) if out else None, force=force, progress=progress)
+    return execute(cfg, command="check", prompts_path=prompts, out=Path(out) if out else None, force=force, progress=progress,
+                   sign_key=sign_key)

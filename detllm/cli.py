@@ -65,10 +65,23 @@ def print_verdict(report: dict, out_dir: Path | None) -> None:
         con.print(f"run folder: {out_dir}", markup=False)
 
 
+def publish(report: dict, junit: Path | None) -> None:
+    """CI outputs: JUnit XML when asked for, and report.md appended to $GITHUB_STEP_SUMMARY
+    when GitHub Actions sets it."""
+    from .render.github import append_step_summary
+    from .render.junit import write_junit
+
+    if junit is not None:
+        write_junit(report, junit)
+    append_step_summary(report)
+
+
 # ------------------------------------------------------------------ run / check
 
 Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, fake.")]
 Model = Annotated[str, typer.Option("--model", "-m", help="Built-in model (tiny, smollm2-135m), local path, or hub id.")]
+JUnit = Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here (one testcase per prompt) for CI.")]
+SignKey = Annotated[Optional[Path], typer.Option("--sign-key", help="Ed25519 PEM private key: sign manifest.json into manifest.sig (needs detllm[sign]).")]
 
 
 def _gen_command(command: str, default_runs: int) -> Callable:
@@ -98,6 +111,8 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value (repeatable); see docs/backends/.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+        sign_key: SignKey = None,
+        junit: JUnit = None,
     ) -> None:
         def body() -> int:
             from . import api
@@ -111,7 +126,8 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 options=parse_options(opt or []),
             )
             with _progress(progress and not as_json) as bar:
-                outcome = getattr(api, command)(cfg, prompts=prompts, out=out, force=force, progress=bar)
+                outcome = getattr(api, command)(cfg, prompts=prompts, out=out, force=force, progress=bar, sign_key=sign_key)
+            publish(outcome.report, junit)
             if as_json:
                 typer.echo(json.dumps(outcome.report, indent=2))
             else:
@@ -170,22 +186,29 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="Print the whole en
     guarded(body)
 
 
-@app.command(help=f"Render a run folder's report.json (txt, json). {EXIT_HELP}")
+@app.command(help=f"Render a run or diff folder's report.json (txt, json, md), optionally as JUnit XML too. {EXIT_HELP}")
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="A detllm run folder.")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="txt or json.")] = "txt",
+    run_dir: Annotated[Path, typer.Argument(help="A detllm run folder or .tar.gz pack.")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="txt, json or md.")] = "txt",
+    junit: JUnit = None,
 ) -> None:
     def body() -> int:
-        from .artifacts import REPORT, read_json
+        from .artifacts import REPORT, open_run_path, read_json
         from .errors import ArtifactError, UsageError
+        from .render.markdown import render_markdown
+        from .render.junit import write_junit
         from .render.text import render_text
 
-        if fmt not in ("txt", "json"):
-            raise UsageError(f"--format must be txt or json, got {fmt!r}")
-        if not (run_dir / REPORT).is_file():
-            raise ArtifactError(f"{str(run_dir)!r} has no {REPORT}", hint="pass a detllm run folder")
-        rep = read_json(run_dir / REPORT, "report")
-        typer.echo(json.dumps(rep, indent=2) if fmt == "json" else render_text(rep), nl=fmt == "json")
+        if fmt not in ("txt", "json", "md"):
+            raise UsageError(f"--format must be txt, json or md, got {fmt!r}")
+        with open_run_path(run_dir) as folder:
+            if not (folder / REPORT).is_file():
+                raise ArtifactError(f"{str(run_dir)!r} has no {REPORT}", hint="pass a detllm run folder or pack")
+            rep = read_json(folder / REPORT, "report")
+        if junit is not None:
+            write_junit(rep, junit)
+        render = {"json": lambda r: json.dumps(r, indent=2) + "\n", "md": render_markdown, "txt": render_text}[fmt]
+        typer.echo(render(rep), nl=False)
         return 0
 
     guarded(body)
@@ -220,6 +243,107 @@ def models_export(
         if fmt not in ("hf", "gguf"):
             raise UsageError(f"--format must be hf or gguf, got {fmt!r}")
         typer.echo(f"exported {name} ({fmt}) to {export_model(name, dest, fmt)}")
+        return 0
+
+    guarded(body)
+
+
+# ------------------------------------------------------------------ diff (docs/causes.md)
+
+@app.command(help="Compare two run folders (or FOLDER::run_N, FOLDER::batch_B, FOLDER::run_N@batch_B selections): "
+                  f"first divergent token, ranked causes with evidence, drift. No engine is imported. {EXIT_HELP}")
+def diff(
+    a: Annotated[str, typer.Argument(help="Left side: FOLDER or FOLDER::run_N@batch_B (default run 0 at its --batch-size).")],
+    b: Annotated[str, typer.Argument(help="Right side, the same way.")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write report.json, report.txt, report.md (and diffs/) here.")] = None,
+    force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
+    tier: Annotated[Optional[int], typer.Option(help="1 tokens, 2 + logprobs and top-k, 3 + across batch sizes (default: the lower recorded tier).")] = None,
+    atol: Annotated[float, typer.Option(help="Logprob tolerance at tier >= 2 (0 = bitwise).")] = 0.0,
+    junit: JUnit = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG of logprob drift by position (needs matplotlib).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
+) -> None:
+    def body() -> int:
+        from .diff import diff as diff_runs
+
+        outcome = diff_runs(a, b, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
+        publish(outcome.report, None)  # the library wrote --junit
+        if as_json:
+            typer.echo(json.dumps(outcome.report, indent=2))
+        else:
+            print_verdict(outcome.report, outcome.out_dir)
+        return outcome.exit_code
+
+    guarded(body)
+
+
+# ------------------------------------------------------------------ verify / replay / pack (docs/integrity.md)
+
+@app.command(help="Check a run folder or .tar.gz pack offline: every file against manifest.json, the trace's hash chain, "
+                  "every schema and, with --pubkey, the Ed25519 signature. No engine is imported. "
+                  "Exit 0 verified, 5 not a pack or schema error, 6 integrity error (names the first changed file or trace line).")
+def verify(
+    pack: Annotated[Path, typer.Argument(help="A sealed run folder or .tar.gz pack.")],
+    pubkey: Annotated[Optional[Path], typer.Option("--pubkey", help="Ed25519 public key (PEM or ssh-ed25519): manifest.sig must verify.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    def body() -> int:
+        import dataclasses
+
+        from .integrity import verify as verify_pack
+
+        res = verify_pack(pack, pubkey=pubkey)
+        if as_json:
+            typer.echo(json.dumps({**dataclasses.asdict(res), "path": str(res.path), "ok": True}, indent=2))
+            return 0
+        chain = f", {res.records} trace records chained (head {res.head[:16]}…)" if res.head else ", no trace"
+        key = f" by key sha256 {res.key_sha256[:16]}…" if res.key_sha256 else ""
+        typer.echo(f"verified {pack}: {res.files} files unchanged{chain}; signature {res.signature}{key}")
+        for note in res.notes:
+            typer.echo(f"note: {note}")
+        return 0
+
+    guarded(body)
+
+
+@app.command(help=f"Re-run a pack's recorded config and prompts on this machine, then diff against the pack. "
+                  f"Refuses (exit 7) when the local weights differ from the pack's. {EXIT_HELP}")
+def replay(
+    pack: Annotated[Path, typer.Argument(help="A sealed run folder or .tar.gz pack (recorded with prompt text).")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the replay (default: a new folder under artifacts/).")] = None,
+    force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
+    allow_model_change: Annotated[bool, typer.Option("--allow-model-change", help="Replay even when the local weights differ from the pack's.")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Load the model from here instead of the recorded name or path (weights are still checked).")] = None,
+    sign_key: SignKey = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    def body() -> int:
+        from .replay import replay as replay_pack
+
+        with _progress(progress and not as_json) as bar:
+            outcome = replay_pack(pack, out=out, force=force, allow_model_change=allow_model_change, model=model,
+                                  sign_key=sign_key, progress=bar)
+        if as_json:
+            typer.echo(json.dumps(outcome.report, indent=2))
+        else:
+            print_verdict(outcome.report, outcome.out_dir)
+        return outcome.exit_code
+
+    guarded(body)
+
+
+@app.command("pack", help="Verify a sealed run folder and write exactly its sealed files to a reproducible .tar.gz.")
+def pack_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A sealed detllm run folder.")],
+    dest: Annotated[Path, typer.Option("--output", "-o", help="The pack to write (.tar.gz).")],
+    force: Annotated[bool, typer.Option(help="Overwrite an existing pack file.")] = False,
+) -> None:
+    def body() -> int:
+        from .pack import create_pack
+
+        path = create_pack(run_dir, dest, force=force)
+        typer.echo(f"packed {run_dir} into {path} ({path.stat().st_size} bytes)")
         return 0
 
     guarded(body)

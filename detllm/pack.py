@@ -149,7 +149,7 @@ def _extract_members(tar: tarfile.TarFile, dest: Path, limits: Limits, label: st
             continue
         if not member.isreg() or member.issparse():
             kind = "a symlink" if member.issym() else "a hard link" if member.islnk() else \
-                "a device" if member.isdev() else "a special file"
+                "a fifo" if member.isfifo() else "a device" if member.isdev() else "a special file"
             raise IntegrityError(f"{label}: member {member.name!r} is {kind}; a pack holds regular files only")
         if not parts[-1].lower().endswith(ALLOWED_SUFFIXES):
             raise IntegrityError(f"{label}: member {member.name!r} is not a detllm artifact; packs hold only "

@@ -21,15 +21,18 @@ from .config import RunConfig
 from .env import collect_env
 from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError
 from .hashing import canonical_json, sha256_bytes
+from .integrity import Signer, load_signing_key, seal
 from .prompts import FILLERS, PromptSet, load_prompts
+from .render.markdown import render_markdown
 from .render.text import render_text
 
 Progress = Callable[[int, int], None]  # (batches done, batches total)
+MakeReport = Callable[[list, int, dict], dict]  # (records, effective tier, summary) -> report.json
 
 
 @dataclass
 class Outcome:
-    out_dir: Path
+    out_dir: Path | None  # None: a diff without --out wrote no folder
     report: dict[str, Any]
 
     @property
@@ -91,10 +94,16 @@ def execute(
     force: bool = False,
     backend: Backend | None = None,
     progress: Progress | None = None,
+    prompt_set: PromptSet | None = None,
+    sign_key: str | Path | None = None,
+    make_report: MakeReport | None = None,
 ) -> Outcome:
-    """Run `config` (command "run" or "check"), write the run folder, return the outcome."""
+    """Run `config` (command "run", "check" or "replay"), write the run folder, return the outcome.
+    `prompt_set` replaces the prompt file (replay: the pack's prompts); `make_report` replaces the
+    check verdict (replay: the diff against the pack); `sign_key` signs the manifest."""
     config.validate(command=command)
-    prompts = load_prompts(prompts_path)
+    signer = load_signing_key(sign_key) if sign_key is not None else None  # a bad key is refused before anything runs
+    prompts = prompt_set or load_prompts(prompts_path)
     out = Path(out) if out is not None else artifacts.default_out_dir(command)
     artifacts.check_out_dir(out, force=force)
     owned = backend is None
@@ -132,7 +141,7 @@ def execute(
     finally:
         if owned:
             backend.close()
-    return _finish(config, command, out, records, tier)
+    return _finish(config, command, out, records, tier, signer, make_report)
 
 
 def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> list[dict[str, Any]]:
@@ -164,7 +173,8 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
     return records
 
 
-def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, Any]], tier: int) -> Outcome:
+def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, Any]], tier: int,
+            signer: Signer | None = None, make_report: MakeReport | None = None) -> Outcome:
     summary = {
         "backend": config.backend,
         "model": config.model,
@@ -175,7 +185,9 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
         "records": len(records),
         "atol": config.atol,
     }
-    if command == "run":
+    if make_report is not None:
+        report = make_report(records, tier, summary)
+    elif command == "run":
         report = artifacts.stamp("report", {
             "command": "run", "status": "RECORDED", "category": "RECORDED",
             "tier": {"requested": config.tier, "effective": tier},
@@ -185,12 +197,13 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
         comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
                                   tier=tier, atol=config.atol, dtype=config.dtype)
         report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary)
-    write_report(out, report)
+    write_report(out, report, signer=signer)
     return Outcome(out, report)
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    """report.json, report.txt and, on FAIL, diffs/first_divergence.json."""
+def write_report(out: Path, report: dict[str, Any], *, signer: Signer | None = None) -> None:
+    """report.json, report.txt, report.md and, on FAIL, diffs/first_divergence.json; then, last, the
+    manifest that seals the folder (and manifest.sig with a signer), see integrity.py."""
     if report["first_divergence"] is not None:
         comp = next((c for c in report["comparisons"] if c["first_divergence"] is report["first_divergence"]), None)
         body: dict[str, Any] = {"divergence": report["first_divergence"]}
@@ -199,6 +212,8 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         artifacts.write_json(out, artifacts.FIRST_DIVERGENCE, artifacts.stamp("first_divergence", body))
     artifacts.write_json(out, artifacts.REPORT, report)
     artifacts.atomic_write_text(out / artifacts.REPORT_TXT, render_text(report))
+    artifacts.atomic_write_text(out / artifacts.REPORT_MD, render_markdown(report))
+    seal(out, signer)
 
 
 def _options_json(backend: Backend) -> dict[str, Any]:

@@ -8,6 +8,7 @@ not a skip, unless DETLLM_SKIP_VLLM=1 (CI installs it with scripts/install_vllm_
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -15,13 +16,15 @@ import sys
 import pytest
 
 from detllm.backends.base import Request, parse_options
-from detllm.backends.vllm import VLLMBackend, VLLMOptions, batch_invariance_support, build_platform, installed_vllm
+from detllm.backends.vllm import (VLLMBackend, VLLMOptions, batch_invariance_support, build_platform, installed_vllm,
+                                  release_engine)
 from detllm.config import Decoding
 from detllm.errors import BackendUnavailableError, UsageError
 
 from .conftest import assert_valid_run
 
 FOUND = installed_vllm()
+PRESET_MULTIPROC = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # before any engine of this session
 BUILD = build_platform(*FOUND) if FOUND else None
 PROMPTS = ("The capital of France is", "Once upon a time", "def add(a, b):")
 GREEDY = Decoding(max_new_tokens=16)
@@ -192,6 +195,15 @@ def test_prompt_longer_than_max_model_len_is_a_usage_error(backend):
 
 
 @pytest.mark.engine
+def test_cli_generation_longer_than_max_model_len_is_refused_before_writing(backend, cli, tmp_path):
+    out = tmp_path / "run"
+    r = cli("run", "--backend", "vllm", "--device", "auto", "--max-new-tokens", "600", "--out", out)
+    assert r.exit_code == 2, r.output
+    assert "max_model_len" in r.stderr and "--opt max_model_len=" in r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.engine
 def test_model_identity_is_the_tiny_folder(backend):
     ident = backend.model_identity()
     assert ident.id == "tiny" and ident.format == "safetensors" and ident.weights
@@ -211,6 +223,23 @@ def test_cli_check_tier_2_passes(backend, cli, tmp_path):
 
 
 @pytest.mark.engine
+def test_cli_vllm_and_hf_agree_in_one_process(backend, cli, tmp_path):
+    """Greedy tokens equal across engines; hf after vLLM in the same process still controls its threads."""
+    traces = {}
+    for engine in ("vllm", "hf"):
+        out = tmp_path / engine
+        r = cli("run", "--backend", engine, "--tier", "2", "--max-new-tokens", "16", "--threads", "1", "--out", out)
+        assert r.exit_code == 0, r.output
+        assert_valid_run(out)
+        applied = json.loads((out / "determinism_applied.json").read_text())["settings"]
+        assert next(a for a in applied if a["name"] == "threads")["value"] == 1
+        traces[engine] = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    assert len(traces["vllm"]) == len(traces["hf"]) > 0
+    for v, h in zip(traces["vllm"], traces["hf"]):
+        assert (v["prompt_index"], v["input_ids"], v["token_ids"]) == (h["prompt_index"], h["input_ids"], h["token_ids"])
+        assert max(abs(a - b) for a, b in zip(v["logprobs"], h["logprobs"])) < 1e-4
+
+
 def test_cli_strict_tier_3_is_refused_before_anything_is_written(cli, tmp_path):
     need_vllm()
     if BUILD != "cpu":
@@ -221,6 +250,20 @@ def test_cli_strict_tier_3_is_refused_before_anything_is_written(cli, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "tier 3 refused in strict mode" in lines[0] and "CPU" in lines[0]
     assert not out.exists() and r.stdout == ""
+
+
+@pytest.mark.engine
+def test_other_options_restart_the_engine_and_release_restores_env(backend):
+    """Last on purpose: it replaces the session engine (a restart costs seconds once vLLM is imported)."""
+    other = VLLMBackend("tiny", device="auto", options=VLLMOptions(max_num_seqs=2, prefix_caching=True))
+    batch = reqs(backend)
+    assert other.generate(batch, GREEDY, seed=0, top_k=5, logprobs=True) == backend.generate(batch, GREEDY, seed=0, top_k=5, logprobs=True)
+    with other.determinism(tier=2, seed=0, threads=None) as applied:
+        settings = {a.name: a for a in applied}
+    assert settings["max_num_seqs"].value == 2 and settings["prefix_caching"].value is True
+    release_engine()
+    release_engine()
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == PRESET_MULTIPROC, "env vars the engines set are restored"
 
 
 def test_options_dataclass_fields_all_have_defaults():

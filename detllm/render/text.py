@@ -1,27 +1,86 @@
-"""report.txt: the one-screen plain-text verdict rendered from report.json."""
+"""report.txt: the one-screen plain-text verdict rendered from report.json, and the
+one-line summaries of causes that the other renderers share."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..compare.causes import ADVICE, TITLES
 
-def _tok(side: dict[str, Any]) -> str:
+
+def short(value: Any, width: int = 40) -> str:
+    """repr() cut to `width` characters; sha256 digests to 12 hex digits."""
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value[:12]
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _pairs(items: list[dict[str, Any]], n: int) -> str:
+    shown = ", ".join(f"{d['field']} {short(d['left'])} vs {short(d['right'])}" for d in items[:n])
+    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def cause_summary(cause: dict[str, Any]) -> str:
+    """What the evidence of one cause says, in one line."""
+    code, ev = cause["code"], cause["evidence"]
+    if code == "MODEL_MISMATCH":
+        w = ev["weights_sha256"]
+        where = f" at the same path {ev['path']['left']}" if ev.get("same_path") else ""
+        files = f"; {ev['files_differing']} weight file(s) differ, e.g. {ev['files'][0]['file']}" if ev.get("files") else ""
+        conv = f"; formats {ev['format']['left']} vs {ev['format']['right']}" if ev.get("converted") else ""
+        return f"weights {short(w['left'])} vs {short(w['right'])}{where}{files}{conv}"
+    if code == "TOKENIZER_MISMATCH":
+        if ev.get("examples"):
+            ex = ev["examples"][0]
+            i, la, lb = ex["first_difference"], ex["left_input_ids"], ex["right_input_ids"]
+            at = f": input id {i} is {la[i] if i < len(la) else 'absent'} vs {lb[i] if i < len(lb) else 'absent'}" if i is not None else ""
+            return f"{ev['prompts_with_different_input_ids']}/{ev['prompts_checked']} prompts tokenized differently (prompt {ex['prompt_index']}{at})"
+        t = ev["tokenizer_sha256"]
+        return f"tokenizer files {short(t['left'])} vs {short(t['right'])}; input ids agree on all {ev['prompts_checked']} prompts"
+    if code == "PROMPT_MISMATCH":
+        example = (ev["left_only"] + ev["right_only"])[:1]
+        text = f" (e.g. {short(example[0]['prompt_text'])})" if example and example[0]["prompt_text"] else ""
+        return f"{ev.get('left_only_count', len(ev['left_only']))} prompt(s) only on the left, {ev.get('right_only_count', len(ev['right_only']))} only on the right{text}"
+    if code == "CONFIG_MISMATCH":
+        return _pairs(ev["fields"] + ev["applied"], 4)
+    if code == "BACKEND_MISMATCH":
+        b = ev["backend"]
+        name = f"{b['left']} vs {b['right']}" if b["left"] != b["right"] else f"{b['left']} on both sides"
+        return name + (f"; {_pairs(ev['engine'], 3)}" if ev["engine"] else "")
+    if code == "ENV_MISMATCH":
+        return _pairs(ev["differences"], 3) + (f" ({ev['count']} fields in all)" if ev.get("count", 0) > 3 else "")
+    if code == "BATCH_VARIANCE":
+        sizes = ev.get("batch_size")
+        what = f"batch size {sizes['left']} vs {sizes['right']}" if sizes else f"batch sizes {ev['batch_sizes']}"
+        if ev.get("composition_changed"):
+            what += f"; {ev['composition_changed']} prompt(s) sat in a different batch"
+        return what
+    return "nothing recorded differs between the two sides"
+
+
+def _tok(side: dict[str, Any], same_token: bool) -> str:
     if side["token_id"] is None:
         return "<end of generation>"
     lp = f" logprob {side['logprob']:.6g}" if side.get("logprob") is not None else ""
+    other = f" (other's token {side['other_logprob']:.6g})" if side.get("other_logprob") is not None and not same_token else ""
     margin = f" margin {side['margin']:.3g}" if side.get("margin") is not None else ""
-    return f"id {side['token_id']} {side['token_text']!r}{lp}{margin}"
+    return f"id {side['token_id']} {side['token_text']!r}{lp}{other}{margin}"
 
 
 def divergence_lines(d: dict[str, Any]) -> list[str]:
+    width = max(len(d["left"]["label"]), len(d["right"]["label"]), 12)
+    same = d["left"]["token_id"] == d["right"]["token_id"]
     lines = [
         f"first divergence ({d['comparison']}): prompt {d['prompt_index']}, generated token {d['token_index']}, kind {d['kind']}",
         f"  common prefix: {d['common_prefix_text'][-80:]!r}",
-        f"  {d['left']['label']:<18} {_tok(d['left'])}",
-        f"  {d['right']['label']:<18} {_tok(d['right'])}",
+        f"  {d['left']['label']:<{width}} {_tok(d['left'], same)}",
+        f"  {d['right']['label']:<{width}} {_tok(d['right'], same)}",
     ]
     if d["kind"] == "input_ids":
-        lines.append("  the prompt was tokenized differently on the two sides")
+        ids = d.get("input_ids") or {}
+        at = f" (first difference at input id {ids['first_difference']})" if ids.get("first_difference") is not None else ""
+        lines.append(f"  the prompt was tokenized differently on the two sides{at}")
     if d.get("logprob_abs_diff") is not None:
         lines.append(f"  |logprob difference| {d['logprob_abs_diff']:.3g}")
     if d.get("near_tie"):
@@ -29,24 +88,49 @@ def divergence_lines(d: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_text(report: dict[str, Any]) -> str:
+def _header(report: dict[str, Any]) -> list[str]:
     s = report.get("summary", {})
     tier = report["tier"]
     tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
-    lines = [
-        f"detllm {report['command']}: {report['status']}" + ("" if report["category"] in ("PASS", report["status"]) else f" [{report['category']}]"),
-        f"tier {tier['effective']}{tier_note}" + (f"  backend {s['backend']}  model {s['model']}" if "backend" in s else ""),
-    ]
+    category = "" if report["category"] in ("PASS", report["status"]) else f" [{report['category']}]"
+    lines = [f"detllm {report['command']}: {report['status']}{category}"]
+    if report["command"] == "diff" and "left" in s:
+        for name in ("left", "right"):
+            x = s[name]
+            lines.append(f"{name:<5} {x['label']}  {x['backend']} {x['model']} {x['dtype']} {x['device']}  "
+                         f"(recorded at tier {x['tier']}, {x['records']} prompts)")
+        floor = f"  noise floor {s['noise_floor']:g}" if s.get("noise_floor") is not None else ""
+        lines.append(f"tier {tier['effective']}{tier_note}  atol {s.get('atol', 0):g}{floor}")
+        return lines
+    lines.append(f"tier {tier['effective']}{tier_note}" + (f"  backend {s['backend']}  model {s['model']}" if "backend" in s else ""))
     if "prompts" in s:
         lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  batch sizes {s.get('batch_sizes', '-')}  tokens {s.get('generated_tokens', '-')}")
+    return lines
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines = _header(report)
     for c in report["comparisons"]:
         extra = ""
-        if c["drift"].get("available") and c["drift"].get("max_abs_logprob_diff"):
-            extra = f"  max |dlogprob| {c['drift']['max_abs_logprob_diff']:.3g}"
+        drift = c["drift"]
+        if drift.get("available") and drift.get("max_abs_logprob_diff"):
+            extra = f"  max |dlogprob| {drift['max_abs_logprob_diff']:.3g}"
+        if drift.get("available") and drift.get("argmax_flips"):
+            extra += f"  argmax flips {drift['argmax_flips']}"
+        unmatched = len(c["unmatched"]["left_only"]) + len(c["unmatched"]["right_only"])
+        extra += f"  {unmatched} prompt(s) unmatched" if unmatched else ""
         need = "" if c["required"] else " (not required)"
         lines.append(f"  {c['status']:<4} {c['name']}: {c['prompts_diverged']}/{c['prompts_compared']} prompts diverged{need}{extra}")
-    for cause in report["causes"]:
-        lines.append(f"cause {cause['code']}: " + ", ".join(f"{k}={v}" for k, v in cause["evidence"].items() if not isinstance(v, (dict, list)))[:300])
+    if report["causes"]:
+        lines.append("causes, most likely first:")
+    for n, cause in enumerate(report["causes"], 1):
+        lines.append(f"  {n}. {cause['code']}: {TITLES[cause['code']]}: {cause_summary(cause)}"[:300])
+    info = report.get("info") or []
+    if info:
+        lines.append("recorded differences that did not fail the verdict:")
+        lines += [f"  - {c['code']}: {cause_summary(c)}"[:300] for c in info]
     if report["first_divergence"] is not None:
         lines += divergence_lines(report["first_divergence"])
+    if report["causes"]:
+        lines.append(f"next: {ADVICE[report['causes'][0]['code']]}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,136 @@
+"""Time `detllm diff` (the CLI, in a subprocess) on a synthetic pair of run folders.
+
+Each folder holds PROMPTS records of TOKENS generated tokens with top-K logprobs, as
+the runner writes them; the right folder is a copy of the left with one divergence
+planted (prompt PROMPTS/2, token TOKENS*7/10). Target on a 2-core machine: < 2 s.
+
+    .venv/bin/python benchmarks/bench_diff.py [--prompts 1000] [--tokens 1000] [--top-k 5] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from detllm import artifacts
+from detllm.env import collect_env
+from detllm.hashing import canonical_json, sha256_bytes, sha256_text
+
+
+def _config(prompts: int, tokens: int, top_k: int) -> dict:
+    return artifacts.stamp("run_config", {
+        "detllm_version": "bench", "command": "run", "created_at": artifacts.utc_now(),
+        "config": {"backend": "fake", "model": "bench", "revision": None, "dtype": "float32", "device": "cpu",
+                   "decoding": {"max_new_tokens": tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0},
+                   "seed": 0, "tier": 2, "mode": "best-effort", "batch_size": 1, "vary_batch": [], "runs": 1,
+                   "logprobs_top_k": top_k, "record_prompt_text": True, "threads": None, "atol": 0.0, "options": {}},
+        "backend_options": {},
+        "model": {"id": "bench", "path": None, "revision": None, "format": "fake",
+                  "weights": [{"file": "bench.weights", "sha256": "0" * 64, "size": 0}],
+                  "weights_sha256": "1" * 64, "tokenizer_sha256": "2" * 64, "quantization": None},
+        "prompts": {"source": "bench", "count": prompts, "sha256": "3" * 64},
+    })
+
+
+def _applied() -> dict:
+    return artifacts.stamp("determinism_applied", {
+        "backend": "fake", "tier_requested": 2, "tier_effective": 2, "mode": "best-effort", "downgraded": False,
+        "downgrade_reason": None, "settings": [],
+        "capabilities": {"max_tier": 2, "logprobs": True, "sampling": True, "batch_invariant": False, "notes": []},
+    })
+
+
+def _record(i: int, tokens: int, top_k: int, rng: random.Random) -> dict:
+    text = f"benchmark prompt number {i}"
+    ids = [rng.randrange(50_000) for _ in range(tokens)]
+    lps = [-rng.random() * 3 for _ in range(tokens)]
+    tops = [[[t, lp]] + [[rng.randrange(50_000), lp - 0.25 * (k + 1)] for k in range(top_k - 1)] for t, lp in zip(ids, lps)]
+    input_ids = [rng.randrange(50_000) for _ in range(12)]
+    texts = [f" w{t}" for t in ids]
+    return artifacts.stamp("trace_record", {
+        "run_index": 0, "batch_size": 1, "batch_position": 0, "prompt_index": i, "prompt_id": sha256_text(text),
+        "prompt_text": text, "input_ids": input_ids, "input_ids_sha256": sha256_bytes(canonical_json(input_ids)),
+        "token_ids": ids, "token_texts": texts, "text": "".join(texts), "logprobs": lps, "top_logprobs": tops,
+        "finish_reason": "length",
+    })
+
+
+def _line(rec: dict) -> str:
+    return json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n"  # as TraceWriter writes it
+
+
+def make_pair(root: Path, prompts: int, tokens: int, top_k: int) -> tuple[Path, Path, tuple[int, int]]:
+    left, right = root / "left", root / "right"
+    planted = (prompts // 2, tokens * 7 // 10)
+    for folder in (left, right):
+        folder.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json(folder, artifacts.RUN_CONFIG, _config(prompts, tokens, top_k))
+        artifacts.write_json(folder, artifacts.ENV, collect_env({"name": "fake", "version": "bench"}))
+        artifacts.write_json(folder, artifacts.APPLIED, _applied())
+    rng = random.Random(0)
+    with open(left / artifacts.TRACE, "w", encoding="utf-8") as fl, open(right / artifacts.TRACE, "w", encoding="utf-8") as fr:
+        for i in range(prompts):
+            rec = _record(i, tokens, top_k, rng)
+            line = _line(rec)
+            fl.write(line)
+            if i == planted[0]:
+                p = planted[1]
+                rec["token_ids"][p] = rec["top_logprobs"][p][1][0]  # the runner-up wins: a flipped near tie
+                rec["token_texts"][p] = f" w{rec['token_ids'][p]}"
+                rec["text"] = "".join(rec["token_texts"])
+                line = _line(rec)
+            fr.write(line)
+    return left, right, planted
+
+
+def _time(cmd: list[str], repeat: int) -> tuple[list[float], subprocess.CompletedProcess]:
+    times, proc = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        times.append(time.perf_counter() - t)
+    return times, proc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=1000)
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--top-k", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--keep", type=Path, help="generate into this folder and keep it")
+    args = ap.parse_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="detllm-bench-diff-"))
+    try:
+        t = time.perf_counter()
+        left, right, planted = make_pair(root, args.prompts, args.tokens, args.top_k)
+        size = (left / artifacts.TRACE).stat().st_size
+        print(f"generated 2 x {args.prompts} prompts x {args.tokens} tokens x top-{args.top_k} "
+              f"({size / 1e6:.0f} MB per trace) in {time.perf_counter() - t:.1f} s; planted divergence at {planted}")
+        detllm = [sys.executable, "-m", "detllm", "diff", str(left), str(right)]
+        times, proc = _time(detllm + ["--json"], args.repeat)
+        if proc.returncode != 1:
+            print(proc.stdout[-2000:], proc.stderr[-2000:])
+            return 2
+        d = json.loads(proc.stdout)["first_divergence"]
+        assert (d["prompt_index"], d["token_index"]) == planted, (d["prompt_index"], d["token_index"])
+        print(f"detllm diff (CLI, subprocess): best {min(times):.2f} s, median {statistics.median(times):.2f} s "
+              f"over {args.repeat} runs; found the divergence at {planted} ({d['kind']}), category {json.loads(proc.stdout)['category']}")
+        out_times, _ = _time(detllm + ["--out", str(root / "diff"), "--force"], args.repeat)
+        print(f"detllm diff --out (writes report.json/.txt/.md): best {min(out_times):.2f} s, median {statistics.median(out_times):.2f} s")
+        return 0
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

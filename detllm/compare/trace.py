@@ -1,0 +1,165 @@
+"""Fast reading of trace.jsonl for comparisons: headers parsed, payloads kept as bytes.
+
+A record is a small header (run, batch, prompt, input ids) and a large payload
+(generated ids, texts, logprobs, top-k). CPython parses ~20 MB/s of such JSON, so a
+1,000 x 1,000-token trace would take seconds per side: every line's header is parsed
+and validated here, while the payload stays raw until something reads it. Two
+byte-identical payloads cannot diverge, so the engine only parses payloads that
+differ from their partner. Validation is integrity.check_trace_record, the hand-written
+equivalent of schemas/trace_record.schema.json; every header is validated, every
+payload that is read, and the first and last record in full. Integrity of bytes nobody
+parses is `detllm verify`'s job. Does not own what the records mean (engine, divergence).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from ..artifacts import check_header
+from ..errors import ArtifactError
+from ..integrity import check_trace_record
+
+PAYLOAD_KEYS = ("token_ids", "token_texts", "text", "logprobs", "top_logprobs", "finish_reason")
+_MARK = b',"token_ids":'  # cannot occur inside a JSON string: a quote there is escaped
+# where each payload field starts, in the order the runner writes them
+_SECTIONS = (b',"token_ids":', b',"token_texts":', b',"text":', b',"logprobs":', b',"top_logprobs":', b',"finish_reason":')
+# stands in for the payload while a header alone is validated
+_EMPTY_PAYLOAD = {"token_ids": [], "token_texts": [], "text": "", "logprobs": None, "top_logprobs": None, "finish_reason": "length"}
+
+
+class TraceRecord(dict):
+    """A trace record whose payload fields are parsed (and validated) on first access."""
+
+    __slots__ = ("_src", "_start", "_end", "where")
+
+    def __init__(self, header: dict[str, Any], src: bytes | None, start: int, end: int, where: str) -> None:
+        super().__init__(header)
+        self._src, self._start, self._end, self.where = src, start, end, where
+
+    def __missing__(self, key: str) -> Any:
+        if self._src is not None and key in PAYLOAD_KEYS:
+            self.load()
+            return dict.__getitem__(self, key)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    @property
+    def raw_payload(self) -> bytes | None:
+        """The payload as written (`,"token_ids":...}`), or None once parsed from a plain line."""
+        return None if self._src is None else self._src[self._start:self._end]
+
+    def load(self) -> "TraceRecord":
+        """Parse the payload, validate the whole record, keep the bytes for comparisons."""
+        if self._src is None or "token_ids" in self.keys():
+            return self
+        try:
+            body = json.loads(b"{" + self._src[self._start + 1:self._end])
+        except ValueError as exc:
+            raise ArtifactError(f"{self.where}: not valid JSON") from exc
+        problem = check_trace_record({**self, **body})
+        if problem:
+            raise ArtifactError(f"{self.where}: schema violation: {problem}")
+        self.update(body)
+        return self
+
+
+def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when both payloads are byte-identical (so nothing generated can differ)."""
+    if not (isinstance(a, TraceRecord) and isinstance(b, TraceRecord)) or a._src is None or b._src is None:
+        return False
+    n = a._end - a._start
+    return n == b._end - b._start and b._src.startswith(a._src[a._start:a._end], b._start)
+
+
+def payload_shape(rec: TraceRecord) -> tuple[int, bool, bool] | None:
+    """(generated tokens, has logprobs, has top-k) counted from the raw payload without
+    parsing or copying it; None when the bytes are not laid out as the runner writes
+    them (fields in order, one logprob per token). The top-k section (the bulk of the
+    bytes) is never scanned: the runner writes one top-k list per token."""
+    src, start, end = rec._src, rec._start, rec._end
+    if src is None:
+        return None
+    pos, found = start, []
+    for mark in _SECTIONS[:-1]:
+        p = src.find(mark, pos, end)
+        if p < 0:
+            return None
+        found.append(p + len(mark))
+        pos = p + len(mark)
+    fin = src.rfind(_SECTIONS[-1], pos, end)  # the last field: found from the end
+    if fin < 0:
+        return None
+    ids_at, texts_at, _, lps_at, tops_at = found
+
+    def count(a: int, b: int) -> int | None:  # elements of the number array in src[a:b]
+        while src[a:a + 1].isspace():
+            a += 1
+        if src.startswith(b"null", a):
+            return None
+        return 0 if src.startswith(b"[]", a) else src.count(b",", a, b) + 1
+
+    n = count(ids_at, texts_at - len(_SECTIONS[1]))
+    lps = count(lps_at, tops_at - len(_SECTIONS[4]))
+    if n is None or (lps is not None and lps != n):
+        return None
+    return n, lps is not None, not src.startswith(b"null", tops_at)
+
+
+def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: True) -> tuple[list[TraceRecord], set[tuple[int, int]]]:
+    """Records of trace.jsonl whose header passes `keep`, and every (run_index, batch_size)
+    present. The first and last kept records are parsed in full as a sample."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"{path}: missing", hint="the run may have been interrupted") from exc
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot be read ({exc.__class__.__name__})") from exc
+    out: list[TraceRecord] = []
+    present: set[tuple[int, int]] = set()
+    pos, n, line_no = 0, len(data), 0
+    while pos < n:
+        end = data.find(b"\n", pos)
+        end = n if end < 0 else end
+        line_no += 1
+        stop = end - 1 if end > pos and data[end - 1:end] == b"\r" else end
+        if data[pos:stop].strip():
+            rec = _read_line(data, pos, stop, f"{path} line {line_no}")
+            present.add((rec["run_index"], rec["batch_size"]))
+            if keep(rec):
+                out.append(rec)
+        pos = end + 1
+    for rec in out[:1] + out[-1:]:
+        rec.load()
+    return out, present
+
+
+def _read_line(data: bytes, start: int, end: int, where: str) -> TraceRecord:
+    mark = data.find(_MARK, start, end)
+    closing = data.rfind(b"}", start, end)
+    if mark > start and closing > mark and not data[closing + 1:end].strip():
+        try:
+            header = json.loads(data[start:mark] + b"}")
+        except ValueError:
+            header = None
+        if isinstance(header, dict) and not any(k in header for k in PAYLOAD_KEYS):
+            check_header(header, "trace_record", where)
+            problem = check_trace_record({**header, **_EMPTY_PAYLOAD})
+            if problem:
+                raise ArtifactError(f"{where}: schema violation: {problem}")
+            return TraceRecord(header, data, mark, closing + 1, where)
+    try:  # not laid out as the runner writes it: parse the whole line
+        rec = json.loads(data[start:end])
+    except ValueError as exc:
+        raise ArtifactError(f"{where}: not valid JSON") from exc
+    check_header(rec, "trace_record", where)
+    problem = check_trace_record(rec)
+    if problem:
+        raise ArtifactError(f"{where}: schema violation: {problem}")
+    return TraceRecord(rec, None, 0, 0, where)

@@ -1,0 +1,150 @@
+"""report.md: the verdict as Markdown to paste into a bug report or a CI summary.
+
+Rendered from report.json alone: verdict, causes with evidence and next steps, the
+divergent context side by side, drift, comparisons and environment differences.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..compare.causes import ADVICE, TITLES
+from .text import cause_summary
+
+
+def _cell(value: Any) -> str:
+    """Safe inside a table cell: inline code, pipes escaped, newlines shown as \\n."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = text.replace("\\", "\\\\").replace("\n", "\\n").replace("|", "\\|").replace("`", "'")
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return f"`{text}`" if text else "` `"
+
+
+def _num(x: float | None, fmt: str = ".6g") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _tok(side: dict[str, Any]) -> str:
+    if side["token_id"] is None:
+        return "*(generation ended)*"
+    return f"{side['token_id']} {_cell(repr(side['token_text']))}"
+
+
+def _top(side: dict[str, Any], texts: dict[int, str]) -> str:
+    top = side.get("top_logprobs") or []
+    return "<br>".join(f"{tid} {_cell(repr(texts[tid])) if tid in texts else ''} {_num(lp, '.4g')}" for tid, lp in top) or "n/a"
+
+
+def _divergence(d: dict[str, Any]) -> list[str]:
+    left, right = d["left"], d["right"]
+    texts = {s["token_id"]: s["token_text"] for s in (left, right) if s["token_id"] is not None}
+    tie = (f"**yes**: a margin is below the noise floor {d['noise_floor']:g}, so a numeric tie flipped"
+           if d["near_tie"] else f"no (noise floor {_num(d['noise_floor'], 'g')})")
+    lines = [
+        "## First divergence", "",
+        f"Prompt {d['prompt_index']} (`{d['prompt_id'][:12]}`), generated token **{d['token_index']}**, kind `{d['kind']}`, "
+        f"in *{d['comparison']}*. Near tie: {tie}.", "",
+        "Common prefix (the generated text both sides agree on):", "", "```text", d["common_prefix_text"][-400:] or "(empty)", "```", "",
+        f"| | left: {_cell(left['label'])} | right: {_cell(right['label'])} |", "|---|---|---|",
+        f"| token | {_tok(left)} | {_tok(right)} |",
+        f"| logprob of its own token | {_num(left['logprob'])} | {_num(right['logprob'])} |",
+        f"| logprob of the other side's token | {_num(left['other_logprob'])} | {_num(right['other_logprob'])} |",
+        f"| margin (top-1 minus top-2) | {_num(left['margin'], '.4g')} | {_num(right['margin'], '.4g')} |",
+        f"| top-k | {_top(left, texts)} | {_top(right, texts)} |",
+    ]
+    if d["kind"] == "input_ids" and d.get("input_ids"):
+        ids = d["input_ids"]
+        lines += [f"| input ids | {_cell(ids['left'])} | {_cell(ids['right'])} |",
+                  f"| first different input id | {ids['first_difference']} | |"]
+    if d.get("logprob_abs_diff") is not None:
+        lines += ["", f"|logprob difference| at this step: {d['logprob_abs_diff']:.6g}."]
+    return lines + [""]
+
+
+def _evidence(ev: dict[str, Any]) -> list[str]:
+    out = []
+    for key, value in ev.items():
+        if key == "comparisons" or value in ([], {}, None):
+            continue
+        if isinstance(value, list) and value and all(isinstance(x, dict) and "field" in x for x in value):
+            out.append(f"  - {key}:")
+            out += [f"    - {_cell(x['field'])}: {_cell(x['left'])} → {_cell(x['right'])}" for x in value[:12]]
+            if len(value) > 12:
+                out.append(f"    - … {len(value) - 12} more")
+        elif isinstance(value, dict) and set(value) == {"left", "right"}:
+            out.append(f"  - {key}: {_cell(value['left'])} → {_cell(value['right'])}")
+        else:
+            out.append(f"  - {key}: {_cell(value)}")
+    return out
+
+
+def _causes(title: str, causes: list[dict[str, Any]], advice: bool) -> list[str]:
+    lines = [f"## {title}", ""]
+    for n, c in enumerate(causes, 1):
+        lines.append(f"{n}. **{c['code']}**: {TITLES[c['code']]}. {cause_summary(c)}")
+        if advice:
+            lines.append(f"  - *next*: {ADVICE[c['code']]}")
+        lines += _evidence(c["evidence"])
+    return lines + [""]
+
+
+def _sides(report: dict[str, Any]) -> list[str]:
+    s = report["summary"]
+    if "left" not in s or "right" not in s:
+        keys = [k for k in ("backend", "model", "runs", "batch_sizes", "prompts", "generated_tokens", "atol") if k in s]
+        return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys), "| " + " | ".join(_cell(s[k]) for k in keys) + " |", ""] if keys else []
+    rows = [("selection", "label"), ("folder", "folder"), ("backend", "backend"), ("model", "model"), ("dtype", "dtype"),
+            ("device", "device"), ("recorded at tier", "tier"), ("prompts", "records")]
+    lines = ["| | left | right |", "|---|---|---|"]
+    lines += [f"| {name} | {_cell(s['left'][k])} | {_cell(s['right'][k])} |" for name, k in rows]
+    return lines + [""]
+
+
+def _drift(comps: list[dict[str, Any]]) -> list[str]:
+    rows = [c for c in comps if c["drift"].get("available")]
+    if not rows:
+        return []
+    lines = ["## Drift before the first divergence", "",
+             "| comparison | steps | max \\|Δ logprob\\| | mean top-k overlap | argmax flips |", "|---|---|---|---|---|"]
+    for c in rows:
+        d = c["drift"]
+        lines.append(f"| {_cell(c['name'])} | {d['steps']} | {_num(d['max_abs_logprob_diff'], '.3g')} | "
+                     f"{_num(d['mean_topk_overlap'], '.4f')} | {d['argmax_flips']} |")
+    return lines + [""]
+
+
+def _environment(report: dict[str, Any]) -> list[str]:
+    env = [c for c in report["causes"] + (report.get("info") or []) if c["code"] in ("ENV_MISMATCH", "BACKEND_MISMATCH")]
+    fields = [x for c in env for x in c["evidence"].get("differences", []) + c["evidence"].get("engine", [])]
+    if not fields:
+        return []
+    lines = ["## Environment differences", "", "| field | left | right |", "|---|---|---|"]
+    lines += [f"| {_cell(x['field'])} | {_cell(x['left'])} | {_cell(x['right'])} |" for x in fields[:40]]
+    return lines + [""]
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    tier = report["tier"]
+    verdict = report["status"] + ("" if report["category"] in ("PASS", report["status"]) else f": {report['category']}")
+    tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
+    lines = [f"# detllm {report['command']}: {verdict}", "",
+             f"Tier {tier['effective']}{tier_note}." + (f" Most likely: {TITLES[report['category']]}." if report["category"] in TITLES else ""), ""]
+    lines += _sides(report)
+    if report["causes"]:
+        lines += _causes("Causes, most likely first", report["causes"], advice=True)
+    if report["first_divergence"] is not None:
+        lines += _divergence(report["first_divergence"])
+    lines += _drift(report["comparisons"])
+    if report["comparisons"]:
+        lines += ["## Comparisons", "", "| status | comparison | required | prompts diverged | unmatched |", "|---|---|---|---|---|"]
+        for c in report["comparisons"]:
+            unmatched = len(c["unmatched"]["left_only"]) + len(c["unmatched"]["right_only"])
+            lines.append(f"| {c['status']} | {_cell(c['name'])} | {'yes' if c['required'] else 'no'} | "
+                         f"{c['prompts_diverged']}/{c['prompts_compared']} | {unmatched} |")
+        lines.append("")
+    lines += _environment(report)
+    if report.get("info"):
+        lines += _causes("Recorded differences that did not fail the verdict", report["info"], advice=False)
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,120 @@
+"""Replay a repro pack: re-run its recorded config and prompts here, then diff against it.
+
+Owns the order that keeps a replay honest: verify the pack, read its prompts (refused
+when it was recorded with --no-prompt-text), check --out, load the backend ONCE and
+compare its weights with the pack's before a token is generated (ModelChangedError,
+nothing written, unless allowed), then run and diff with the one diff engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from . import artifacts
+from .backends.registry import create_backend
+from .config import RunConfig
+from .errors import IntegrityError, ModelChangedError, UsageError
+from .hashing import sha256_text
+from .integrity import load_signing_key, verify_folder
+from .prompts import PromptSet
+from .runner import Outcome, Progress, execute
+
+
+def replay(
+    pack: str | Path,
+    *,
+    out: str | Path | None = None,
+    force: bool = False,
+    allow_model_change: bool = False,
+    model: str | None = None,
+    sign_key: str | Path | None = None,
+    progress: Progress | None = None,
+) -> Outcome:
+    """Re-run `pack` (a sealed run folder or .tar.gz) on this machine into `out`; the outcome's
+    report is the diff of the replay against the pack (PASS: the pack reproduced)."""
+    with artifacts.open_run_path(Path(pack)) as folder:
+        verify_folder(folder)  # a changed pack is refused (exit 6) before anything runs
+        recorded = artifacts.load_run(folder, validate_records=False)  # verify already checked every record
+        config = RunConfig.from_json(recorded.run_config["config"])
+        if model is not None:
+            config = dataclasses.replace(config, model=model)
+        prompts = recorded_prompts(recorded, label=str(pack))
+        out = Path(out) if out is not None else artifacts.default_out_dir("replay")
+        artifacts.check_out_dir(out, force=force)
+        if sign_key is not None:
+            load_signing_key(sign_key)  # refuse a bad key before the model loads
+        backend = create_backend(config)
+        try:
+            check_model(recorded.run_config["model"], backend.model_identity().to_json(), allow=allow_model_change)
+            return execute(
+                config, command="replay", out=out, force=force, backend=backend, progress=progress,
+                prompt_set=prompts, sign_key=sign_key,
+                make_report=lambda records, _tier, summary: replay_report(pack, recorded, out, records, summary),
+            )
+        finally:
+            backend.close()
+
+
+def recorded_prompts(run: artifacts.RunFolder, *, label: str) -> PromptSet:
+    """The pack's prompts in prompt-index order, from the trace's prompt_text."""
+    count = run.run_config["prompts"]["count"]
+    texts: dict[int, str] = {}
+    for rec in run.records:
+        text = rec["prompt_text"]
+        if text is None:
+            raise UsageError(f"{label} was recorded with --no-prompt-text: it holds only prompt hashes, so it cannot be replayed",
+                             hint="re-record it with prompt text, or run the same prompts here and `detllm diff` against the pack")
+        if sha256_text(text) != rec["prompt_id"]:
+            raise IntegrityError(f"{label}: trace record of prompt {rec['prompt_index']} has a prompt_text that does not hash to its prompt_id")
+        texts.setdefault(rec["prompt_index"], text)
+    missing = sorted(set(range(count)) - set(texts))
+    if missing:
+        raise UsageError(f"{label}: the trace holds no record of prompt(s) {missing[:5]}, so they cannot be replayed")
+    prompts = PromptSet(tuple(texts[i] for i in range(count)), f"replay of {label}")
+    if prompts.sha256 != run.run_config["prompts"]["sha256"]:
+        raise IntegrityError(f"{label}: the trace's prompts do not hash to run_config.json's prompts.sha256")
+    return prompts
+
+
+def check_model(recorded: dict[str, Any], local: dict[str, Any], *, allow: bool) -> None:
+    """Refuse (ModelChangedError, exit 7) when the local weights are not the pack's."""
+    if recorded["weights_sha256"] == local["weights_sha256"] or allow:
+        return
+    theirs = {w["file"]: w["sha256"] for w in recorded["weights"]}
+    ours = {w["file"]: w["sha256"] for w in local["weights"]}
+    changed = sorted(f for f in theirs.keys() | ours.keys() if theirs.get(f) != ours.get(f))
+    raise ModelChangedError(
+        f"the local model {local['id']!r} has weights sha256 {local['weights_sha256'][:12]}…, the pack's is "
+        f"{recorded['weights_sha256'][:12]}… ({', '.join(changed[:3]) or 'file list'} differ); refusing to replay",
+        hint="pass --allow-model-change to replay anyway and see where the outputs move",
+    )
+
+
+def replay_report(pack: Path | str, recorded: artifacts.RunFolder, out: Path, records: list[dict[str, Any]],
+                  summary: dict[str, Any]) -> dict[str, Any]:
+    """The replay's report.json: `detllm diff` (diff.diff_report) of every (run, batch size) the
+    pack recorded, pack on the left, replay on the right; the first failing one decides."""
+    from .compare.causes import Side
+    from .compare.engine import label, select
+    from .diff import diff_report
+
+    here = {name: artifacts.read_json(out / name, kind) for name, kind in
+            ((artifacts.ENV, "env"), (artifacts.RUN_CONFIG, "run_config"), (artifacts.APPLIED, "determinism_applied"))}
+    reports = []
+    for run, batch in sorted({(r["run_index"], r["batch_size"]) for r in recorded.records}, key=lambda k: (k[1], k[0])):
+        left = Side(f"pack::{label(run, batch)}", run, batch, select(recorded.records, run=run, batch=batch), str(pack),
+                    recorded.env, recorded.run_config, recorded.applied)
+        right = Side(f"replay::{label(run, batch)}", run, batch, select(records, run=run, batch=batch), str(out),
+                     here[artifacts.ENV], here[artifacts.RUN_CONFIG], here[artifacts.APPLIED])
+        reports.append(diff_report(left, right, atol=recorded.run_config["config"]["atol"]))
+    decisive = next((r for r in reports if r["status"] == "FAIL"), reports[0])
+    return {
+        **decisive,
+        "command": "replay",
+        "status": "FAIL" if decisive["status"] == "FAIL" else "PASS",
+        "comparisons": [c for r in reports for c in r["comparisons"]],
+        "summary": {**summary, "pack": str(pack), "selections": len(reports),
+                    "failed": sum(r["status"] == "FAIL" for r in reports)},
+    }

@@ -1,0 +1,326 @@
+"""Manifest, hash chain and `verify`: every tamper scenario is caught and named, the chain is
+the one docs/integrity.md spells out byte for byte, and verify never imports torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import detllm
+from detllm import artifacts
+from detllm.errors import ArtifactError, IntegrityError
+from detllm.integrity import SIG, seal, verify
+
+from .conftest import assert_valid_run
+
+TRACE_LINES = 12  # 4 built-in prompts x 3 runs
+
+
+@pytest.fixture(scope="module")
+def sealed_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sealed") / "run"
+    detllm.check(backend="fake", tier=2, out=out)
+    return out
+
+
+@pytest.fixture
+def run(sealed_run, tmp_path) -> Path:
+    """A fresh copy to tamper with."""
+    dest = tmp_path / "run"
+    shutil.copytree(sealed_run, dest)
+    return dest
+
+
+def lines(folder: Path) -> list[bytes]:
+    return (folder / "trace.jsonl").read_bytes().splitlines(keepends=True)
+
+
+def write_lines(folder: Path, new: list[bytes]) -> None:
+    (folder / "trace.jsonl").write_bytes(b"".join(new))
+
+
+def verify_fails(cli, folder: Path, code: int, *needles: str) -> str:
+    r = cli("verify", folder)
+    assert r.exit_code == code, r.output
+    for n in needles:
+        assert n in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, "one line on stderr"
+    return r.stderr
+
+
+# ---------------------------------------------------------------- the manifest
+
+
+def test_manifest_lists_every_file_and_is_schema_valid(run):
+    assert_valid_run(run)  # validates manifest.json too (artifacts.JSON_FILES)
+    manifest = json.loads((run / "manifest.json").read_text())
+    on_disk = sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert [f["path"] for f in manifest["files"]] == on_disk
+    for f in manifest["files"]:
+        data = (run / f["path"]).read_bytes()
+        assert (f["sha256"], f["size"]) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert manifest["trace"]["records"] == len(manifest["trace"]["record_hashes"]) == TRACE_LINES
+
+
+def test_chain_is_the_documented_byte_format(run):
+    """An independent re-implementation of docs/integrity.md reaches the manifest's genesis and head."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    rc = (run / "run_config.json").read_bytes()
+    model = json.loads(rc)["model"]
+    h = hashlib.sha256(b"detllm-trace-chain/1 genesis\x00" + hashlib.sha256(rc).digest()
+                       + hashlib.sha256((run / "env.json").read_bytes()).digest()
+                       + bytes.fromhex(model["weights_sha256"]) + bytes.fromhex(model["tokenizer_sha256"])).digest()
+    assert h.hex() == manifest["trace"]["genesis"]
+    for i, line in enumerate((run / "trace.jsonl").read_text(encoding="utf-8").splitlines(), 1):
+        canon = json.dumps(json.loads(line), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        h = hashlib.sha256(b"detllm-trace-chain/1 record\x00" + h + hashlib.sha256(canon).digest() + i.to_bytes(8, "little")).digest()
+        assert h.hex()[:16] == manifest["trace"]["record_hashes"][i - 1]
+    assert h.hex() == manifest["trace"]["head"]
+
+
+def test_manifest_is_written_last_and_sealing_is_deterministic(tmp_path, monkeypatch):
+    written = []
+    real = artifacts.atomic_write_text
+    monkeypatch.setattr(artifacts, "atomic_write_text", lambda p, t: (written.append(Path(p).name), real(p, t))[1])
+    out = tmp_path / "run"
+    detllm.check(backend="fake", out=out)
+    assert written[-1] == "manifest.json"
+    first = (out / "manifest.json").read_bytes()
+    seal(out)
+    assert (out / "manifest.json").read_bytes() == first, "no timestamps: re-sealing the same bytes gives the same manifest"
+
+
+def test_a_diff_folder_is_sealed_without_a_chain(sealed_run, tmp_path, cli):
+    r = cli("diff", sealed_run, f"{sealed_run}::run_1", "--out", tmp_path / "d")
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["trace"] is None and manifest["files"]
+    assert cli("verify", tmp_path / "d").exit_code == 0
+
+
+# ---------------------------------------------------------------- verify: clean
+
+
+def test_verify_passes_on_an_untouched_run(cli, run):
+    r = cli("verify", run)
+    assert r.exit_code == 0, r.output
+    assert f"{TRACE_LINES} trace records chained" in r.stdout
+    assert "signature absent" in r.stdout
+    assert "catches accidents, not a forger" in r.stdout
+
+
+def test_verify_json_output(cli, run):
+    r = cli("verify", run, "--json")
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["records"] == TRACE_LINES and doc["signature"] == "absent"
+
+
+# ---------------------------------------------------------------- verify: tamper scenarios
+
+
+def test_flipped_byte_in_the_trace_names_the_line(cli, run):
+    ls = lines(run)
+    b = bytearray(ls[4])
+    b[len(b) // 2] ^= 0x01
+    ls[4] = bytes(b)
+    write_lines(run, ls)
+    verify_fails(cli, run, 6, "trace.jsonl line 5")
+
+
+def test_edited_token_id_reserialised_validly_names_the_line(cli, run):
+    ls = lines(run)
+    rec = json.loads(ls[6])
+    rec["token_ids"][3] += 1
+    ls[6] = (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    write_lines(run, ls)
+    assert artifacts.validate(rec, "trace_record") is None  # still a valid record
+    verify_fails(cli, run, 6, "trace.jsonl line 7", "does not match the hash chain")
+
+
+def test_reordered_lines_name_the_first_moved_line(cli, run):
+    ls = lines(run)
+    ls[2], ls[3] = ls[3], ls[2]
+    write_lines(run, ls)
+    verify_fails(cli, run, 6, "trace.jsonl line 3", "reordered")
+
+
+def test_truncated_trace_is_caught(cli, run):
+    write_lines(run, lines(run)[:-1])
+    verify_fails(cli, run, 6, f"holds {TRACE_LINES - 1} records, the manifest records {TRACE_LINES}")
+
+
+def test_trace_cut_mid_line_names_the_line(cli, run):
+    ls = lines(run)
+    write_lines(run, ls[:-1] + [ls[-1][:40]])
+    verify_fails(cli, run, 6, f"trace.jsonl line {TRACE_LINES}: not valid JSON")
+
+
+def test_duplicated_line_is_caught_where_it_was_inserted(cli, run):
+    ls = lines(run)
+    write_lines(run, ls[:2] + [ls[1]] + ls[2:])
+    verify_fails(cli, run, 6, "trace.jsonl line 3")
+
+
+def test_reserialised_trace_with_the_same_records_is_still_a_changed_file(cli, run):
+    recs = [json.loads(x) for x in lines(run)]
+    write_lines(run, [(json.dumps(r, indent=None) + "\n").encode() for r in recs])  # ", " and ": " spacing
+    verify_fails(cli, run, 6, "trace.jsonl", "re-serialised")
+
+
+def test_edited_env_json_is_named(cli, run):
+    env = json.loads((run / "env.json").read_text())
+    env["python"]["version"] = "3.99.0"
+    (run / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+    verify_fails(cli, run, 6, "env.json: changed after sealing", "more problem")  # + the chain genesis
+
+
+def test_added_file_is_named(cli, run):
+    (run / "notes.txt").write_text("hello\n")
+    verify_fails(cli, run, 6, "notes.txt: is not in the manifest")
+
+
+def test_removed_file_is_named(cli, run):
+    (run / "report.txt").unlink()
+    verify_fails(cli, run, 6, "report.txt: is listed in the manifest but missing")
+
+
+def test_edited_chain_in_the_manifest_is_named(cli, run):
+    m = json.loads((run / "manifest.json").read_text())
+    m["trace"]["record_hashes"][5] = "0" * 16
+    (run / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
+    verify_fails(cli, run, 6, "trace.jsonl line 6", "manifest.json's chain was edited")
+
+
+def test_symlink_in_the_folder_is_refused(cli, run):
+    os.symlink("/etc/passwd", run / "passwd.txt")
+    verify_fails(cli, run, 6, "passwd.txt: is a symlink")
+
+
+def test_no_manifest_is_not_a_pack(cli, run):
+    (run / "manifest.json").unlink()
+    verify_fails(cli, run, 5, "without a manifest")
+    verify_fails(cli, run.parent / "missing", 5)
+
+
+def test_schema_error_sealed_as_is_exits_5(cli, run):
+    rep = json.loads((run / "report.json").read_text())
+    rep["status"] = "MAYBE"
+    (run / "report.json").write_text(json.dumps(rep))
+    seal(run)
+    verify_fails(cli, run, 5, "report.json", "schema violation")
+
+
+def test_schema_error_in_a_sealed_trace_line_exits_5(cli, run):
+    ls = lines(run)
+    rec = json.loads(ls[0])
+    rec["finish_reason"] = "eos"
+    ls[0] = (json.dumps(rec) + "\n").encode()
+    write_lines(run, ls)
+    seal(run)
+    verify_fails(cli, run, 5, "trace.jsonl line 1: schema violation: finish_reason")
+
+
+def test_library_raises_the_error_classes(run):
+    assert verify(run).records == TRACE_LINES
+    (run / "extra.json").write_text("{}")
+    with pytest.raises(IntegrityError):
+        verify(run)
+    (run / "manifest.json").unlink()
+    with pytest.raises(ArtifactError):
+        verify(run)
+
+
+# ---------------------------------------------------------------- signing
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    ser = pytest.importorskip("cryptography.hazmat.primitives.serialization")
+    ed = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
+    d = tmp_path_factory.mktemp("keys")
+    out = {}
+    for name in ("mine", "other"):
+        k = ed.Ed25519PrivateKey.generate()
+        (d / f"{name}.pem").write_bytes(k.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption()))
+        (d / f"{name}.pub").write_bytes(k.public_key().public_bytes(ser.Encoding.PEM, ser.PublicFormat.SubjectPublicKeyInfo))
+        (d / f"{name}.ssh").write_bytes(k.public_key().public_bytes(ser.Encoding.OpenSSH, ser.PublicFormat.OpenSSH))
+        out[name] = d / name
+    return out
+
+
+def test_signed_run_verifies_with_its_key_only(cli, tmp_path, keys):
+    out = tmp_path / "run"
+    r = cli("check", "--backend", "fake", "--out", out, "--sign-key", f"{keys['mine']}.pem", "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert (out / SIG).is_file()
+    ok = cli("verify", out, "--pubkey", f"{keys['mine']}.pub")
+    assert ok.exit_code == 0 and "signature verified by key sha256" in ok.stdout, ok.output
+    assert cli("verify", out, "--pubkey", f"{keys['mine']}.ssh").exit_code == 0
+    assert "signature not checked" in cli("verify", out).stdout
+    bad = cli("verify", out, "--pubkey", f"{keys['other']}.pub")
+    assert bad.exit_code == 6 and "manifest.sig: does not verify" in bad.stderr
+
+
+def test_a_forger_who_reseals_passes_unsigned_verify_but_not_the_signature(cli, tmp_path, keys):
+    out = tmp_path / "run"
+    detllm.check(backend="fake", out=out, sign_key=f"{keys['mine']}.pem")
+    old_sig = (out / SIG).read_bytes()
+    rc = json.loads((out / "run_config.json").read_text())
+    rc["config"]["seed"] = 7
+    (out / "run_config.json").write_text(json.dumps(rc, indent=2) + "\n")
+    seal(out)  # the forger recomputes the manifest (and cannot sign it)
+    assert not (out / SIG).exists(), "re-sealing without a key drops the stale signature"
+    assert cli("verify", out).exit_code == 0, "an unsigned hash catches accidents, not a forger"
+    r = cli("verify", out, "--pubkey", f"{keys['mine']}.pub")
+    assert r.exit_code == 6 and "manifest.sig: missing" in r.stderr
+    (out / SIG).write_bytes(old_sig)  # ... or keeps the old signature
+    r = cli("verify", out, "--pubkey", f"{keys['mine']}.pub")
+    assert r.exit_code == 6 and "does not verify" in r.stderr
+
+
+def test_bad_sign_key_is_refused_before_anything_is_written(cli, tmp_path):
+    (tmp_path / "key.pem").write_text("not a key\n")
+    out = tmp_path / "run"
+    r = cli("check", "--backend", "fake", "--out", out, "--sign-key", tmp_path / "key.pem")
+    assert r.exit_code == 2 and "--sign-key" in r.stderr
+    assert not out.exists()
+
+
+def test_missing_cryptography_says_what_to_install(cli, tmp_path, monkeypatch, sealed_run):
+    for mod in ("cryptography", "cryptography.hazmat.primitives", "cryptography.hazmat.primitives.asymmetric",
+                "cryptography.exceptions"):
+        monkeypatch.setitem(sys.modules, mod, None)  # makes `import` raise ImportError
+    (tmp_path / "k.pem").write_text("x")
+    r = cli("verify", sealed_run, "--pubkey", tmp_path / "k.pem")
+    assert r.exit_code == 2 and "install detllm[sign]" in r.stderr
+    r = cli("check", "--backend", "fake", "--out", tmp_path / "run", "--sign-key", tmp_path / "k.pem")
+    assert r.exit_code == 2 and "install detllm[sign]" in r.stderr
+
+
+# ---------------------------------------------------------------- no torch
+
+
+PROBE = """
+import sys
+from typer.testing import CliRunner
+from detllm.cli import app
+r = CliRunner().invoke(app, {args!r})
+heavy = sorted(m for m in ("torch", "transformers", "vllm", "numpy", "cryptography") if m in sys.modules)
+print("EXIT", r.exit_code, "HEAVY", ",".join(heavy) or "-")
+"""
+
+
+def test_verify_does_not_import_torch(sealed_run, tmp_path):
+    pack = detllm.create_pack(sealed_run, tmp_path / "p.tar.gz")
+    for target in (sealed_run, pack):
+        out = subprocess.run([sys.executable, "-c", PROBE.format(args=["verify", str(target)])],
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip().splitlines()[-1] == "EXIT 0 HEAVY -", out.stdout + out.stderr

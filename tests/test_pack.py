@@ -1,0 +1,185 @@
+"""`detllm pack` and reading .tar.gz packs: reproducible archives, readable wherever a folder is,
+and extraction that refuses every unsafe member and never loads anything but JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import detllm
+from detllm import artifacts
+from detllm.errors import IntegrityError
+from detllm.pack import Limits, extract
+
+
+@pytest.fixture(scope="module")
+def sealed_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("packsrc") / "run"
+    detllm.check(backend="fake", out=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pack(sealed_run, tmp_path_factory) -> Path:
+    return detllm.create_pack(sealed_run, tmp_path_factory.mktemp("pack") / "run.tar.gz")
+
+
+# ---------------------------------------------------------------- creating
+
+
+def test_pack_roundtrip_and_reproducible_bytes(cli, sealed_run, tmp_path):
+    r = cli("pack", sealed_run, "-o", tmp_path / "a.tar.gz")
+    assert r.exit_code == 0, r.output
+    detllm.create_pack(sealed_run, tmp_path / "b" / "a.tar.gz")
+    assert (tmp_path / "a.tar.gz").read_bytes() == (tmp_path / "b" / "a.tar.gz").read_bytes()
+    with tarfile.open(tmp_path / "a.tar.gz") as tar:
+        members = tar.getmembers()
+    assert {m.name.split("/")[0] for m in members} == {"a"}, "one top-level folder named after the pack"
+    assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in members)
+    listed = {f["path"] for f in json.loads((sealed_run / "manifest.json").read_text())["files"]}
+    assert {m.name.removeprefix("a/") for m in members if m.isfile()} == listed | {"manifest.json"}
+
+
+def test_pack_refuses_a_tampered_or_unsealed_folder(cli, sealed_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(sealed_run, run)
+    (run / "report.txt").write_text("edited\n")
+    r = cli("pack", run, "-o", tmp_path / "x.tar.gz")
+    assert r.exit_code == 6 and "report.txt" in r.stderr
+    (run / "manifest.json").unlink()
+    assert cli("pack", run, "-o", tmp_path / "x.tar.gz").exit_code == 5
+    assert not (tmp_path / "x.tar.gz").exists()
+
+
+def test_pack_refuses_bad_destinations(cli, sealed_run, pack, tmp_path):
+    assert cli("pack", sealed_run, "-o", tmp_path / "x.zip").exit_code == 2
+    r = cli("pack", sealed_run, "-o", pack)
+    assert r.exit_code == 2 and "exists" in r.stderr
+    assert cli("pack", sealed_run, "-o", pack, "--force").exit_code == 0
+
+
+# ---------------------------------------------------------------- reading packs where folders go
+
+
+def test_verify_report_and_load_run_read_a_pack(cli, pack, sealed_run):
+    r = cli("verify", pack)
+    assert r.exit_code == 0 and "12 trace records chained" in r.stdout, r.output
+    rep = cli("report", pack, "--format", "json")
+    assert rep.exit_code == 0 and json.loads(rep.stdout)["status"] == "PASS"
+    run = artifacts.load_run(pack)
+    assert run.path == pack and len(run.records) == 12
+    assert run.records == artifacts.load_run(sealed_run).records
+
+
+def test_extraction_leaves_no_temporary_folder(cli, pack, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli("verify", pack).exit_code == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_not_a_tar_gz_is_an_artifact_error(cli, tmp_path):
+    bogus = tmp_path / "bogus.tar.gz"
+    bogus.write_bytes(b"this is not gzip")
+    r = cli("verify", bogus)
+    assert r.exit_code == 5 and "not a readable .tar.gz pack" in r.stderr
+
+
+# ---------------------------------------------------------------- unsafe archives
+
+
+def make_tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes | None = b"{}", linkname: str = "") -> tuple:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info, (data if kind == tarfile.REGTYPE else None)
+
+
+UNSAFE = {
+    "absolute": ([member("/tmp/detllm-evil.json")], "absolute or unsafe path"),
+    "dotdot": ([member("run/../../detllm-evil.json")], "leaves the pack"),
+    "backslash": ([member("run\\..\\evil.json")], "absolute or unsafe path"),
+    "symlink": ([member("run/link.json", tarfile.SYMTYPE, linkname="/etc/passwd")], "is a symlink"),
+    "hardlink": ([member("run/a.json"), member("run/b.json", tarfile.LNKTYPE, linkname="run/a.json")], "is a hard link"),
+    "fifo": ([member("run/fifo.json", tarfile.FIFOTYPE)], "is a fifo"),
+    "device": ([member("run/dev.json", tarfile.CHRTYPE)], "is a device"),
+    "duplicate": ([member("run/a.json"), member("run/A.json")], "appears twice"),
+    "pickle": ([member("run/model.pkl", data=b"cos\nsystem\n(S'true'\ntR.")], "not a detllm artifact"),
+    "python": ([member("run/sitecustomize.py", data=b"print('pwned')")], "not a detllm artifact"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSAFE))
+def test_unsafe_members_are_refused(cli, tmp_path, case):
+    members, needle = UNSAFE[case]
+    archive = make_tar(tmp_path / f"{case}.tar.gz", members)
+    r = cli("verify", archive)
+    assert r.exit_code == 6, r.output
+    assert needle in r.stderr
+    assert not Path("/tmp/detllm-evil.json").exists() and not (tmp_path.parent / "detllm-evil.json").exists()
+
+
+def test_limits_on_members_sizes_and_totals(tmp_path):
+    many = make_tar(tmp_path / "many.tar.gz", [member(f"run/{i}.json") for i in range(6)])
+    with pytest.raises(IntegrityError, match="more than 5 members"):
+        extract(many, tmp_path / "a", Limits(max_members=5))
+    big = make_tar(tmp_path / "big.tar.gz", [member("run/big.json", data=b"x" * 100)])
+    with pytest.raises(IntegrityError, match="over the 50-byte limit"):
+        extract(big, tmp_path / "b", Limits(max_member_bytes=50))
+    total = make_tar(tmp_path / "total.tar.gz", [member(f"run/{i}.json", data=b"x" * 40) for i in range(3)])
+    with pytest.raises(IntegrityError, match="add up to more than 100 bytes"):
+        extract(total, tmp_path / "c", Limits(max_total_bytes=100))
+    deep = make_tar(tmp_path / "deep.tar.gz", [member("/".join(["d"] * 10) + "/x.json")])
+    with pytest.raises(IntegrityError, match="nested deeper"):
+        extract(deep, tmp_path / "d", Limits())
+
+
+class _Boom:
+    """Unpickling this writes a marker file: proof that something loaded the pickle."""
+
+    marker: Path
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+def test_a_pickle_in_a_pack_or_folder_is_never_loaded(cli, sealed_run, tmp_path):
+    import shutil
+
+    boom = _Boom()
+    boom.marker = tmp_path / "UNPICKLED"
+    payload = pickle.dumps(boom)
+    # in a folder: not in the manifest, so verify names it; load_run, report and replay never open it
+    run = tmp_path / "run"
+    shutil.copytree(sealed_run, run)
+    (run / "model.pkl").write_bytes(payload)
+    (run / "hook.py").write_text(f"open({str(boom.marker)!r}, 'w').write('imported')\n")
+    r = cli("verify", run)
+    assert r.exit_code == 6 and "hook.py: is not in the manifest" in r.stderr
+    assert cli("report", run).exit_code == 0
+    assert len(artifacts.load_run(run).records) == 12
+    # in an archive: refused at extraction, before any file is written
+    with tarfile.open(sealed_run.parent / "x.tar.gz", "w:gz") as tar:
+        for p in sorted(run.rglob("*")):
+            tar.add(p, arcname=f"run/{p.relative_to(run)}", recursive=False)
+    for cmd in (["verify"], ["report"], ["replay", "--out", str(tmp_path / "replayed")]):
+        r = cli(*cmd[:1], sealed_run.parent / "x.tar.gz", *cmd[1:])
+        assert r.exit_code == 6 and "not a detllm artifact" in r.stderr, r.output
+    assert not boom.marker.exists()
+    assert not (tmp_path / "replayed").exists()

@@ -14,7 +14,7 @@ import types
 import typing
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
@@ -144,6 +144,11 @@ class Backend(ABC):
         self.close()
 
 
+def request_seed(seed: int, prompt_index: int) -> int:
+    """Per-request RNG seed: depends on the prompt, not on its place in the batch."""
+    return (seed * 1_000_003 + prompt_index) % (2**63 - 1)
+
+
 def parse_options(options_cls: type, pairs: tuple[tuple[str, str], ...], backend: str) -> Any:
     """Turn `--opt key=value` strings into the backend's typed Options dataclass.
     Unknown keys and values of the wrong type are UsageErrors."""
@@ -196,5 +201,5 @@ __all__ = [
     "WeightFile",
     "options_json",
     "parse_options",
-    "field",
+    "request_seed",
 ]

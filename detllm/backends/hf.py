@@ -19,7 +19,7 @@ from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import folder_identity
 from ..models import resolve_model
-from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options
+from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -30,11 +30,6 @@ _LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, revision, dtype, device, 
 class HFOptions:
     attn_implementation: str = "eager"  # eager | sdpa: kernels differ, so it is recorded and fixed
     trust_remote_code: bool = False  # never run hub code unless asked
-
-
-def request_seed(seed: int, prompt_index: int) -> int:
-    """Per-request generator seed: depends on the prompt, not on its place in the batch."""
-    return (seed * 1_000_003 + prompt_index) % (2**63 - 1)
 
 
 def _torch():

@@ -94,13 +94,19 @@ def _kill_all() -> None:
         server.stop()
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _death_signal_hook():
+    """A preexec_fn asking Linux to SIGKILL the child when its parent dies (PR_SET_PDEATHSIG),
+    so even a SIGKILLed owner leaves no orphan. Resolved here, in the parent: the child
+    only calls a C function between fork and exec (no imports, no locks)."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None  # PDEATHSIG fires when the forking *thread* ends; only the main thread lives as long as we do
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphan if we are SIGKILLed
-    except Exception:  # noqa: BLE001 - best effort; atexit and close() still kill the group
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGKILL))
 
 
 def _free_port() -> int:
@@ -116,10 +122,9 @@ class _Server:
         self.port, self.timeout = port, timeout
         self.log = tempfile.NamedTemporaryFile(prefix="detllm-llama-server-", suffix=".log", delete=False)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # argv is the whole truth
-        on_main = threading.current_thread() is threading.main_thread()  # PDEATHSIG fires when the *thread* ends
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # own session: a terminal's Ctrl-C reaches us, and we kill the whole group
             argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent if on_main and sys.platform == "linux" else None,
+            start_new_session=True, preexec_fn=_death_signal_hook(),
         )
         self.log.close()  # the child holds its own descriptor
         self._finalizer = weakref.finalize(self, _kill_group, self.proc, self.log.name)  # on close, GC or exit
@@ -133,11 +138,7 @@ class _Server:
         return self.proc.poll() is None
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = Path(self.log.name).read_text(errors="replace")
-        except OSError:
-            return ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+        return " | ".join(line.strip() for line in self.log_text().strip().splitlines()[-lines:])
 
     def log_text(self) -> str:
         try:

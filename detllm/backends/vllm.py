@@ -24,8 +24,7 @@ from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import folder_identity
 from ..models import resolve_model
-from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options
-from .hf import request_seed
+from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
 INSTALL_CUDA = "pip install 'detllm[vllm]' on a CUDA machine"
 INSTALL_CPU = "scripts/install_vllm_cpu.sh on a CPU-only machine"

@@ -10,6 +10,7 @@ subprocess (a fresh interpreter, no torch), on the folder and on the .tar.gz.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import subprocess
 import sys
@@ -24,8 +25,8 @@ from detllm.pack import create_pack
 
 
 def synthetic_trace(path: Path, prompts: int, tokens: int, top_k: int) -> int:
-    """Write `prompts` records of `tokens` steps each, as the runner writes them (canonical JSON
-    lines); returns the file size in bytes. Token blocks cycle through 16 random ones to save time."""
+    """Write `prompts` records of `tokens` steps each, as the runner writes them; returns the file
+    size in bytes. Token blocks cycle through 16 random ones to save time."""
     rng = random.Random(0)
     blocks = []
     for _ in range(16):
@@ -39,13 +40,14 @@ def synthetic_trace(path: Path, prompts: int, tokens: int, top_k: int) -> int:
         for i in range(prompts):
             text = f"synthetic prompt {i}"
             ids, texts, lps, tops = blocks[i % len(blocks)]
-            f.write(canonical_json({
+            rec = {  # key order and spelling as artifacts.TraceWriter writes them
                 "schema_version": "1", "artifact_type": "trace_record", "run_index": 0, "batch_size": 1,
                 "batch_position": 0, "prompt_index": i, "prompt_id": sha256_text(text),
                 "prompt_text": text, "input_ids": input_ids, "input_ids_sha256": sha256_bytes(canonical_json(input_ids)),
                 "token_ids": ids, "token_texts": texts, "text": "".join(texts),
                 "logprobs": lps, "top_logprobs": tops, "finish_reason": "length",
-            }) + b"\n")
+            }
+            f.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
     return path.stat().st_size
 
 

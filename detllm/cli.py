@@ -81,7 +81,7 @@ def publish(report: dict, junit: Path | None) -> None:
 Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, fake.")]
 Model = Annotated[str, typer.Option("--model", "-m", help="Built-in model (tiny, smollm2-135m), local path, or hub id.")]
 JUnit = Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here (one testcase per prompt) for CI.")]
-SignKey = Annotated[Optional[Path], typer.Option("--sign-key", help="Ed25519 PEM private key: sign manifest.json into manifest.sig (needs detllm[sign]).")]
+SignKey = Annotated[Optional[Path], typer.Option("--sign-key", help="Ed25519 PEM private key: sign manifest.json into manifest.sig (needs the cryptography package).")]
 
 
 def _gen_command(command: str, default_runs: int) -> Callable:
@@ -253,8 +253,8 @@ def models_export(
 @app.command(help="Compare two run folders (or FOLDER::run_N, FOLDER::batch_B, FOLDER::run_N@batch_B selections): "
                   f"first divergent token, ranked causes with evidence, drift. No engine is imported. {EXIT_HELP}")
 def diff(
-    a: Annotated[str, typer.Argument(help="Left side: FOLDER or FOLDER::run_N@batch_B (default run 0 at its --batch-size).")],
-    b: Annotated[str, typer.Argument(help="Right side, the same way.")],
+    a: Annotated[str, typer.Argument(metavar="A", help="Left side: FOLDER or FOLDER::run_N@batch_B (default run 0 at its --batch-size).")],
+    b: Annotated[str, typer.Argument(metavar="B", help="Right side, the same way.")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write report.json, report.txt, report.md (and diffs/) here.")] = None,
     force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
     tier: Annotated[Optional[int], typer.Option(help="1 tokens, 2 + logprobs and top-k, 3 + across batch sizes (default: the lower recorded tier).")] = None,
@@ -288,19 +288,10 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     def body() -> int:
-        import dataclasses
-
         from .integrity import verify as verify_pack
 
         res = verify_pack(pack, pubkey=pubkey)
-        if as_json:
-            typer.echo(json.dumps({**dataclasses.asdict(res), "path": str(res.path), "ok": True}, indent=2))
-            return 0
-        chain = f", {res.records} trace records chained (head {res.head[:16]}…)" if res.head else ", no trace"
-        key = f" by key sha256 {res.key_sha256[:16]}…" if res.key_sha256 else ""
-        typer.echo(f"verified {pack}: {res.files} files unchanged{chain}; signature {res.signature}{key}")
-        for note in res.notes:
-            typer.echo(f"note: {note}")
+        typer.echo(json.dumps(res.to_json(), indent=2) if as_json else "\n".join(res.lines()))
         return 0
 
     guarded(body)

@@ -5,13 +5,14 @@ Owns the selection syntax, loading each side without torch, the diff report and 
 optional folder. Alignment, divergences and drift live in compare/engine.py, causes
 in compare/causes.py, rendering in render/.
 
-A side is `FOLDER` (run 0 at the folder's --batch-size) or `FOLDER::SELECTION` with
-SELECTION one of `run_N`, `batch_B` (run 0 at batch size B) or `run_N@batch_B`; the
-last `::` in the argument separates the two.
+A side is `FOLDER` (a run folder or .tar.gz pack; run 0 at its --batch-size) or
+`FOLDER::SELECTION` with SELECTION one of `run_N`, `batch_B` (run 0 at batch size B)
+or `run_N@batch_B`; the last `::` in the argument separates the two.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -131,37 +132,34 @@ def _read_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
 
 
 def load_sides(left: Selection, right: Selection) -> tuple[Side, Side]:
-    """Both sides; a folder used by both is read once."""
-    folders = {}
-    for sel in (left, right):
-        key = sel.folder.resolve()
-        if key not in folders:
-            folders[key] = (sel.folder, _read_folder(sel.folder))
-    wanted: dict[Path, set[tuple[int, int]]] = {}
-    picks = []
-    for sel in (left, right):
-        key = sel.folder.resolve()
-        run_config = folders[key][1][1]
-        pick = (sel.run or 0, sel.batch if sel.batch is not None else run_config["config"]["batch_size"])
-        wanted.setdefault(key, set()).add(pick)
-        picks.append((key, pick))
-    loaded = {}
-    for key, want in wanted.items():
-        records, present = load_records(key / artifacts.TRACE, keep=lambda h, w=want: (h["run_index"], h["batch_size"]) in w)
-        loaded[key] = (records, present)
-    same_name = left.folder.name == right.folder.name
+    """Both sides, from folders or .tar.gz packs; a folder used by both is read once."""
+    with contextlib.ExitStack() as stack:
+        folders: dict[Path, tuple[Path, tuple[dict, dict, dict]]] = {}  # resolved path -> (as given, files)
+        wanted: dict[Path, set[tuple[int, int]]] = {}
+        picks = []
+        for sel in (left, right):
+            key = sel.folder.resolve()
+            if key not in folders:
+                real = stack.enter_context(artifacts.open_run_path(sel.folder))
+                folders[key] = (real, _read_folder(real))
+            run_config = folders[key][1][1]
+            pick = (sel.run or 0, sel.batch if sel.batch is not None else run_config["config"]["batch_size"])
+            wanted.setdefault(key, set()).add(pick)
+            picks.append((sel, key, pick))
+        loaded = {key: load_records(folders[key][0] / artifacts.TRACE, keep=lambda h, w=want: (h["run_index"], h["batch_size"]) in w)
+                  for key, want in wanted.items()}
+    same_name = left.folder.name == right.folder.name and left.folder.resolve() != right.folder.resolve()
     sides = []
-    for sel, (key, (run, batch)) in zip((left, right), picks):
+    for sel, key, (run, batch) in picks:
         records, present = loaded[key]
         chosen = [r for r in records if r["run_index"] == run and r["batch_size"] == batch]
-        folder = folders[key][0]
         if not chosen:
             have = ", ".join(label(r, b) for r, b in sorted(present)) or "none"
-            raise UsageError(f"{str(folder)!r} has no records for {label(run, batch)}", hint=f"it holds {have}")
+            raise UsageError(f"{str(sel.folder)!r} has no records for {label(run, batch)}", hint=f"it holds {have}")
         env, run_config, applied = folders[key][1]
-        name = str(folder) if same_name and left.folder != right.folder else folder.name
+        name = str(sel.folder) if same_name else sel.folder.name
         sides.append(Side(label=f"{name}::{label(run, batch)}", run_index=run, batch_size=batch, records=chosen,
-                          folder=str(folder), env=env, run_config=run_config, applied=applied))
+                          folder=str(sel.folder), env=env, run_config=run_config, applied=applied))
     return sides[0], sides[1]
 
 

@@ -8,7 +8,6 @@ never imports an engine, so `detllm verify` runs without torch. Does not own arc
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import math
@@ -23,8 +22,9 @@ from typing import Any, Iterator
 
 from . import artifacts
 from .artifacts import ENV, MANIFEST, RUN_CONFIG, TRACE
-from .errors import ArtifactError, IntegrityError, UsageError
+from .errors import ArtifactError, IntegrityError
 from .hashing import canonical_json
+from .signing import Signer, check_signature
 
 SIG = "manifest.sig"
 SEAL_FILES = (MANIFEST, SIG)  # never listed in the manifest itself
@@ -203,7 +203,7 @@ def _chain_of(folder: Path) -> tuple[dict[str, Any], tuple[str, int]]:
     return trace, (lines.sha.hexdigest(), lines.size)
 
 
-def seal(folder: Path, signer: "Signer | None" = None) -> dict[str, Any]:
+def seal(folder: Path, signer: Signer | None = None) -> dict[str, Any]:
     """Write manifest.json (last, atomically) and, with a signer, manifest.sig over its bytes.
     A stale manifest.sig is removed when not signing: it could not verify any more."""
     folder = Path(folder)
@@ -241,6 +241,17 @@ class Verification:
     key_sha256: str | None = None  # sha256 of the raw Ed25519 public key that verified it
     notes: list[str] = field(default_factory=list)
 
+    def lines(self) -> list[str]:
+        """What `detllm verify` prints."""
+        chain = f", {self.records} trace records chained (head {self.head[:16]}…)" if self.head else ", no trace"
+        key = f" by key sha256 {self.key_sha256[:16]}…" if self.key_sha256 else ""
+        return [f"verified {self.path}: {self.files} files unchanged{chain}; signature {self.signature}{key}"] + \
+            [f"note: {n}" for n in self.notes]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "path": str(self.path), "files": self.files, "records": self.records, "head": self.head,
+                "signature": self.signature, "key_sha256": self.key_sha256, "notes": self.notes}
+
 
 def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verification:
     """Check a run folder or .tar.gz pack against its manifest, chain, schemas and (optionally)
@@ -258,7 +269,7 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verifica
         raise ArtifactError(f"{str(folder)!r} is not a folder or a .tar.gz pack")
     raw = _read_manifest_bytes(folder)
     manifest = _parse_manifest(raw)
-    signature, key_sha = _check_signature(folder, raw, pubkey)
+    signature, key_sha = check_signature(folder / SIG, raw, pubkey)
     problems: list[Problem] = []
     files, odd = walk(folder)
     problems += [Problem(rel, "is a symlink or special file; a pack holds regular files only") for rel in odd]
@@ -467,92 +478,6 @@ def _tops(tops: Any) -> bool:
     return _ints(list(map(itemgetter(0), pairs))) and _nums(list(map(itemgetter(1), pairs)))
 
 
-# ---------------------------------------------------------------- signing (optional: detllm[sign])
-
-
-def _crypto():
-    try:
-        from cryptography.exceptions import InvalidSignature
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-    except ImportError as exc:
-        raise UsageError("signing needs the 'cryptography' package", hint="install detllm[sign]") from exc
-    return serialization, ed25519, InvalidSignature
-
-
-@dataclass(frozen=True)
-class Signer:
-    """An Ed25519 private key, loaded and checked before anything runs."""
-
-    key: Any  # cryptography Ed25519PrivateKey
-
-    def sign(self, data: bytes) -> str:
-        """manifest.sig: the 64-byte signature over `data`, base64, one line."""
-        return base64.b64encode(self.key.sign(data)).decode("ascii") + "\n"
-
-    @property
-    def key_sha256(self) -> str:
-        return _key_sha256(self.key.public_key())
-
-
-def load_signing_key(path: str | Path) -> Signer:
-    """A PEM (PKCS#8) Ed25519 private key, unencrypted: `openssl genpkey -algorithm ed25519`."""
-    serialization, ed25519, _ = _crypto()
-    data = _read_key(path, "--sign-key")
-    try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"--sign-key {str(path)!r} is not an unencrypted PEM private key ({str(exc).splitlines()[0][:120]})",
-                         hint="create one with: openssl genpkey -algorithm ed25519 -out key.pem") from exc
-    if not isinstance(key, ed25519.Ed25519PrivateKey):
-        raise UsageError(f"--sign-key {str(path)!r} is not an Ed25519 key", hint="openssl genpkey -algorithm ed25519 -out key.pem")
-    return Signer(key)
-
-
-def load_public_key(path: str | Path):
-    """A PEM Ed25519 public key (`openssl pkey -in key.pem -pubout`) or an OpenSSH `ssh-ed25519` line."""
-    serialization, ed25519, _ = _crypto()
-    data = _read_key(path, "--pubkey")
-    try:
-        key = (serialization.load_ssh_public_key(data) if data.lstrip().startswith(b"ssh-")
-               else serialization.load_pem_public_key(data))
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise UsageError(f"--pubkey {str(path)!r} is not a PEM or OpenSSH public key") from exc
-    if not isinstance(key, ed25519.Ed25519PublicKey):
-        raise UsageError(f"--pubkey {str(path)!r} is not an Ed25519 public key")
-    return key
-
-
-def _read_key(path: str | Path, flag: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise UsageError(f"{flag} {str(path)!r} cannot be read ({exc.__class__.__name__})") from exc
-
-
-def _key_sha256(public_key) -> str:
-    serialization, _, _ = _crypto()
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()
-
-
-def _check_signature(folder: Path, manifest_bytes: bytes, pubkey: str | Path | None) -> tuple[str, str | None]:
-    sig_path = folder / SIG
-    if pubkey is None:
-        return ("not checked" if sig_path.exists() else "absent"), None
-    key = load_public_key(pubkey)
-    _, _, InvalidSignature = _crypto()
-    if not sig_path.is_file() or sig_path.is_symlink():
-        raise IntegrityError(f"{SIG}: missing, so the pack is not signed", hint="verify without --pubkey, or ask for a signed pack")
-    try:
-        sig = base64.b64decode(sig_path.read_bytes().strip(), validate=True)
-        key.verify(sig, manifest_bytes)
-    except (ValueError, InvalidSignature) as exc:
-        raise IntegrityError(f"{SIG}: does not verify {MANIFEST} with {str(pubkey)!r}",
-                             hint="the manifest changed after signing, or another key signed it") from exc
-    return "verified", _key_sha256(key)
-
-
 def _version() -> str:
     from importlib import metadata
 
@@ -562,5 +487,5 @@ def _version() -> str:
         return "unknown"
 
 
-__all__ = ["CHAIN", "Problem", "Signer", "Verification", "build_manifest", "check_trace_record", "genesis",
-           "load_public_key", "load_signing_key", "seal", "step", "verify", "verify_folder"]
+__all__ = ["CHAIN", "Problem", "Verification", "build_manifest", "check_trace_record", "genesis", "parse_line", "seal",
+           "step", "verify", "verify_folder"]

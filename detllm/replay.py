@@ -17,9 +17,10 @@ from .backends.registry import create_backend
 from .config import RunConfig
 from .errors import IntegrityError, ModelChangedError, UsageError
 from .hashing import sha256_text
-from .integrity import load_signing_key, verify_folder
+from .integrity import verify_folder
 from .prompts import PromptSet
 from .runner import Outcome, Progress, execute
+from .signing import load_signing_key
 
 
 def replay(

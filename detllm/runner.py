@@ -21,10 +21,11 @@ from .config import RunConfig
 from .env import collect_env
 from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError
 from .hashing import canonical_json, sha256_bytes
-from .integrity import Signer, load_signing_key, seal
+from .integrity import seal
 from .prompts import FILLERS, PromptSet, load_prompts
 from .render.markdown import render_markdown
 from .render.text import render_text
+from .signing import Signer, load_signing_key
 
 Progress = Callable[[int, int], None]  # (batches done, batches total)
 MakeReport = Callable[[list, int, dict], dict]  # (records, effective tier, summary) -> report.json

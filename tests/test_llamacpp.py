@@ -284,6 +284,15 @@ def test_bad_bin_option_is_backend_unavailable(tmp_path):
         LlamaCppBackend("tiny", LlamaCppOptions(bin=str(tmp_path)))
 
 
+def test_unrunnable_binary_is_backend_unavailable(tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("not a program")
+    fake.chmod(0o755)
+    b = LlamaCppBackend("tiny", LlamaCppOptions(bin=str(tmp_path)))
+    with pytest.raises(BackendUnavailableError, match="cannot run"):
+        b.tokenize("x")
+
+
 def test_bin_option_accepts_folder_or_file(binary):
     assert LlamaCppBackend("tiny", LlamaCppOptions(bin=str(binary.parent))).binary == binary
     assert LlamaCppBackend("tiny", LlamaCppOptions(bin=str(binary))).binary == binary
@@ -376,7 +385,10 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("sig,mode", [
-    (signal.SIGINT, "idle"), (signal.SIGINT, "generating"), (signal.SIGTERM, "idle"), (signal.SIGKILL, "generating"),
+    pytest.param(signal.SIGINT, "idle", id="SIGINT-idle"),  # KeyboardInterrupt, then atexit
+    pytest.param(signal.SIGINT, "generating", id="SIGINT-generating"),  # interrupted inside an HTTP call
+    pytest.param(signal.SIGTERM, "idle", id="SIGTERM-idle"),  # no atexit: the parent-death signal
+    pytest.param(signal.SIGKILL, "generating", id="SIGKILL-generating"),
 ])
 def test_no_orphan_server_when_the_owner_is_signalled(binary, tmp_path, sig, mode):
     script = tmp_path / "owner.py"

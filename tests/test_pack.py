@@ -79,6 +79,13 @@ def test_verify_report_and_load_run_read_a_pack(cli, pack, sealed_run):
     assert run.records == artifacts.load_run(sealed_run).records
 
 
+def test_diff_and_replay_read_a_pack(cli, pack, sealed_run, tmp_path):
+    r = cli("diff", pack, f"{sealed_run}::run_1")
+    assert r.exit_code == 0, r.output
+    r = cli("replay", pack, "--out", tmp_path / "r", "--no-progress")
+    assert r.exit_code == 0, r.output
+
+
 def test_extraction_leaves_no_temporary_folder(cli, pack, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert cli("verify", pack).exit_code == 0

@@ -64,7 +64,7 @@ class LlamaCppOptions:
 _LIVE: "weakref.WeakSet[_Server]" = weakref.WeakSet()
 
 
-def _kill_group(proc: subprocess.Popen, log: str | None = None) -> None:
+def _kill_group(proc: subprocess.Popen, log: Any = None) -> None:
     """SIGTERM the server's process group, SIGKILL it if it lingers, reap it, drop its log."""
     if proc.poll() is None:
         for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -81,11 +81,8 @@ def _kill_group(proc: subprocess.Popen, log: str | None = None) -> None:
         proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         pass
-    if log:
-        try:
-            os.unlink(log)
-        except OSError:
-            pass
+    if log is not None:
+        log.close()
 
 
 @atexit.register
@@ -120,14 +117,17 @@ class _Server:
 
     def __init__(self, argv: list[str], port: int, timeout: float) -> None:
         self.port, self.timeout = port, timeout
-        self.log = tempfile.NamedTemporaryFile(prefix="detllm-llama-server-", suffix=".log", delete=False)
+        self.log = tempfile.TemporaryFile(prefix="detllm-llama-server-")  # unlinked already: nothing left behind
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # argv is the whole truth
-        self.proc = subprocess.Popen(  # own session: a terminal's Ctrl-C reaches us, and we kill the whole group
-            argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, preexec_fn=_death_signal_hook(),
-        )
-        self.log.close()  # the child holds its own descriptor
-        self._finalizer = weakref.finalize(self, _kill_group, self.proc, self.log.name)  # on close, GC or exit
+        try:
+            self.proc = subprocess.Popen(  # own session: a terminal's Ctrl-C reaches us, and we kill the whole group
+                argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=_death_signal_hook(),
+            )
+        except OSError as exc:
+            self.log.close()
+            raise BackendUnavailableError(f"cannot run {argv[0]}: {exc}", hint=INSTALL_HINT) from exc
+        self._finalizer = weakref.finalize(self, _kill_group, self.proc, self.log)  # on close, GC or exit
         _LIVE.add(self)
 
     @property
@@ -142,8 +142,9 @@ class _Server:
 
     def log_text(self) -> str:
         try:
-            return Path(self.log.name).read_text(errors="replace")
-        except OSError:
+            fd = self.log.fileno()
+            return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        except (OSError, ValueError):  # ValueError: closed after stop()
             return ""
 
     def stop(self) -> None:
@@ -268,11 +269,12 @@ def incomplete_utf8(text: bytes) -> bool:
     return False
 
 
-def request_seed(seed: int) -> int:
-    """The llama.cpp sampling seed for every request of a run. llama-server takes one seed
-    per /completion call and a batch is one call, so it cannot depend on the prompt index;
-    each slot still draws from its own generator, so a prompt's samples do not depend on
-    batch order. 31 bits: never llama.cpp's 'random seed' value 0xFFFFFFFF."""
+def batch_seed(seed: int) -> int:
+    """The llama.cpp sampling seed of every /completion call in a run. It cannot follow
+    base.request_seed(seed, prompt_index): llama-server takes one seed per call, and a batch
+    must be one call for its prompts to decode in lockstep. Each slot still samples from
+    its own generator, so a prompt's samples do not depend on batch order or company.
+    31 bits: never llama.cpp's 'random seed' value 0xFFFFFFFF."""
     return int.from_bytes(hashlib.sha256(f"detllm-llamacpp:{seed}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
@@ -392,7 +394,7 @@ class LlamaCppBackend(Backend):
                 raise UsageError(f"prompt {req.prompt_index} ({len(req.input_ids)} tokens) + {decoding.max_new_tokens} new tokens "
                                  f"exceed the per-slot context of {self.ctx_per_slot}", hint="raise --opt ctx_size")
         n_probs = top_k if logprobs else 0
-        body = self._body([list(r.input_ids) for r in requests], decoding, request_seed(seed), n_probs)
+        body = self._body([list(r.input_ids) for r in requests], decoding, batch_seed(seed), n_probs)
         doc = self._call(lambda srv: self._post_batch(srv, body, len(requests)))
         docs = sorted(doc, key=lambda d: d["index"]) if isinstance(doc, list) else [doc]
         if len(docs) != len(requests):
@@ -417,7 +419,7 @@ class LlamaCppBackend(Backend):
         o, applied_threads = self.options, self._log_threads(srv)
         quant = self.info.quantization
         yield [
-            Applied("seed", seed, True, request_seed(seed),
+            Applied("seed", seed, True, batch_seed(seed),
                     "one llama.cpp seed per run (a batch is one /completion call); each slot samples from its own stream"),
             Applied("threads", threads, threads is None or applied_threads[0] == threads, applied_threads[0],
                     "llama-server -t (generation threads)"),

@@ -19,11 +19,13 @@ from .engine import align
 
 # Most fundamental first: a different model, tokenizer or prompt set makes different
 # output expected; config changes the computation asked for; backend and environment
-# change the kernels that compute it; batch and run variance are left when nothing
-# else was recorded differently. A model difference that is only a format conversion
-# (safetensors vs GGUF always hash differently) ranks just after BACKEND_MISMATCH.
+# change the kernels that compute it; run and batch variance are left when nothing
+# else was recorded differently. They meet only in `check`, where runs that vary at a
+# fixed batch size also explain the batch comparisons, so RUN_VARIANCE comes first. A
+# model difference that is only a format conversion (safetensors vs GGUF never hash
+# alike) ranks just after BACKEND_MISMATCH.
 RANK = ("MODEL_MISMATCH", "TOKENIZER_MISMATCH", "PROMPT_MISMATCH", "CONFIG_MISMATCH", "BACKEND_MISMATCH",
-        "ENV_MISMATCH", "BATCH_VARIANCE", "RUN_VARIANCE")
+        "ENV_MISMATCH", "RUN_VARIANCE", "BATCH_VARIANCE")
 TITLES = {
     "MODEL_MISMATCH": "the model weights differ",
     "TOKENIZER_MISMATCH": "the tokenizer differs",

@@ -7,6 +7,7 @@ divergent context side by side, drift, comparisons and environment differences.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
@@ -16,10 +17,16 @@ from .text import cause_summary
 def _cell(value: Any) -> str:
     """Safe inside a table cell: inline code, pipes escaped, newlines shown as \\n."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    text = text.replace("\\", "\\\\").replace("\n", "\\n").replace("|", "\\|").replace("`", "'")
+    text = text.replace("\n", "\\n").replace("|", "\\|").replace("`", "'")
     if len(text) > 120:
         text = text[:117] + "..."
     return f"`{text}`" if text else "` `"
+
+
+def _fenced(text: str) -> list[str]:
+    """A code block whose fence is longer than any backtick run in `text`."""
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
+    return [fence + "text", text, fence]
 
 
 def _num(x: float | None, fmt: str = ".6g") -> str:
@@ -34,7 +41,8 @@ def _tok(side: dict[str, Any]) -> str:
 
 def _top(side: dict[str, Any], texts: dict[int, str]) -> str:
     top = side.get("top_logprobs") or []
-    return "<br>".join(f"{tid} {_cell(repr(texts[tid])) if tid in texts else ''} {_num(lp, '.4g')}" for tid, lp in top) or "n/a"
+    return "<br>".join(" ".join([str(tid)] + ([_cell(repr(texts[tid]))] if tid in texts else []) + [_num(lp, ".4g")])
+                       for tid, lp in top) or "n/a"
 
 
 def _divergence(d: dict[str, Any]) -> list[str]:
@@ -46,7 +54,7 @@ def _divergence(d: dict[str, Any]) -> list[str]:
         "## First divergence", "",
         f"Prompt {d['prompt_index']} (`{d['prompt_id'][:12]}`), generated token **{d['token_index']}**, kind `{d['kind']}`, "
         f"in *{d['comparison']}*. Near tie: {tie}.", "",
-        "Common prefix (the generated text both sides agree on):", "", "```text", d["common_prefix_text"][-400:] or "(empty)", "```", "",
+        "Common prefix (the generated text both sides agree on):", "", *_fenced(d["common_prefix_text"][-400:] or "(empty)"), "",
         f"| | left: {_cell(left['label'])} | right: {_cell(right['label'])} |", "|---|---|---|",
         f"| token | {_tok(left)} | {_tok(right)} |",
         f"| logprob of its own token | {_num(left['logprob'])} | {_num(right['logprob'])} |",

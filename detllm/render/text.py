@@ -50,13 +50,18 @@ def cause_summary(cause: dict[str, Any]) -> str:
         return name + (f"; {_pairs(ev['engine'], 3)}" if ev["engine"] else "")
     if code == "ENV_MISMATCH":
         return _pairs(ev["differences"], 3) + (f" ({ev['count']} fields in all)" if ev.get("count", 0) > 3 else "")
+    first = ev.get("first")
+    where = ""
+    if first:
+        tie = ", a near tie" if first["near_tie"] else ""
+        where = f"; {ev['prompts_diverged']} prompt(s) diverged, first prompt {first['prompt_index']} at token {first['token_index']}{tie}"
     if code == "BATCH_VARIANCE":
         sizes = ev.get("batch_size")
         what = f"batch size {sizes['left']} vs {sizes['right']}" if sizes else f"batch sizes {ev['batch_sizes']}"
         if ev.get("composition_changed"):
             what += f"; {ev['composition_changed']} prompt(s) sat in a different batch"
-        return what
-    return "nothing recorded differs between the two sides"
+        return what + where
+    return "same model, tokenizer, prompts, config, engine, environment and batch" + where
 
 
 def _tok(side: dict[str, Any], same_token: bool) -> str:

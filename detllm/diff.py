@@ -125,7 +125,8 @@ def _read_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     if not path.is_dir():
         raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
     if not (path / artifacts.RUN_CONFIG).is_file():
-        hint = "a diff folder holds no trace: pass the run folders it compared" if _holds_diff(path) else "pass a folder written by detllm run or check"
+        hint = ("a diff folder holds no trace: pass the run folders it compared" if _holds_diff(path)
+                else "pass a folder written by detllm run or check")
         raise ArtifactError(f"{str(path)!r} is not a detllm run folder (no {artifacts.RUN_CONFIG})", hint=hint)
     run_config = artifacts.read_json(path / artifacts.RUN_CONFIG, "run_config")
     return artifacts.read_json(path / artifacts.ENV, "env"), run_config, artifacts.read_json(path / artifacts.APPLIED, "determinism_applied")

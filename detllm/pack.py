@@ -60,6 +60,8 @@ def create_pack(run_dir: str | Path, dest: str | Path, *, force: bool = False) -
         raise UsageError(f"-o {str(dest)!r} exists", hint="choose another name or pass --force")
     if is_archive(run_dir):
         raise UsageError(f"{str(run_dir)!r} is already a pack")
+    if dest.resolve().is_relative_to(run_dir.resolve()):
+        raise UsageError(f"-o {str(dest)!r} is inside the run folder (it would break its seal)", hint="write the pack elsewhere")
     verify_folder(run_dir)  # never pack a folder that changed after sealing
     files, _ = walk(run_dir)
     names = sorted(files) + [n for n in SEAL_FILES if (run_dir / n).is_file()]

@@ -43,6 +43,8 @@ def replay(
             config = dataclasses.replace(config, model=model)
         prompts = recorded_prompts(recorded, label=str(pack))
         out = Path(out) if out is not None else artifacts.default_out_dir("replay")
+        if out.exists() and out.resolve() == folder.resolve():
+            raise UsageError(f"--out {str(out)!r} is the pack being replayed", hint="choose another --out")
         artifacts.check_out_dir(out, force=force)
         if sign_key is not None:
             load_signing_key(sign_key)  # refuse a bad key before the model loads

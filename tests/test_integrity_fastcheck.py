@@ -1,5 +1,6 @@
-"""integrity.check_trace_record is schemas/trace_record.schema.json by hand: on every record
-here, valid and broken, it gives jsonschema's answer (it may only be stricter about NaN/Infinity)."""
+"""integrity.check_trace_record (and scan_line's patterns) are schemas/trace_record.schema.json
+by hand: on every record here, valid and broken, as a dict or as a trace line, they give
+jsonschema's answer (they may only be stricter about NaN/Infinity)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import detllm
 from detllm.artifacts import _validator
 from detllm.hashing import canonical_json
-from detllm.integrity import check_trace_record, parse_line
+from detllm.integrity import check_trace_record, scan_line
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +58,21 @@ def mutations(rec: dict):
             yield m
 
 
+def fast_ok(m) -> bool:
+    """Both fast paths: the parsed record, and the compact line the runner would write."""
+    as_dict = check_trace_record(m) is None
+    fields, prechecked, _ = scan_line(json.dumps(m, ensure_ascii=False, separators=(",", ":")).encode())
+    as_line = check_trace_record(fields, prechecked) is None
+    assert as_dict == as_line, m
+    return as_dict
+
+
 def test_fast_check_agrees_with_jsonschema_on_every_mutation(record):
-    assert check_trace_record(record) is None and schema_ok(record)
+    assert fast_ok(record) and schema_ok(record)
     answers = []
     for m in mutations(record):
         ok = schema_ok(m)
-        assert (check_trace_record(m) is None) == ok, m
+        assert fast_ok(m) == ok, m
         answers.append(ok)
     assert len(answers) > 600 and 50 < sum(answers) < len(answers) - 50, "both answers, many times"
 
@@ -85,9 +95,37 @@ def test_fast_check_agrees_on_random_mutations(record):
             else:
                 m[key] = copy.deepcopy(rng.choice(VALUES))
         ok = schema_ok(m)
-        assert (check_trace_record(m) is None) == ok, m
+        assert fast_ok(m) == ok, m
         answers.add(ok)
     assert answers == {True, False}, "the mutations reach both answers"
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('"token_ids":[1.0,2]', True),  # an integer-valued float is a JSON Schema integer: parsed, accepted
+    ('"token_ids":[01]', None),  # not JSON
+    ('"token_ids":[-1]', False),
+    ('"token_ids":[1, 2]', True),  # spaces: parsed instead of matched
+    ('"logprobs":[-1e-300,-0.0,-0,null,12345678901234567.5]', True),
+    ('"logprobs":[1e400]', False),  # overflows to Infinity: refused (stricter than the schema)
+    ('"token_texts":["a\\u00e9\\"","\\ud83d"]', True),
+    ('"token_texts":["tab\there"]', None),  # a raw control character: not JSON
+    ('"top_logprobs":[[],[[1,null]]]', True),
+    ('"top_logprobs":[[[1,-0.5,2]]]', False),
+])
+def test_scan_line_on_edge_cases(record, text, ok):
+    key = text.split('"')[1]
+    base = {k: v for k, v in record.items() if k != key}
+    line = ("{" + json.dumps(base, separators=(",", ":"))[1:-1] + "," + text + "}").encode()
+    if ok is None:
+        with pytest.raises(ValueError):
+            scan_line(line)
+        with pytest.raises(ValueError):
+            json.loads(line)
+        return
+    fields, prechecked, _ = scan_line(line)
+    assert (check_trace_record(fields, prechecked) is None) == ok
+    if key != "logprobs" or ok:
+        assert schema_ok(json.loads(line)) == ok
 
 
 def test_fast_check_refuses_non_finite_numbers(record):
@@ -96,13 +134,14 @@ def test_fast_check_refuses_non_finite_numbers(record):
     assert check_trace_record(m) is not None
 
 
-def test_parse_line_guess_is_canonical_for_runner_lines(record):
+def test_scan_line_guess_is_canonical_for_runner_lines(record):
     line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
-    rec, guess = parse_line(line)
-    assert rec == record and guess == canonical_json(record)
-    spaced = json.dumps(record).encode()
-    rec, guess = parse_line(spaced)
-    assert rec == record and guess != canonical_json(record)  # verify then falls back to canonical_json
+    fields, prechecked, guess = scan_line(line)
+    assert guess == canonical_json(record)
+    assert prechecked == {"input_ids", "token_ids", "token_texts", "logprobs", "top_logprobs"}
+    assert {k: v for k, v in fields.items() if k not in prechecked} == {k: v for k, v in record.items() if k not in prechecked}
+    fields, prechecked, guess = scan_line(json.dumps(record).encode())  # ", " and ": " spacing
+    assert fields == record and not prechecked and guess != canonical_json(record)  # verify re-serialises
     for bad in (b'{"a":1,}', b'{"a":1', b'{"a":1}x', b"{a:1}", b""):
         with pytest.raises(ValueError):
-            parse_line(bad)
+            scan_line(bad)

@@ -61,6 +61,8 @@ def test_pack_refuses_a_tampered_or_unsealed_folder(cli, sealed_run, tmp_path):
 
 def test_pack_refuses_bad_destinations(cli, sealed_run, pack, tmp_path):
     assert cli("pack", sealed_run, "-o", tmp_path / "x.zip").exit_code == 2
+    r = cli("pack", sealed_run, "-o", sealed_run / "x.tar.gz")
+    assert r.exit_code == 2 and "inside the run folder" in r.stderr
     r = cli("pack", sealed_run, "-o", pack)
     assert r.exit_code == 2 and "exists" in r.stderr
     assert cli("pack", sealed_run, "-o", pack, "--force").exit_code == 0

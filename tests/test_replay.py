@@ -99,6 +99,11 @@ def test_bad_out_is_refused_before_the_model_loads(cli, fake_pack, tmp_path, spy
     (tmp_path / "r" / "mine.txt").write_text("user file")
     r = cli("replay", fake_pack, "--out", tmp_path / "r")
     assert r.exit_code == 2 and spy["create"] == 0
+    with detllm.artifacts.open_run_path(fake_pack) as folder:
+        shutil.copytree(folder, tmp_path / "run")
+    r = cli("replay", tmp_path / "run", "--out", tmp_path / "run")
+    assert r.exit_code == 2 and "is the pack being replayed" in r.stderr
+    assert cli("verify", tmp_path / "run").exit_code == 0, "the pack was not touched"
 
 
 def test_edited_seed_passes_verify_and_is_caught_by_replay(cli, sampled_run, tmp_path):

@@ -58,7 +58,8 @@ def _divergence(d: dict[str, Any]) -> list[str]:
         f"| | left: {_cell(left['label'])} | right: {_cell(right['label'])} |", "|---|---|---|",
         f"| token | {_tok(left)} | {_tok(right)} |",
         f"| logprob of its own token | {_num(left['logprob'])} | {_num(right['logprob'])} |",
-        f"| logprob of the other side's token | {_num(left['other_logprob'])} | {_num(right['other_logprob'])} |",
+        *([] if left["token_id"] == right["token_id"] else
+          [f"| logprob of the other side's token | {_num(left['other_logprob'])} | {_num(right['other_logprob'])} |"]),
         f"| margin (top-1 minus top-2) | {_num(left['margin'], '.4g')} | {_num(right['margin'], '.4g')} |",
         f"| top-k | {_top(left, texts)} | {_top(right, texts)} |",
     ]
@@ -67,7 +68,7 @@ def _divergence(d: dict[str, Any]) -> list[str]:
         lines += [f"| input ids | {_cell(ids['left'])} | {_cell(ids['right'])} |",
                   f"| first different input id | {ids['first_difference']} | |"]
     if d.get("logprob_abs_diff") is not None:
-        lines += ["", f"|logprob difference| at this step: {d['logprob_abs_diff']:.6g}."]
+        lines += ["", f"Largest logprob difference at this step (chosen token and top-k): {d['logprob_abs_diff']:.6g}."]
     return lines + [""]
 
 
@@ -77,23 +78,30 @@ def _evidence(ev: dict[str, Any]) -> list[str]:
         if key == "comparisons" or value in ([], {}, None):
             continue
         if isinstance(value, list) and value and all(isinstance(x, dict) and "field" in x for x in value):
-            out.append(f"  - {key}:")
-            out += [f"    - {_cell(x['field'])}: {_cell(x['left'])} → {_cell(x['right'])}" for x in value[:12]]
+            out.append(f"   - {key}:")  # nested under "1. ": three spaces, then five
+            out += [f"     - {_cell(x['field'])}: {_cell(x['left'])} → {_cell(x['right'])}" for x in value[:12]]
             if len(value) > 12:
-                out.append(f"    - … {len(value) - 12} more")
+                out.append(f"     - … {len(value) - 12} more")
+        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+            out.append(f"   - {key}:")
+            for x in value[:12]:
+                if set(x) == {"file", "left", "right"}:
+                    out.append(f"     - {_cell(x['file'])}: {_cell(x['left'])} → {_cell(x['right'])}")
+                else:
+                    out.append("     - " + ", ".join(f"{k} {_cell(v)}" for k, v in x.items()))
         elif isinstance(value, dict) and set(value) == {"left", "right"}:
-            out.append(f"  - {key}: {_cell(value['left'])} → {_cell(value['right'])}")
+            out.append(f"   - {key}: {_cell(value['left'])} → {_cell(value['right'])}")
         else:
-            out.append(f"  - {key}: {_cell(value)}")
+            out.append(f"   - {key}: {_cell(value)}")
     return out
 
 
 def _causes(title: str, causes: list[dict[str, Any]], advice: bool) -> list[str]:
     lines = [f"## {title}", ""]
     for n, c in enumerate(causes, 1):
-        lines.append(f"{n}. **{c['code']}**: {TITLES[c['code']]}. {cause_summary(c)}")
+        lines.append(f"{n}. **{c['code']}**: {TITLES[c['code']]}: {cause_summary(c)}")
         if advice:
-            lines.append(f"  - *next*: {ADVICE[c['code']]}")
+            lines.append(f"   - *next*: {ADVICE[c['code']]}")
         lines += _evidence(c["evidence"])
     return lines + [""]
 

@@ -34,14 +34,16 @@ def cause_summary(cause: dict[str, Any]) -> str:
         if ev.get("examples"):
             ex = ev["examples"][0]
             i, la, lb = ex["first_difference"], ex["left_input_ids"], ex["right_input_ids"]
-            at = f": input id {i} is {la[i] if i < len(la) else 'absent'} vs {lb[i] if i < len(lb) else 'absent'}" if i is not None else ""
-            return f"{ev['prompts_with_different_input_ids']}/{ev['prompts_checked']} prompts tokenized differently (prompt {ex['prompt_index']}{at})"
+            at = "" if i is None else f": input id {i} is {la[i] if i < len(la) else 'absent'} vs {lb[i] if i < len(lb) else 'absent'}"
+            n, checked = ev["prompts_with_different_input_ids"], ev["prompts_checked"]
+            return f"{n}/{checked} prompts tokenized differently (prompt {ex['prompt_index']}{at})"
         t = ev["tokenizer_sha256"]
         return f"tokenizer files {short(t['left'])} vs {short(t['right'])}; input ids agree on all {ev['prompts_checked']} prompts"
     if code == "PROMPT_MISMATCH":
         example = (ev["left_only"] + ev["right_only"])[:1]
         text = f" (e.g. {short(example[0]['prompt_text'])})" if example and example[0]["prompt_text"] else ""
-        return f"{ev.get('left_only_count', len(ev['left_only']))} prompt(s) only on the left, {ev.get('right_only_count', len(ev['right_only']))} only on the right{text}"
+        lo, ro = ev.get("left_only_count", len(ev["left_only"])), ev.get("right_only_count", len(ev["right_only"]))
+        return f"{lo} prompt(s) only on the left, {ro} only on the right{text}"
     if code == "CONFIG_MISMATCH":
         return _pairs(ev["fields"] + ev["applied"], 4)
     if code == "BACKEND_MISMATCH":
@@ -109,7 +111,8 @@ def _header(report: dict[str, Any]) -> list[str]:
         return lines
     lines.append(f"tier {tier['effective']}{tier_note}" + (f"  backend {s['backend']}  model {s['model']}" if "backend" in s else ""))
     if "prompts" in s:
-        lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  batch sizes {s.get('batch_sizes', '-')}  tokens {s.get('generated_tokens', '-')}")
+        lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  batch sizes {s.get('batch_sizes', '-')}  "
+                     f"tokens {s.get('generated_tokens', '-')}")
     return lines
 
 

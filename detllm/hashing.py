@@ -58,8 +58,12 @@ def combine(pairs: Iterable[tuple[str, str]]) -> str:
     return sha256_bytes("".join(f"{n}\0{h}\n" for n, h in sorted(pairs)).encode())
 
 
+def weight_paths(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+
+
 def weight_files(folder: Path) -> tuple[WeightFile, ...]:
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    files = weight_paths(folder)
     return tuple(WeightFile(str(p.relative_to(folder)), sha256_file(p), p.stat().st_size) for p in files)
 
 

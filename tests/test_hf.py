@@ -122,3 +122,21 @@ def test_secrets_in_environment_are_redacted(tmp_path, monkeypatch):
     for f in (tmp_path / "r").rglob("*"):
         if f.is_file():
             assert b"SuperSecretValue" not in f.read_bytes(), f
+
+
+def test_weights_edited_in_place_are_reloaded(tmp_path):
+    """Same path, one weight changed: the second run must use the new weights (not a cached model)."""
+    from safetensors.torch import load_file, save_file
+
+    from detllm.models import export_model
+
+    folder = export_model("tiny", tmp_path / "tiny")
+    a = detllm.run(backend="hf", model=str(folder), tier=2, max_new_tokens=4, out=tmp_path / "a")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.norm.weight"][0] += 0.5
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    b = detllm.run(backend="hf", model=str(folder), tier=2, max_new_tokens=4, out=tmp_path / "b")
+    cfg = [json.loads((o.out_dir / "run_config.json").read_text())["model"]["weights_sha256"] for o in (a, b)]
+    lps = [json.loads((o.out_dir / "trace.jsonl").read_text().splitlines()[0])["logprobs"] for o in (a, b)]
+    assert cfg[0] != cfg[1]
+    assert lps[0] != lps[1], "the edited weights were not loaded"

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
-from ..hashing import folder_identity
+from ..hashing import folder_identity, weight_paths
 from ..models import resolve_model
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
@@ -86,7 +86,9 @@ class HFBackend(Backend):
         hf_logging.disable_progress_bar()  # keep stderr for detllm's one-line messages
 
         source = str(self.resolved.path) if self.resolved.path else self.resolved.id
-        key = (source, self.revision, self.dtype, self.device, self.options.attn_implementation)
+        # the weight files' size and mtime are in the key: weights edited in place are reloaded
+        files = tuple((w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weight_paths(self.resolved.path)) if self.resolved.path else ()
+        key = (source, files, self.revision, self.dtype, self.device, self.options.attn_implementation)
         if key in _LOADED:
             return _LOADED[key]
         try:

@@ -26,6 +26,8 @@ def check_comparisons(records: list[dict[str, Any]], *, base_batch: int, runs: i
         comps.append(compare(ref, select(records, run=r, batch=base_batch), name=f"run_{r} vs run_0 @ batch {base_batch}",
                              kind="run", left_label=label(0, base_batch), right_label=label(r, base_batch),
                              required=tier >= 1, check_logprobs=tier >= 2, atol=atol, noise_floor=floor))
+    if 1 not in batch_sizes:
+        return comps  # no --vary-batch: only repeats were run, at one batch size
     one = select(records, run=0, batch=1)
     for b in batch_sizes:
         if b == 1:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -167,10 +165,7 @@ def test_weights_substituted_under_the_same_path(cli, tmp_path):
     r = cli("replay", pack, "--out", tmp_path / "r")
     assert r.exit_code == 7 and weights.name in r.stderr, r.output
     assert not (tmp_path / "r").exists()
-    # a fresh process, as a user would run it: this one still holds the old weights in the hf
-    # backend's per-process model cache
-    r = subprocess.run([sys.executable, "-m", "detllm", "replay", str(pack), "--out", str(tmp_path / "r"),
-                        "--allow-model-change", "--no-progress"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 1, r.stdout + r.stderr
+    r = cli("replay", pack, "--out", tmp_path / "r", "--allow-model-change", "--no-progress")
+    assert r.exit_code == 1, r.output
     report = assert_valid_run(tmp_path / "r", failed=True)
     assert report["category"] == "MODEL_MISMATCH"

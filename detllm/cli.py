@@ -76,6 +76,16 @@ def publish(report: dict, junit: Path | None) -> None:
     append_step_summary(report)
 
 
+def emit(outcome, *, as_json: bool, junit: Path | None = None) -> int:
+    """Publish CI outputs, print report.json or the verdict, return the exit code."""
+    publish(outcome.report, junit)
+    if as_json:
+        typer.echo(json.dumps(outcome.report, indent=2))
+    else:
+        print_verdict(outcome.report, outcome.out_dir)
+    return outcome.exit_code
+
+
 # ------------------------------------------------------------------ run / check
 
 Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, fake.")]
@@ -127,12 +137,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
             )
             with _progress(progress and not as_json) as bar:
                 outcome = getattr(api, command)(cfg, prompts=prompts, out=out, force=force, progress=bar, sign_key=sign_key)
-            publish(outcome.report, junit)
-            if as_json:
-                typer.echo(json.dumps(outcome.report, indent=2))
-            else:
-                print_verdict(outcome.report, outcome.out_dir)
-            return outcome.exit_code
+            return emit(outcome, as_json=as_json, junit=junit)
 
         guarded(body)
 
@@ -267,12 +272,7 @@ def diff(
         from .diff import diff as diff_runs
 
         outcome = diff_runs(a, b, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
-        publish(outcome.report, None)  # the library wrote --junit
-        if as_json:
-            typer.echo(json.dumps(outcome.report, indent=2))
-        else:
-            print_verdict(outcome.report, outcome.out_dir)
-        return outcome.exit_code
+        return emit(outcome, as_json=as_json)  # the library wrote --junit
 
     guarded(body)
 
@@ -315,11 +315,7 @@ def replay(
         with _progress(progress and not as_json) as bar:
             outcome = replay_pack(pack, out=out, force=force, allow_model_change=allow_model_change, model=model,
                                   sign_key=sign_key, progress=bar)
-        if as_json:
-            typer.echo(json.dumps(outcome.report, indent=2))
-        else:
-            print_verdict(outcome.report, outcome.out_dir)
-        return outcome.exit_code
+        return emit(outcome, as_json=as_json)
 
     guarded(body)
 

@@ -73,8 +73,10 @@ def tokenizer_sha256(folder: Path) -> str:
     return combine(found)
 
 
-def folder_identity(model_id: str, folder: Path, *, revision: str | None = None, fmt: str = "safetensors") -> ModelIdentity:
+def folder_identity(model_id: str, folder: Path, *, revision: str | None = None, fmt: str | None = None) -> ModelIdentity:
     weights = weight_files(folder)
+    if fmt is None:
+        fmt = "safetensors" if any(w.file.endswith(".safetensors") for w in weights) else "pytorch"
     return ModelIdentity(
         id=model_id,
         path=str(folder),

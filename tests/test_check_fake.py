@@ -101,7 +101,7 @@ def test_sampling_is_seeded_per_request(tmp_path):
     b = detllm.run(backend="fake", temperature=0.8, seed=7, batch_size=4, out=tmp_path / "b")
     c = detllm.run(backend="fake", temperature=0.8, seed=8, out=tmp_path / "c")
     toks = [[json.loads(l)["token_ids"] for l in (p / "trace.jsonl").read_text().splitlines()] for p in (tmp_path / "a", tmp_path / "b", tmp_path / "c")]
-    assert a.status == b.status == "RECORDED"
+    assert a.status == b.status == c.status == "RECORDED"
     assert toks[0] == toks[1], "same seed, same tokens, whatever the batch"
     assert toks[0] != toks[2]
 

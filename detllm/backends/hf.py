@@ -12,13 +12,12 @@ import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import folder_identity, weight_paths
-from ..models import resolve_model
+from ..models import local_folder, resolve_model
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
@@ -204,15 +203,7 @@ class HFBackend(Backend):
         return torch.cat(picks)
 
     def model_identity(self) -> ModelIdentity:
-        path = self.resolved.path
-        if path is None:
-            try:
-                from huggingface_hub import snapshot_download
-
-                path = Path(snapshot_download(self.resolved.id, revision=self.revision, local_files_only=True))
-            except Exception as exc:  # noqa: BLE001 - any hub failure means we cannot hash the files
-                raise BackendError(f"cannot locate the files of {self.resolved.id!r} to hash them") from exc
-        return folder_identity(self.resolved.id, path, revision=self.revision)
+        return folder_identity(self.resolved.id, local_folder(self.resolved, self.revision), revision=self.revision)
 
     @contextmanager
     def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import folder_identity
-from ..models import resolve_model
+from ..models import local_folder, resolve_model
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
 INSTALL_CUDA = "pip install 'detllm[vllm]' on a CUDA machine"
@@ -359,16 +359,7 @@ class VLLMBackend(Backend):
         )
 
     def model_identity(self) -> ModelIdentity:
-        path = self.resolved.path
-        if path is None:
-            try:
-                from huggingface_hub import snapshot_download
-
-                path = Path(snapshot_download(self.resolved.id, revision=self.revision, local_files_only=True))
-            except Exception as exc:  # noqa: BLE001 - any hub failure means the files cannot be hashed
-                raise BackendError(f"cannot locate the files of {self.resolved.id!r} to hash them") from exc
-        fmt = "safetensors" if any(path.glob("*.safetensors")) else "pytorch"
-        return folder_identity(self.resolved.id, path, revision=self.revision, fmt=fmt)
+        return folder_identity(self.resolved.id, local_folder(self.resolved, self.revision), revision=self.revision)
 
     @contextmanager
     def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:

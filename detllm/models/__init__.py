@@ -110,6 +110,21 @@ def resolve_model(model: str, fmt: str = "hf") -> ResolvedModel:
     return ResolvedModel(model, None, False)
 
 
+def local_folder(resolved: ResolvedModel, revision: str | None) -> Path:
+    """The local folder holding a resolved model's files; a hub id must already be in the
+    hub cache (an engine downloads it, where the hub is reachable). Needed to hash the files."""
+    if resolved.path is not None:
+        return resolved.path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(resolved.id, revision=revision, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - any hub failure means the files cannot be hashed
+        from ..errors import BackendError
+
+        raise BackendError(f"cannot locate the files of {resolved.id!r} to hash them") from exc
+
+
 def list_models() -> list[dict[str, object]]:
     out = []
     for spec in BUILTINS.values():

@@ -110,8 +110,8 @@ def execute(
     owned = backend is None
     backend = backend or create_backend(config)
     try:
-        tier, why = gate_tier(config, backend.capabilities())
         caps = backend.capabilities()
+        tier, why = gate_tier(config, caps)
         input_ids = [tuple(backend.tokenize(t)) for t in prompts.texts]
         filler_ids = [tuple(backend.tokenize(t)) for t in FILLERS]
         identity = backend.model_identity()

@@ -106,3 +106,18 @@ def test_report_with_unknown_schema_version(cli, tmp_path):
     p.write_text(p.read_text().replace('"schema_version": "1"', '"schema_version": "99"'))
     r = cli("report", tmp_path / "r")
     assert r.exit_code == 5 and "schema_version '99' is not one this detllm reads" in r.stderr
+
+
+@pytest.mark.engine
+def test_hub_id_that_cannot_be_fetched_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "detllm", "check", "--model", "someorg/not-cached", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("detllm: error: cannot load model 'someorg/not-cached'")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists()

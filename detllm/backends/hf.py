@@ -8,6 +8,7 @@ generated tokens are returned, never padding. Models are loaded once per process
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from contextlib import contextmanager
@@ -84,12 +85,19 @@ class HFBackend(Backend):
 
         hf_logging.disable_progress_bar()  # keep stderr for detllm's one-line messages
 
-        source = str(self.resolved.path) if self.resolved.path else self.resolved.id
+        folder = self.resolved.path
+        if folder is None:
+            try:
+                folder = local_folder(self.resolved, self.revision)  # a hub id already cached: no network
+            except BackendError:
+                folder = None  # not cached: from_pretrained downloads it where the hub is reachable
+        source = str(folder) if folder else self.resolved.id
         # the weight files' size and mtime are in the key: weights edited in place are reloaded
-        files = tuple((w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weight_paths(self.resolved.path)) if self.resolved.path else ()
+        files = tuple((w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weight_paths(folder)) if folder else ()
         key = (source, files, self.revision, self.dtype, self.device, self.options.attn_implementation)
         if key in _LOADED:
             return _LOADED[key]
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # retry chatter would bury the one-line error
         try:
             tok = AutoTokenizer.from_pretrained(source, revision=self.revision, trust_remote_code=self.options.trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(

@@ -19,7 +19,7 @@ from .backends.registry import create_backend
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
 from .env import collect_env
-from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError
+from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError, UsageError
 from .hashing import canonical_json, sha256_bytes
 from .integrity import seal
 from .prompts import FILLERS, PromptSet, load_prompts
@@ -54,6 +54,16 @@ def gate_tier(config: RunConfig, caps: Capabilities) -> tuple[int, str | None]:
     if config.mode == "strict":
         raise TierUnsupportedError(f"tier {config.tier} refused in strict mode: {why}", hint=f"use --tier {max_tier} or --mode best-effort")
     return max_tier, why
+
+
+def check_fits(input_ids: Sequence[Sequence[int]], max_new_tokens: int, limit: int | None) -> None:
+    """Refuse (UsageError) a prompt that cannot hold --max-new-tokens more within the context."""
+    if limit is None:
+        return
+    for i, ids in enumerate(input_ids):
+        if len(ids) + max_new_tokens > limit:
+            raise UsageError(f"prompt {i} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it exceeds "
+                             f"the model's context of {limit} tokens", hint="shorten the prompt or lower --max-new-tokens")
 
 
 def plan_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
@@ -114,6 +124,7 @@ def execute(
         tier, why = gate_tier(config, caps)
         input_ids = [tuple(backend.tokenize(t)) for t in prompts.texts]
         filler_ids = [tuple(backend.tokenize(t)) for t in FILLERS]
+        check_fits(input_ids, config.decoding.max_new_tokens, backend.context_limit())
         identity = backend.model_identity()
         artifacts.prepare_out_dir(out, force=force)
         artifacts.write_json(out, artifacts.RUN_CONFIG, artifacts.stamp("run_config", {

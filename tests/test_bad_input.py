@@ -121,3 +121,24 @@ def test_hub_id_that_cannot_be_fetched_is_one_line(tmp_path):
     assert r.stderr.startswith("detllm: error: cannot load model 'someorg/not-cached'")
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.engine
+def test_prompt_longer_than_the_context_is_refused(cli, tmp_path):
+    p = tmp_path / "long.jsonl"
+    p.write_text('{"prompt": "' + "word " * 200 + '"}\n')
+    out = tmp_path / "out"
+    r = cli("check", "--prompts", p, "--out", out)
+    assert r.exit_code == 2
+    assert "exceeds the model's context of 512 tokens" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_check_fits():
+    from detllm.errors import UsageError
+    from detllm.runner import check_fits
+
+    check_fits([(1, 2, 3)], 5, 8)
+    check_fits([(1,) * 100], 5, None)
+    with pytest.raises(UsageError, match="prompt 1 has 4 tokens; with --max-new-tokens 5 it exceeds the model's context of 8"):
+        check_fits([(1,), (1, 2, 3, 4)], 5, 8)

@@ -124,6 +124,11 @@ class Backend(ABC):
     @abstractmethod
     def model_identity(self) -> ModelIdentity: ...
 
+    def context_limit(self) -> int | None:
+        """Most tokens (prompt + generated) one sequence may hold; None: no known limit.
+        The runner refuses a prompt that would not fit before anything is written."""
+        return None
+
     @contextmanager
     def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
         """Apply determinism settings for the duration of a run and restore them after.

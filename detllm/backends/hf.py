@@ -120,6 +120,10 @@ class HFBackend(Backend):
             notes=("transformers kernels are not batch invariant: padding and batch shape change GEMM reductions",),
         )
 
+    def context_limit(self) -> int | None:
+        # past its trained positions a model keeps generating, silently degraded: refuse instead
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 

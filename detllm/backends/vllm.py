@@ -300,6 +300,9 @@ class VLLMBackend(Backend):
         self._check_fits(len(ids), self.max_new_tokens, f"prompt {text[:40]!r}")  # before the runner writes anything
         return ids
 
+    def context_limit(self) -> int | None:
+        return self.options.max_model_len
+
     def _check_fits(self, n_prompt: int, n_new: int, what: str) -> None:
         """vLLM would cut a sequence short at max_model_len: refuse instead."""
         if n_prompt + n_new > self.options.max_model_len:

@@ -306,6 +306,7 @@ def replay(
     allow_model_change: Annotated[bool, typer.Option("--allow-model-change", help="Replay even when the local weights differ from the pack's.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Load the model from here instead of the recorded name or path (weights are still checked).")] = None,
     sign_key: SignKey = None,
+    pubkey: Annotated[Optional[Path], typer.Option("--pubkey", help="Replay only a pack whose manifest.sig verifies with this Ed25519 public key.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
@@ -314,7 +315,7 @@ def replay(
 
         with _progress(progress and not as_json) as bar:
             outcome = replay_pack(pack, out=out, force=force, allow_model_change=allow_model_change, model=model,
-                                  sign_key=sign_key, progress=bar)
+                                  sign_key=sign_key, pubkey=pubkey, progress=bar)
         return emit(outcome, as_json=as_json)
 
     guarded(body)

@@ -31,12 +31,14 @@ def replay(
     allow_model_change: bool = False,
     model: str | None = None,
     sign_key: str | Path | None = None,
+    pubkey: str | Path | None = None,
     progress: Progress | None = None,
 ) -> Outcome:
     """Re-run `pack` (a sealed run folder or .tar.gz) on this machine into `out`; the outcome's
-    report is the diff of the replay against the pack (PASS: the pack reproduced)."""
+    report is the diff of the replay against the pack (PASS: the pack reproduced). With `pubkey`,
+    only a pack whose manifest.sig verifies with that key is replayed."""
     with artifacts.open_run_path(Path(pack)) as folder:
-        verify_folder(folder)  # a changed pack is refused (exit 6) before anything runs
+        verify_folder(folder, pubkey=pubkey)  # a changed (or, with pubkey, unsigned) pack is refused before anything runs
         recorded = artifacts.load_run(folder, validate_records=False)  # verify already checked every record
         config = RunConfig.from_json(recorded.run_config["config"])
         if model is not None:

@@ -286,6 +286,17 @@ def test_a_forger_who_reseals_passes_unsigned_verify_but_not_the_signature(cli, 
     assert r.exit_code == 6 and "does not verify" in r.stderr
 
 
+def test_replay_with_pubkey_refuses_an_unsigned_pack(cli, tmp_path, keys):
+    signed, unsigned = tmp_path / "signed", tmp_path / "unsigned"
+    detllm.check(backend="fake", out=signed, sign_key=f"{keys['mine']}.pem")
+    detllm.check(backend="fake", out=unsigned)
+    ok = cli("replay", signed, "--pubkey", f"{keys['mine']}.pub", "--out", tmp_path / "r1", "--no-progress")
+    assert ok.exit_code == 0, ok.output
+    r = cli("replay", unsigned, "--pubkey", f"{keys['mine']}.pub", "--out", tmp_path / "r2")
+    assert r.exit_code == 6 and "manifest.sig: missing" in r.stderr
+    assert not (tmp_path / "r2").exists()
+
+
 def test_bad_sign_key_is_refused_before_anything_is_written(cli, tmp_path):
     (tmp_path / "key.pem").write_text("not a key\n")
     out = tmp_path / "run"

@@ -167,13 +167,18 @@ def load_sides(left: Selection, right: Selection) -> tuple[Side, Side]:
 # ------------------------------------------------------------------ the report
 
 
-def side_noise_floor(side: Side) -> float | None:
-    """The dtype actually applied where recorded (config "auto" resolves there), and the
-    weights' quantization."""
-    dtype = side.run_config["config"]["dtype"]
+def effective_dtype(side: Side) -> str:
+    """The dtype actually in effect where the backend recorded it (config "auto" resolves
+    there; a GGUF file fixes it, e.g. Q4_1), else the one asked for."""
     applied = next((s["value"] for s in side.applied["settings"] if s["name"] == "dtype"), None)
-    if isinstance(applied, str) and applied in NOISE_FLOORS:
-        dtype = applied
+    return applied if isinstance(applied, str) and applied else side.run_config["config"]["dtype"]
+
+
+def side_noise_floor(side: Side) -> float | None:
+    """The noise floor of the dtype in effect and the weights' quantization."""
+    dtype = effective_dtype(side)
+    if dtype not in NOISE_FLOORS:
+        dtype = side.run_config["config"]["dtype"]
     return noise_floor(dtype, side.run_config["model"]["quantization"])
 
 
@@ -219,7 +224,7 @@ def diff_report(left: Side, right: Side, *, atol: float = 0.0, tier: int | None 
 def _side_summary(side: Side) -> dict[str, Any]:
     cfg = side.run_config["config"]
     return {"folder": side.folder, "label": side.label, "run_index": side.run_index, "batch_size": side.batch_size,
-            "backend": cfg["backend"], "model": cfg["model"], "dtype": cfg["dtype"], "device": cfg["device"],
+            "backend": cfg["backend"], "model": cfg["model"], "dtype": effective_dtype(side), "device": cfg["device"],
             "tier": side.applied["tier_effective"], "records": len(side.records or ())}
 
 

@@ -140,3 +140,10 @@ def test_report_command_renders_existing_folder(cli, tmp_path):
     detllm.check(backend="fake", options={"diverge": "prompt=0,pos=1,run=1"}, out=tmp_path / "r")
     r = cli("report", tmp_path / "r")
     assert r.exit_code == 0 and "FAIL [RUN_VARIANCE]" in r.stdout
+
+
+def test_fake_injection_keeps_logprobs_consistent_with_top_k(tmp_path):
+    detllm.run(backend="fake", options={"diverge": "prompt=0,pos=2"}, out=tmp_path / "r")
+    rec = json.loads((tmp_path / "r" / "trace.jsonl").read_text().splitlines()[0])
+    for tok, lp, top in zip(rec["token_ids"], rec["logprobs"], rec["top_logprobs"]):
+        assert top[0] == [tok, lp], "greedy: the chosen token is the top-1 with its own logprob"

@@ -123,8 +123,9 @@ class FakeBackend(Backend):
             tok, lp = cands[choice], cand_lp[choice]
             for inj in injections:
                 if inj.pos == pos and inj.what == "token":
-                    tok, lp = cands[1], cand_lp[1]
+                    # the runner-up becomes the top-1 (and the chosen token), as if the scores had moved
                     cands[0], cands[1] = cands[1], cands[0]
+                    tok, lp = cands[choice], cand_lp[choice]
                 elif inj.pos == pos and inj.what == "logprob":
                     lp += 1e-6
                     cand_lp[choice] = lp

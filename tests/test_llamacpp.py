@@ -369,7 +369,9 @@ def test_server_failing_to_start_is_backend_error(binary, tmp_path):
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C as in a terminal: a job started in the background (CI runners can be) inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from detllm.backends.base import Request
     from detllm.backends.llamacpp import LlamaCppBackend
     from detllm.config import Decoding

@@ -24,6 +24,8 @@ LIBRARIES = (
 ENV_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "CUBLAS_", "CUDA_", "NVIDIA_", "PYTORCH_", "TORCH_",
                 "VLLM_", "LLAMA_", "GGML_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "DETLLM_", "ONEDNN_", "DNNL_")
 ENV_NAMES = ("PYTHONHASHSEED", "LD_PRELOAD", "LANG", "LC_ALL")
+# per-process random identifiers (vLLM sets them): they differ on every run and mean nothing to a diff
+PER_PROCESS_VARS = ("VLLM_DIST_IDENT", "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL|PASSWD|AUTH", re.I)
 SECRET_VALUE = re.compile(
     r"(hf_[A-Za-z0-9]{16,}|sk-[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|xox[abpr]-[A-Za-z0-9-]{10,}"
@@ -39,7 +41,7 @@ def redact_env(environ: dict[str, str]) -> dict[str, str]:
     """Allow-listed variables only; secret-looking names or values read <redacted>."""
     out: dict[str, str] = {}
     for name in sorted(environ):
-        if not (name.startswith(ENV_PREFIXES) or name in ENV_NAMES):
+        if not (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) or name in PER_PROCESS_VARS:
             continue
         value = environ[name]
         out[name] = REDACTED if SECRET_NAME.search(name) or SECRET_VALUE.search(value) else value

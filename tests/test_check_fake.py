@@ -147,3 +147,11 @@ def test_fake_injection_keeps_logprobs_consistent_with_top_k(tmp_path):
     rec = json.loads((tmp_path / "r" / "trace.jsonl").read_text().splitlines()[0])
     for tok, lp, top in zip(rec["token_ids"], rec["logprobs"], rec["top_logprobs"]):
         assert top[0] == [tok, lp], "greedy: the chosen token is the top-1 with its own logprob"
+
+
+def test_env_capture_redacts_secrets_and_skips_per_process_ids():
+    from detllm.env import redact_env
+
+    got = redact_env({"HF_TOKEN": "x", "OMP_NUM_THREADS": "2", "HF_ENDPOINT": "https://u:p@host", "HOME": "/root",
+                      "VLLM_DIST_IDENT": "vllm_dist_1234", "MY_API_KEY": "k", "VLLM_API_KEY": "k"})
+    assert got == {"HF_ENDPOINT": "<redacted>", "HF_TOKEN": "<redacted>", "OMP_NUM_THREADS": "2", "VLLM_API_KEY": "<redacted>"}

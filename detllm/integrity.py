@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import stat
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +21,7 @@ from . import artifacts
 from .artifacts import ENV, MANIFEST, RUN_CONFIG, TRACE
 from .errors import ArtifactError, IntegrityError
 from .hashing import canonical_json
+from .records import check_trace_record
 from .signing import Signer, check_signature
 
 SIG = "manifest.sig"
@@ -194,15 +192,16 @@ def walk(folder: Path) -> tuple[dict[str, Path], list[str]]:
 # ---------------------------------------------------------------- sealing
 
 
-def build_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest of `folder` as it is on disk now."""
+def build_manifest(folder: Path, record_digests: list[bytes] | None = None) -> dict[str, Any]:
+    """The manifest of `folder` as it is on disk now. `record_digests` (from the TraceWriter
+    that wrote the trace) spare parsing it again; they are used only if their count matches."""
     files, odd = walk(folder)
     if odd:
         raise ArtifactError(f"{folder}: {odd[0]} is not a regular file; a sealed folder holds regular files only")
     entries, trace = [], None
     for rel, p in sorted(files.items()):
         if rel == TRACE:
-            trace, (sha, size) = _chain_of(folder)
+            trace, (sha, size) = _chain_of(folder, record_digests)
         else:
             sha, size = file_digest(p)
         entries.append({"path": rel, "sha256": sha, "size": size})
@@ -211,12 +210,19 @@ def build_manifest(folder: Path) -> dict[str, Any]:
     })
 
 
-def _chain_of(folder: Path) -> tuple[dict[str, Any], tuple[str, int]]:
+def _chain_of(folder: Path, digests: list[bytes] | None = None) -> tuple[dict[str, Any], tuple[str, int]]:
     for name in (RUN_CONFIG, ENV):
         if not (folder / name).is_file():
             raise ArtifactError(f"{folder}: {name} is missing; the trace's hash chain starts from it")
     h0 = genesis((folder / RUN_CONFIG).read_bytes(), (folder / ENV).read_bytes())
     h, locators, lines = h0, [], _Lines(folder / TRACE)
+    if digests is not None:
+        if sum(1 for _ in lines) == len(digests):  # every byte is still read: the file's sha256 and size
+            for n, digest in enumerate(digests, 1):
+                h = step_digest(h, digest, n)
+                locators.append(h.hex()[:LOCATOR_HEX])
+            return _trace_entry(h0, h, locators), (lines.sha.hexdigest(), lines.size)
+        lines = _Lines(folder / TRACE)  # not the trace the writer wrote: chain it from disk
     for n, body in lines:
         try:
             rec = json.loads(body)
@@ -224,16 +230,19 @@ def _chain_of(folder: Path) -> tuple[dict[str, Any], tuple[str, int]]:
             raise ArtifactError(f"{TRACE} line {n}: not valid JSON; refusing to seal it") from exc
         h = step(h, rec, n)
         locators.append(h.hex()[:LOCATOR_HEX])
-    trace = {"path": TRACE, "chain": CHAIN, "records": len(locators), "genesis": h0.hex(), "head": h.hex(),
-             "record_hashes": locators}
-    return trace, (lines.sha.hexdigest(), lines.size)
+    return _trace_entry(h0, h, locators), (lines.sha.hexdigest(), lines.size)
 
 
-def seal(folder: Path, signer: Signer | None = None) -> dict[str, Any]:
+def _trace_entry(h0: bytes, head: bytes, locators: list[str]) -> dict[str, Any]:
+    return {"path": TRACE, "chain": CHAIN, "records": len(locators), "genesis": h0.hex(), "head": head.hex(),
+            "record_hashes": locators}
+
+
+def seal(folder: Path, signer: Signer | None = None, record_digests: list[bytes] | None = None) -> dict[str, Any]:
     """Write manifest.json (last, atomically) and, with a signer, manifest.sig over its bytes.
     A stale manifest.sig is removed when not signing: it could not verify any more."""
     folder = Path(folder)
-    manifest = build_manifest(folder)
+    manifest = build_manifest(folder, record_digests)
     artifacts.write_json(folder, MANIFEST, manifest)
     if signer is not None:
         artifacts.atomic_write_text(folder / SIG, signer.sign((folder / MANIFEST).read_bytes()))
@@ -421,89 +430,6 @@ def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str
             except ArtifactError as exc:
                 yield where, exc.message.removeprefix(f"{where}: ")
                 break
-
-
-# ---------------------------------------------------------------- fast trace-record check
-
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_TRACE_KEYS = frozenset(artifacts.load_schema("trace_record")["required"])
-
-
-def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> str | None:
-    """schemas/trace_record.schema.json by hand, ~100x faster than jsonschema on long traces
-    (tests/test_integrity_fastcheck.py holds the two to the same answers). Stricter in one way:
-    Infinity/NaN are refused, since detllm never writes them. Fields in `prechecked` were
-    validated on their text by scan_line. Returns the first problem or None."""
-    if type(rec) is not dict:
-        return "expected a JSON object"
-    if rec.keys() != _TRACE_KEYS:
-        missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS)
-        return f"missing {missing}" if missing else f"unexpected {extra}"
-    if rec["schema_version"] != "1" or type(rec["schema_version"]) is not str:
-        return "schema_version is not '1'"
-    if rec["artifact_type"] != "trace_record" or type(rec["artifact_type"]) is not str:
-        return "artifact_type is not 'trace_record'"
-    for key, lo in (("run_index", 0), ("batch_size", 1), ("batch_position", 0), ("prompt_index", 0)):
-        if not _int(rec[key], lo):
-            return f"{key} is not an integer >= {lo}"
-    for key in ("prompt_id", "input_ids_sha256"):
-        if type(rec[key]) is not str or not _HEX64.fullmatch(rec[key]):
-            return f"{key} is not a sha256 hex digest"
-    if rec["prompt_text"] is not None and type(rec["prompt_text"]) is not str:
-        return "prompt_text is not a string or null"
-    if type(rec["text"]) is not str:
-        return "text is not a string"
-    if rec["finish_reason"] not in ("length", "stop") or type(rec["finish_reason"]) is not str:
-        return "finish_reason is not 'length' or 'stop'"
-    for key, nullable in (("input_ids", True), ("token_ids", False)):
-        v = rec[key]
-        if key not in prechecked and not ((nullable and v is None) or (type(v) is list and _ints(v))):
-            return f"{key} is not a list of integers >= 0" + (" or null" if nullable else "")
-    texts = rec["token_texts"]
-    if "token_texts" not in prechecked and (type(texts) is not list or not _types(texts) <= {str}):
-        return "token_texts is not a list of strings"
-    lps = rec["logprobs"]
-    if "logprobs" not in prechecked and lps is not None and (type(lps) is not list or not _nums(lps)):
-        return "logprobs is not a list of numbers or nulls, or null"
-    tops = rec["top_logprobs"]
-    if "top_logprobs" not in prechecked and tops is not None and not _tops(tops):
-        return "top_logprobs is not a list of [[token_id >= 0, logprob or null], ...] per step, or null"
-    return None
-
-
-# The list checks run in C where they can (map, set, min): a 1,000-token top-5 record holds 11,000
-# numbers. Each falls back to an element-by-element check when the fast form does not apply.
-
-def _types(xs: list) -> set:
-    return set(map(type, xs))
-
-
-def _int(x: Any, lo: int) -> bool:
-    # JSON Schema "integer" is any number with a zero fractional part (1.0 counts), never a bool
-    return (type(x) is int and x >= lo) or (type(x) is float and x.is_integer() and x >= lo)
-
-
-def _ints(xs: list) -> bool:
-    if _types(xs) <= {int}:
-        return not xs or min(xs) >= 0
-    return all(_int(x, 0) for x in xs)
-
-
-def _nums(xs: list) -> bool:
-    """Numbers or nulls, finite."""
-    kinds = _types(xs)
-    if not kinds <= {float, int, type(None)}:
-        return False
-    return all(map(math.isfinite, xs if type(None) not in kinds else (x for x in xs if x is not None)))
-
-
-def _tops(tops: Any) -> bool:
-    if type(tops) is not list or not _types(tops) <= {list}:
-        return False
-    pairs = list(chain.from_iterable(tops))
-    if not _types(pairs) <= {list} or not set(map(len, pairs)) <= {2}:
-        return False
-    return _ints(list(map(itemgetter(0), pairs))) and _nums(list(map(itemgetter(1), pairs)))
 
 
 def _version() -> str:

@@ -149,14 +149,15 @@ def execute(
                                  "batch_invariant": caps.batch_invariant, "notes": list(caps.notes)},
                 "settings": [a.to_json() for a in applied],
             }))
-            records = _generate(config, backend, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
+            records, digests = _generate(config, backend, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
     finally:
         if owned:
             backend.close()
-    return _finish(config, command, out, records, tier, signer, make_report)
+    return _finish(config, command, out, records, digests, tier, signer, make_report)
 
 
-def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> list[dict[str, Any]]:
+def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Generate every (batch size, run) and stream the trace; returns the records and their chain digests."""
     schedule = [(b, r) for b in config.batch_sizes for r in range(config.runs if b == config.batch_size else 1)]
     total = sum(len(plan_batches(len(prompts.texts), b)) for b, _ in schedule)
     done = 0
@@ -182,10 +183,10 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
     except BaseException:
         writer.abort()
         raise
-    return records
+    return records, writer.digests
 
 
-def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, Any]], tier: int,
+def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, Any]], digests: list[bytes], tier: int,
             signer: Signer | None = None, make_report: MakeReport | None = None) -> Outcome:
     summary = {
         "backend": config.backend,
@@ -209,11 +210,12 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
         comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
                                   tier=tier, atol=config.atol, dtype=config.dtype)
         report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary)
-    write_report(out, report, signer=signer)
+    write_report(out, report, signer=signer, record_digests=digests)
     return Outcome(out, report)
 
 
-def write_report(out: Path, report: dict[str, Any], *, signer: Signer | None = None) -> None:
+def write_report(out: Path, report: dict[str, Any], *, signer: Signer | None = None,
+                 record_digests: list[bytes] | None = None) -> None:
     """report.json, report.txt, report.md and, on FAIL, diffs/first_divergence.json; then, last, the
     manifest that seals the folder (and manifest.sig with a signer), see integrity.py."""
     if report["first_divergence"] is not None:
@@ -225,7 +227,7 @@ def write_report(out: Path, report: dict[str, Any], *, signer: Signer | None = N
     artifacts.write_json(out, artifacts.REPORT, report)
     artifacts.atomic_write_text(out / artifacts.REPORT_TXT, render_text(report))
     artifacts.atomic_write_text(out / artifacts.REPORT_MD, render_markdown(report))
-    seal(out, signer)
+    seal(out, signer, record_digests)
 
 
 def _options_json(backend: Backend) -> dict[str, Any]:

@@ -335,3 +335,17 @@ def test_verify_does_not_import_torch(sealed_run, tmp_path):
         out = subprocess.run([sys.executable, "-c", PROBE.format(args=["verify", str(target)])],
                              capture_output=True, text=True, timeout=120)
         assert out.stdout.strip().splitlines()[-1] == "EXIT 0 HEAVY -", out.stdout + out.stderr
+
+
+def test_seal_from_the_writers_digests_equals_sealing_from_disk(tmp_path):
+    """The runner seals with the TraceWriter's record digests; re-reading the trace gives the same manifest."""
+    from detllm.integrity import build_manifest
+
+    out = tmp_path / "run"
+    detllm.check(backend="fake", vary_batch=(1, 3), out=out)
+    written = json.loads((out / "manifest.json").read_text())
+    assert build_manifest(out) == written
+    lines = (out / "trace.jsonl").read_text().splitlines()
+    wrong = [b"\0" * 32] * len(lines)
+    assert build_manifest(out, wrong)["trace"]["head"] != written["trace"]["head"]  # the digests are used ...
+    assert build_manifest(out, wrong[:-1]) == written  # ... only when they cover every line

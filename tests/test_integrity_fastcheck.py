@@ -1,4 +1,4 @@
-"""integrity.check_trace_record (and scan_line's patterns) are schemas/trace_record.schema.json
+"""records.check_trace_record (and scan_line's patterns) are schemas/trace_record.schema.json
 by hand: on every record here, valid and broken, as a dict or as a trace line, they give
 jsonschema's answer (they may only be stricter about NaN/Infinity)."""
 
@@ -13,7 +13,8 @@ import pytest
 import detllm
 from detllm.artifacts import _validator
 from detllm.hashing import canonical_json
-from detllm.integrity import check_trace_record, scan_line
+from detllm.integrity import scan_line
+from detllm.records import check_trace_record
 
 
 @pytest.fixture(scope="module")

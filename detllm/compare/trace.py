@@ -5,7 +5,7 @@ A record is a small header (run, batch, prompt, input ids) and a large payload
 1,000 x 1,000-token trace would take seconds per side: every line's header is parsed
 and validated here, while the payload stays raw until something reads it. Two
 byte-identical payloads cannot diverge, so the engine only parses payloads that
-differ from their partner. Validation is integrity.check_trace_record, the hand-written
+differ from their partner. Validation is records.check_trace_record, the hand-written
 equivalent of schemas/trace_record.schema.json; every header is validated, every
 payload that is read, and the first and last record in full. Integrity of bytes nobody
 parses is `detllm verify`'s job. Does not own what the records mean (engine, divergence).
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..artifacts import check_header
 from ..errors import ArtifactError
-from ..integrity import check_trace_record
+from ..records import check_trace_record
 
 PAYLOAD_KEYS = ("token_ids", "token_texts", "text", "logprobs", "top_logprobs", "finish_reason")
 _MARK = b',"token_ids":'  # cannot occur inside a JSON string: a quote there is escaped

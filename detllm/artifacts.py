@@ -166,6 +166,7 @@ class TraceWriter:
 
 
 def is_detllm_folder(path: Path) -> bool:
+    """A run folder detllm wrote (run, check, replay)."""
     cfg = path / RUN_CONFIG
     if not cfg.is_file():
         return False
@@ -175,9 +176,22 @@ def is_detllm_folder(path: Path) -> bool:
         return False
 
 
+def is_diff_folder(path: Path) -> bool:
+    """A folder `diff --out` wrote: a report.json of command diff and no run_config.json."""
+    if (path / RUN_CONFIG).exists():
+        return False
+    try:
+        rep = json.loads((path / REPORT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(rep, dict) and rep.get("artifact_type") == "report" and rep.get("command") == "diff"
+
+
 def default_out_dir(command: str, root: Path = Path("artifacts")) -> Path:
+    """A new folder name under `root`: UTC time plus the process id, so two runs started in the
+    same second (two CI jobs, say) never share a folder."""
     stamp_ = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = root / f"{command}-{stamp_}"
+    base = root / f"{command}-{stamp_}-{os.getpid()}"
     out, n = base, 1
     while out.exists():
         n += 1
@@ -185,18 +199,57 @@ def default_out_dir(command: str, root: Path = Path("artifacts")) -> Path:
     return out
 
 
-def check_out_dir(out: Path, *, force: bool) -> None:
-    """Refuse (before anything runs) an existing folder that holds files detllm did not write."""
+def check_out_dir(out: Path, *, force: bool, kind: str = "run") -> None:
+    """Refuse, before anything runs, an --out detllm must not write into: a file, a path under a
+    file or an unwritable folder, a run folder as a diff's output (kind "diff") or a diff folder as
+    a run's, and a non-empty folder detllm did not write unless --force (and even then one that
+    holds a name detllm would overwrite)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not is_detllm_folder(out) and not force:
-        raise UsageError(f"--out {str(out)!r} is not empty and is not a detllm run folder", hint="choose another --out or pass --force")
+    _check_writable_parent(out, "--out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    ours = is_diff_folder(out) if kind == "diff" else is_detllm_folder(out)
+    theirs = is_detllm_folder(out) if kind == "diff" else is_diff_folder(out)
+    if ours:
+        return
+    if theirs:
+        what = "a run folder" if kind == "diff" else "a diff folder"
+        raise UsageError(f"--out {str(out)!r} is {what}; writing there would destroy it", hint="choose another --out")
+    if not force:
+        raise UsageError(f"--out {str(out)!r} is not empty and is not a detllm {kind} folder", hint="choose another --out or pass --force")
+    clash = [n for n in OWNED_NAMES if (out / n).exists() or (out / n).is_symlink()]
+    if clash:
+        raise UsageError(f"--out {str(out)!r} holds {clash[0]!r}, which detllm would overwrite", hint="choose another --out")
 
 
-def prepare_out_dir(out: Path, *, force: bool) -> Path:
-    """Create `out`, removing every file an earlier detllm run left there (never the user's files)."""
-    check_out_dir(out, force=force)
+def check_output_file(path: Path | None, flag: str) -> None:
+    """Refuse, before anything runs, an output file (--junit, --plot) that cannot be written."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a folder; give a file name")
+    _check_writable_parent(path, flag)
+
+
+def _check_writable_parent(path: Path, flag: str) -> None:
+    anc = path.absolute().parent
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: {str(anc)!r} is not a folder")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {str(path)!r}: cannot write under {str(anc)!r}")
+
+
+def prepare_out_dir(out: Path, *, force: bool, kind: str = "run") -> Path:
+    """Create `out`; in a folder detllm wrote earlier, first remove every file it left there, so no
+    stale artifact survives. A --force folder keeps all its files (check_out_dir saw no clash)."""
+    check_out_dir(out, force=force, kind=kind)
+    ours = is_diff_folder(out) if kind == "diff" else is_detllm_folder(out)
     out.mkdir(parents=True, exist_ok=True)
+    if not ours:
+        return out
     for name in OWNED_NAMES + (TRACE + ".partial",):
         p = out / name
         if p.is_dir() and not p.is_symlink():

@@ -14,7 +14,8 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from .errors import EXIT_CODES, DetllmError
+from .artifacts import check_output_file
+from .errors import EXIT_CODES, DetllmError, UsageError
 
 EXIT_HELP = "Exit codes: " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
 
@@ -35,11 +36,15 @@ def fail(err: DetllmError) -> None:
 
 
 def guarded(fn: Callable[[], int | None]) -> None:
-    """Run a command body; DetllmError becomes one stderr line and its exit code."""
+    """Run a command body; DetllmError becomes one stderr line and its exit code, and so does
+    an operating-system error on a path the user gave (exit 2): never a traceback."""
     try:
         code = fn()
     except DetllmError as err:
         fail(err)
+    except OSError as err:
+        where = f": {err.filename}" if err.filename else ""
+        fail(UsageError(f"{err.strerror or err}{where}", hint="check the paths given to --out, --junit, --plot and the like"))
     except KeyboardInterrupt:
         typer.echo("detllm: interrupted", err=True)
         raise typer.Exit(130)
@@ -135,6 +140,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 runs=runs, logprobs_top_k=top_k, record_prompt_text=prompt_text, threads=threads, atol=atol,
                 options=parse_options(opt or []),
             )
+            check_output_file(junit, "--junit")  # before the run, not after it
             with _progress(progress and not as_json) as bar:
                 outcome = getattr(api, command)(cfg, prompts=prompts, out=out, force=force, progress=bar, sign_key=sign_key)
             return emit(outcome, as_json=as_json, junit=junit)

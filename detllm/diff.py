@@ -13,7 +13,6 @@ or `run_N@batch_B`; the last `::` in the argument separates the two.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,10 +80,12 @@ def diff(
 
         require_matplotlib()
     out_dir = _check_out(out, force, (left_sel, right_sel))
+    artifacts.check_output_file(Path(junit) if junit else None, "--junit")
+    artifacts.check_output_file(Path(plot) if plot else None, "--plot")
     left, right = load_sides(left_sel, right_sel)
     report = diff_report(left, right, atol=atol, tier=tier)
     if out_dir is not None:
-        artifacts.prepare_out_dir(out_dir, force=True)  # checked above, before anything was read
+        artifacts.prepare_out_dir(out_dir, force=force, kind="diff")  # checked above, before anything was read
         write_report(out_dir, report)
     if junit is not None:
         from .render.junit import write_junit
@@ -104,17 +105,8 @@ def _check_out(out: str | Path | None, force: bool, sels: tuple[Selection, ...])
     for s in sels:
         if s.folder.exists() and out.exists() and out.resolve() == s.folder.resolve():
             raise UsageError(f"--out {str(out)!r} is one of the folders being compared", hint="choose another --out")
-    artifacts.check_out_dir(out, force=force or _holds_diff(out))
+    artifacts.check_out_dir(out, force=force, kind="diff")
     return out
-
-
-def _holds_diff(folder: Path) -> bool:
-    """A folder an earlier diff wrote (it has no run_config.json, so is_detllm_folder says no)."""
-    try:
-        rep = json.loads((folder / artifacts.REPORT).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(rep, dict) and rep.get("artifact_type") == "report" and rep.get("command") == "diff"
 
 
 # ------------------------------------------------------------------ loading
@@ -125,7 +117,7 @@ def _read_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     if not path.is_dir():
         raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
     if not (path / artifacts.RUN_CONFIG).is_file():
-        hint = ("a diff folder holds no trace: pass the run folders it compared" if _holds_diff(path)
+        hint = ("a diff folder holds no trace: pass the run folders it compared" if artifacts.is_diff_folder(path)
                 else "pass a folder written by detllm run or check")
         raise ArtifactError(f"{str(path)!r} is not a detllm run folder (no {artifacts.RUN_CONFIG})", hint=hint)
     run_config = artifacts.read_json(path / artifacts.RUN_CONFIG, "run_config")

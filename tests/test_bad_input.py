@@ -142,3 +142,47 @@ def test_check_fits():
     check_fits([(1,) * 100], 5, None)
     with pytest.raises(UsageError, match="prompt 1 has 4 tokens; with --max-new-tokens 5 it exceeds the model's context of 8"):
         check_fits([(1,), (1, 2, 3, 4)], 5, 8)
+
+
+def test_force_never_overwrites_a_file_of_the_users(cli, tmp_path):
+    out = tmp_path / "mine"
+    (out / "diffs").mkdir(parents=True)
+    (out / "diffs" / "patch.diff").write_text("precious")
+    (out / "report.md").write_text("my report")
+    r = cli("check", "--backend", "fake", "--out", out, "--force")
+    assert r.exit_code == 2 and "holds 'report.md', which detllm would overwrite" in r.stderr
+    assert (out / "report.md").read_text() == "my report" and (out / "diffs" / "patch.diff").read_text() == "precious"
+
+
+@pytest.mark.parametrize("where", ["file/sub", "file"])
+def test_out_under_a_file_is_one_line(cli, tmp_path, where):
+    (tmp_path / "file").write_text("x")
+    r = cli("check", "--backend", "fake", "--out", tmp_path / where)
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("target", ["dir", "file/x.xml"])
+def test_bad_junit_path_is_refused_before_the_run(cli, tmp_path, target):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "run"
+    r = cli("check", "--backend", "fake", "--junit", tmp_path / target, "--out", out)
+    assert r.exit_code == 2 and "--junit" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_diff_out_never_destroys_a_run_folder(cli, tmp_path):
+    import detllm
+
+    a = detllm.check(backend="fake", out=tmp_path / "a").out_dir
+    victim = detllm.check(backend="fake", out=tmp_path / "victim").out_dir
+    before = sorted(p.name for p in victim.iterdir())
+    for extra in ([], ["--force"]):
+        r = cli("diff", a, a, "--out", victim, *extra)
+        assert r.exit_code == 2 and "is a run folder" in r.stderr
+    assert sorted(p.name for p in victim.iterdir()) == before
+    r = cli("diff", a, a, "--out", tmp_path / "d")
+    assert r.exit_code == 0
+    assert cli("diff", a, a, "--out", tmp_path / "d").exit_code == 0, "an earlier diff folder is re-used"
+    r = cli("check", "--backend", "fake", "--out", tmp_path / "d")
+    assert r.exit_code == 2 and "is a diff folder" in r.stderr

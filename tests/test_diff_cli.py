@@ -54,7 +54,7 @@ def test_refuses_a_foreign_out_and_an_input_folder_before_writing(cli, tmp_path)
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     r = cli("diff", BASE, RUNVAR, "--out", foreign)
-    assert r.exit_code == 2 and "not empty and is not a detllm run folder" in r.stderr
+    assert r.exit_code == 2 and "not empty and is not a detllm diff folder" in r.stderr
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
     copy = tmp_path / "copy"
     shutil.copytree(BASE, copy)

@@ -104,7 +104,7 @@ class HFBackend(Backend):
                 source, revision=self.revision, dtype=getattr(torch, _DTYPES[self.dtype]),
                 attn_implementation=self.options.attn_implementation, trust_remote_code=self.options.trust_remote_code,
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # no such files, or files transformers cannot read as a model
             raise UsageError(f"cannot load model {self.resolved.id!r}: {str(exc).splitlines()[0][:200]}",
                              hint="pass a built-in model, a local folder, or a hub id reachable from this machine") from exc
         model.to(self.device).eval()

@@ -137,6 +137,8 @@ def export_model(name: str, dest: Path, fmt: str = "hf") -> Path:
     """Copy a built-in model to `dest` as a plain folder (hf) or a folder with model.gguf."""
     if name not in BUILTINS:
         raise unknown_model(name)
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"export destination {str(dest)!r} exists and is not a folder")
     if dest.exists() and any(dest.iterdir()):
         raise UsageError(f"export destination {str(dest)!r} exists and is not empty")
     src = builtin_path(name, fmt)

@@ -79,6 +79,9 @@ class RunConfig:
         for b in self.vary_batch:
             if b < 1:
                 raise UsageError(f"--vary-batch sizes must be at least 1, got {b}")
+        if command == "check" and self.tier == 3 and not self.vary_batch:
+            raise UsageError("tier 3 promises batch invariance, which a check without --vary-batch never tests",
+                             hint="add --vary-batch, e.g. 1,2,8")
         if command == "check" and self.runs < 2:
             raise UsageError(f"check needs --runs of at least 2 to compare runs, got {self.runs}")
         if self.runs < 1:

@@ -82,14 +82,14 @@ def test_tier_0_records_without_a_verdict(tmp_path):
 
 def test_strict_mode_refuses_unenforceable_tier_and_writes_nothing(cli, tmp_path):
     out = tmp_path / "run"
-    r = cli("check", "--backend", "fake", "--tier", "3", "--mode", "strict", "--out", out)
+    r = cli("check", "--backend", "fake", "--tier", "3", "--mode", "strict", "--vary-batch", "1,2", "--out", out)
     assert r.exit_code == 3
     assert "tier 3 refused in strict mode" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()
 
 
 def test_best_effort_downgrades_and_records_it(tmp_path):
-    o = detllm.check(backend="fake", tier=3, out=tmp_path / "r")
+    o = detllm.check(backend="fake", tier=3, vary_batch=(1, 2), out=tmp_path / "r")
     applied = json.loads((tmp_path / "r" / "determinism_applied.json").read_text())
     assert (applied["tier_requested"], applied["tier_effective"], applied["downgraded"]) == (3, 2, True)
     assert "enforces tier 2 at most" in applied["downgrade_reason"]
@@ -155,3 +155,9 @@ def test_env_capture_redacts_secrets_and_skips_per_process_ids():
     got = redact_env({"HF_TOKEN": "x", "OMP_NUM_THREADS": "2", "HF_ENDPOINT": "https://u:p@host", "HOME": "/root",
                       "VLLM_DIST_IDENT": "vllm_dist_1234", "MY_API_KEY": "k", "VLLM_API_KEY": "k"})
     assert got == {"HF_ENDPOINT": "<redacted>", "HF_TOKEN": "<redacted>", "OMP_NUM_THREADS": "2", "VLLM_API_KEY": "<redacted>"}
+
+
+def test_tier_3_without_vary_batch_is_refused(cli, tmp_path):
+    r = cli("check", "--backend", "fake", "--opt", "batch_invariant=true", "--tier", "3", "--out", tmp_path / "r")
+    assert r.exit_code == 2 and "add --vary-batch" in r.stderr
+    assert not (tmp_path / "r").exists()

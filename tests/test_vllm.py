@@ -245,7 +245,7 @@ def test_cli_strict_tier_3_is_refused_before_anything_is_written(cli, tmp_path):
     if BUILD != "cpu":
         pytest.skip("tier 3 may be enforceable on this GPU")
     out = tmp_path / "run"
-    r = cli("check", "--backend", "vllm", "--tier", "3", "--mode", "strict", "--out", out)
+    r = cli("check", "--backend", "vllm", "--tier", "3", "--mode", "strict", "--vary-batch", "1,2", "--out", out)
     assert r.exit_code == 3, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "tier 3 refused in strict mode" in lines[0] and "CPU" in lines[0]

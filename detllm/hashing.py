@@ -25,6 +25,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+CONFIG_FILES = ("config.json", "generation_config.json")  # architecture and decoding defaults: part of the model
 _memo: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, per process
 
 
@@ -85,4 +86,5 @@ def folder_identity(model_id: str, folder: Path, *, revision: str | None = None,
         weights=weights,
         weights_sha256=combine((w.file, w.sha256) for w in weights),
         tokenizer_sha256=tokenizer_sha256(folder),
+        config_sha256=combine((n, sha256_file(folder / n)) for n in CONFIG_FILES if (folder / n).is_file()),
     )

@@ -85,8 +85,15 @@ def recorded_prompts(run: artifacts.RunFolder, *, label: str) -> PromptSet:
 
 def check_model(recorded: dict[str, Any], local: dict[str, Any], *, allow: bool) -> None:
     """Refuse (ModelChangedError, exit 7) when the local weights are not the pack's."""
-    if recorded["weights_sha256"] == local["weights_sha256"] or allow:
+    config_same = recorded.get("config_sha256") in (None, local.get("config_sha256"))
+    if (recorded["weights_sha256"] == local["weights_sha256"] and config_same) or allow:
         return
+    if recorded["weights_sha256"] == local["weights_sha256"]:
+        raise ModelChangedError(
+            f"the local model {local['id']!r} has the pack's weights but a different config.json/generation_config.json "
+            f"(config sha256 {str(local.get('config_sha256'))[:12]}…, the pack's {recorded['config_sha256'][:12]}…); refusing to replay",
+            hint="pass --allow-model-change to replay anyway and see where the outputs move",
+        )
     theirs = {w["file"]: w["sha256"] for w in recorded["weights"]}
     ours = {w["file"]: w["sha256"] for w in local["weights"]}
     changed = sorted(f for f in theirs.keys() | ours.keys() if theirs.get(f) != ours.get(f))

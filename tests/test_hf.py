@@ -140,3 +140,23 @@ def test_weights_edited_in_place_are_reloaded(tmp_path):
     lps = [json.loads((o.out_dir / "trace.jsonl").read_text().splitlines()[0])["logprobs"] for o in (a, b)]
     assert cfg[0] != cfg[1]
     assert lps[0] != lps[1], "the edited weights were not loaded"
+
+
+def test_config_edited_in_place_is_a_model_mismatch_and_replay_refuses(tmp_path, cli):
+    """Same weights, same path, config.json changed (rope_theta): MODEL_MISMATCH naming the config, replay exit 7."""
+    from detllm.models import export_model
+
+    folder = export_model("tiny", tmp_path / "tiny")
+    a = detllm.run(backend="hf", model=str(folder), tier=2, max_new_tokens=4, out=tmp_path / "a")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters" if "rope_parameters" in cfg else "rope_theta"] = (
+        {**cfg["rope_parameters"], "rope_theta": 77.0} if "rope_parameters" in cfg else 77.0)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    b = detllm.run(backend="hf", model=str(folder), tier=2, max_new_tokens=4, out=tmp_path / "b")
+    d = detllm.diff(a.out_dir, b.out_dir)
+    assert d.report["category"] == "MODEL_MISMATCH", d.report["causes"]
+    ev = d.report["causes"][0]["evidence"]
+    assert ev["weights_sha256"]["left"] == ev["weights_sha256"]["right"] and ev["config_sha256"]["left"] != ev["config_sha256"]["right"]
+    r = cli("replay", a.out_dir, "--out", tmp_path / "r")
+    assert r.exit_code == 7 and "different config.json" in r.stderr
+    assert not (tmp_path / "r").exists()

@@ -88,6 +88,7 @@ class ModelIdentity:
     weights_sha256: str  # sha256 over the sorted (file, sha256) list
     tokenizer_sha256: str  # sha256 over the tokenizer files' contents, not their paths
     quantization: str | None = None  # e.g. Q4_1 for a GGUF file
+    config_sha256: str | None = None  # sha256 over config.json + generation_config.json (None: inside the weights file, as in GGUF)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

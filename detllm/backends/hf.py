@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
-from ..hashing import folder_identity, weight_paths
+from ..hashing import folder_identity
 from ..models import local_folder, resolve_model
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
@@ -92,8 +92,8 @@ class HFBackend(Backend):
             except BackendError:
                 folder = None  # not cached: from_pretrained downloads it where the hub is reachable
         source = str(folder) if folder else self.resolved.id
-        # the weight files' size and mtime are in the key: weights edited in place are reloaded
-        files = tuple((w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weight_paths(folder)) if folder else ()
+        # every file's size and mtime is in the key: weights or config edited in place are reloaded
+        files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file()) if folder else ()
         key = (source, files, self.revision, self.dtype, self.device, self.options.attn_implementation)
         if key in _LOADED:
             return _LOADED[key]

@@ -27,7 +27,7 @@ from .engine import align
 RANK = ("MODEL_MISMATCH", "TOKENIZER_MISMATCH", "PROMPT_MISMATCH", "CONFIG_MISMATCH", "BACKEND_MISMATCH",
         "ENV_MISMATCH", "RUN_VARIANCE", "BATCH_VARIANCE")
 TITLES = {
-    "MODEL_MISMATCH": "the model weights differ",
+    "MODEL_MISMATCH": "the model weights (or its config) differ",
     "TOKENIZER_MISMATCH": "the tokenizer differs",
     "PROMPT_MISMATCH": "the prompt sets differ",
     "CONFIG_MISMATCH": "the run configuration differs",
@@ -94,7 +94,9 @@ def _cut(items: list[Any], cap: int = _CAP) -> list[Any]:
 
 def _model(left: Side, right: Side) -> dict[str, Any] | None:
     lm, rm = left.run_config["model"], right.run_config["model"]
-    if lm["weights_sha256"] == rm["weights_sha256"]:
+    lc, rc = lm.get("config_sha256"), rm.get("config_sha256")
+    config_differs = lc is not None and rc is not None and lc != rc
+    if lm["weights_sha256"] == rm["weights_sha256"] and not config_differs:
         return None
     lw, rw = ({w["file"]: w["sha256"] for w in m["weights"]} for m in (lm, rm))
     files = [{"file": f, "left": lw.get(f), "right": rw.get(f)} for f in sorted(set(lw) | set(rw)) if lw.get(f) != rw.get(f)]
@@ -111,6 +113,8 @@ def _model(left: Side, right: Side) -> dict[str, Any] | None:
             ev[key] = _lr(lm[key], rm[key])
     if lm["format"] != rm["format"]:
         ev["converted"] = True  # weights in different formats never hash equal
+    if config_differs:
+        ev["config_sha256"] = _lr(lc, rc)  # the architecture or decoding defaults were edited
     return ev
 
 

@@ -29,6 +29,9 @@ def cause_summary(cause: dict[str, Any]) -> str:
         where = f" at the same path {ev['path']['left']}" if ev.get("same_path") else ""
         files = f"; {ev['files_differing']} weight file(s) differ, e.g. {ev['files'][0]['file']}" if ev.get("files") else ""
         conv = f"; formats {ev['format']['left']} vs {ev['format']['right']}" if ev.get("converted") else ""
+        cfg = ev.get("config_sha256")
+        if w["left"] == w["right"] and cfg:
+            return f"same weights, but config.json/generation_config.json differ: {short(cfg['left'])} vs {short(cfg['right'])}{where}"
         return f"weights {short(w['left'])} vs {short(w['right'])}{where}{files}{conv}"
     if code == "TOKENIZER_MISMATCH":
         if ev.get("examples"):

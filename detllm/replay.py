@@ -40,7 +40,7 @@ def replay(
     with artifacts.open_run_path(Path(pack)) as folder:
         verify_folder(folder, pubkey=pubkey)  # a changed (or, with pubkey, unsigned) pack is refused before anything runs
         recorded = artifacts.load_run(folder, validate_records=False)  # verify already checked every record
-        config = RunConfig.from_json(recorded.run_config["config"])
+        config = untrusted_options_dropped(RunConfig.from_json(recorded.run_config["config"]))
         if model is not None:
             config = dataclasses.replace(config, model=model)
         prompts = recorded_prompts(recorded, label=str(pack))
@@ -60,6 +60,16 @@ def replay(
             )
         finally:
             backend.close()
+
+
+# Options through which a pack could make replay run code of its choosing: hub code
+# (trust_remote_code) or a binary path (llamacpp bin). Replay never takes them from a pack;
+# the local defaults apply (DETLLM_LLAMA_BIN, PATH and the build cache find llama-server).
+UNTRUSTED_OPTIONS = frozenset({"trust_remote_code", "bin"})
+
+
+def untrusted_options_dropped(config: RunConfig) -> RunConfig:
+    return dataclasses.replace(config, options=tuple((k, v) for k, v in config.options if k not in UNTRUSTED_OPTIONS))
 
 
 def recorded_prompts(run: artifacts.RunFolder, *, label: str) -> PromptSet:

@@ -169,3 +169,11 @@ def test_weights_substituted_under_the_same_path(cli, tmp_path):
     assert r.exit_code == 1, r.output
     report = assert_valid_run(tmp_path / "r", failed=True)
     assert report["category"] == "MODEL_MISMATCH"
+
+
+def test_replay_never_takes_code_executing_options_from_a_pack():
+    from detllm.config import RunConfig
+    from detllm.replay import untrusted_options_dropped
+
+    cfg = RunConfig(backend="llamacpp", options=(("bin", "/tmp/evil"), ("slots", "4"), ("trust_remote_code", "true")))
+    assert untrusted_options_dropped(cfg).options == (("slots", "4"),)

@@ -409,3 +409,15 @@ def test_no_orphan_server_when_the_owner_is_signalled(binary, tmp_path, sig, mod
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("args,code,text", [
+    (["--device", "cuda"], 4, "lists no GPU device"),
+    (["--opt", "slots=1", "--vary-batch", "2"], 2, "needs 2 llama-server slots"),
+    (["--max-new-tokens", "1100"], 2, "exceeds the model's context"),
+])
+def test_bad_llamacpp_input_is_refused_before_anything_is_written(binary, cli, tmp_path, args, code, text):
+    out = tmp_path / "out"
+    r = cli("check", "--backend", "llamacpp", *args, "--out", out)
+    assert r.exit_code == code and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert not out.exists()

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
-from ..errors import BackendError, UsageError
+from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import combine, sha256_file
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
 from .llamacpp_server import Server, find_server, free_port
 
 DEFAULT_CTX = 1024  # tokens per slot when --opt ctx_size is not given (capped at the model's training context)
 FLASH_ATTN = ("on", "off", "auto")
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # llama-server -ctk/-ctv
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,29 @@ class LlamaCppBackend(Backend):
     @classmethod
     def from_config(cls, config: RunConfig) -> "LlamaCppBackend":
         opts = parse_options(LlamaCppOptions, config.options, "llamacpp")
-        return cls(config.model, opts, slots=max(config.batch_sizes), threads=config.threads,
-                   device=config.device, dtype=config.dtype)
+        biggest = max(config.batch_sizes)
+        if opts.slots is not None and opts.slots < biggest:  # refused before any folder is written
+            raise UsageError(f"a batch of {biggest} needs {biggest} llama-server slots, --opt slots is {opts.slots}",
+                             hint=f"pass --opt slots={biggest} or leave it unset")
+        backend = cls(config.model, opts, slots=biggest, threads=config.threads, device=config.device, dtype=config.dtype)
+        if config.device in ("cuda", "auto"):
+            backend.device = backend._gpu_device(required=config.device == "cuda")
+        return backend
+
+    def _gpu_device(self, *, required: bool) -> str:
+        """"cuda" when this llama-server build lists a GPU device, else "cpu"; a required GPU that
+        the build cannot use is BackendUnavailableError (it would silently run on the CPU)."""
+        try:
+            listed = subprocess.run([str(self.binary), "--list-devices"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise BackendError(f"{self.binary} --list-devices failed: {exc}") from exc
+        devices = [line.strip() for line in listed.split("Available devices:", 1)[-1].splitlines() if line.strip()]
+        if devices and devices != ["(none)"]:
+            return "cuda"
+        if required:
+            raise BackendUnavailableError(f"--device cuda was asked for but {self.binary} lists no GPU device (a CPU-only build)",
+                                          hint="use --device cpu, or build llama.cpp with -DGGML_CUDA=ON")
+        return "cpu"
 
     # -- server lifecycle --
 
@@ -190,6 +212,9 @@ class LlamaCppBackend(Backend):
             notes=("llama.cpp is not batch invariant: the prompts of a batch share each llama_decode call and "
                    "logprobs change with the batch composition (up to ~3e-4 seen on tiny)",),
         )
+
+    def context_limit(self) -> int | None:
+        return self.ctx_per_slot  # each slot holds one sequence: prompt + generated tokens
 
     def tokenize(self, text: str) -> list[int]:
         # add_special: BOS exactly when the GGUF says so; the ids are then posted as-is
@@ -417,5 +442,7 @@ def _validate(o: LlamaCppOptions) -> None:
             raise UsageError(f"--opt {name} must be at least 1, got {value}")
     if o.flash_attn is not None and o.flash_attn not in FLASH_ATTN:
         raise UsageError(f"--opt flash_attn must be one of {', '.join(FLASH_ATTN)}, got {o.flash_attn!r}")
+    if o.kv_type is not None and o.kv_type not in KV_TYPES:
+        raise UsageError(f"--opt kv_type must be one of {', '.join(KV_TYPES)}, got {o.kv_type!r}")
     if o.startup_timeout <= 0 or o.request_timeout <= 0:
         raise UsageError("--opt startup_timeout and request_timeout must be positive seconds")

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import artifacts
 from .compare.causes import Side, explain
-from .compare.divergence import NOISE_FLOORS, noise_floor
+from .compare.divergence import run_noise_floor
 from .compare.engine import compare, label
 from .compare.trace import load_records
 from .errors import ArtifactError, UsageError
@@ -167,11 +167,8 @@ def effective_dtype(side: Side) -> str:
 
 
 def side_noise_floor(side: Side) -> float | None:
-    """The noise floor of the dtype in effect and the weights' quantization."""
-    dtype = effective_dtype(side)
-    if dtype not in NOISE_FLOORS:
-        dtype = side.run_config["config"]["dtype"]
-    return noise_floor(dtype, side.run_config["model"]["quantization"])
+    """The noise floor of the dtype in effect and the weights' quantization (as check uses)."""
+    return run_noise_floor(side.run_config["config"]["dtype"], side.applied["settings"], side.run_config["model"]["quantization"])
 
 
 def _tiers(left: Side, right: Side, tier: int | None) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 from . import artifacts
 from .backends.base import Backend, Capabilities, Request
 from .backends.registry import create_backend
+from .compare.divergence import run_noise_floor
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
 from .env import collect_env
@@ -137,6 +138,7 @@ def execute(
             "prompts": {"source": prompts.source, "count": len(prompts.texts), "sha256": prompts.sha256},
         }))
         with backend.determinism(tier=tier, seed=config.seed, threads=config.threads) as applied:
+            settings = [a.to_json() for a in applied]
             artifacts.write_json(out, artifacts.ENV, collect_env(backend.env_info()))
             artifacts.write_json(out, artifacts.APPLIED, artifacts.stamp("determinism_applied", {
                 "backend": config.backend,
@@ -147,13 +149,14 @@ def execute(
                 "downgrade_reason": why,
                 "capabilities": {"max_tier": caps.max_tier, "logprobs": caps.logprobs, "sampling": caps.sampling,
                                  "batch_invariant": caps.batch_invariant, "notes": list(caps.notes)},
-                "settings": [a.to_json() for a in applied],
+                "settings": settings,
             }))
             records, digests = _generate(config, backend, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
     finally:
         if owned:
             backend.close()
-    return _finish(config, command, out, records, digests, tier, signer, make_report)
+    floor = run_noise_floor(config.dtype, settings, identity.quantization)
+    return _finish(config, command, out, records, digests, tier, floor, signer, make_report)
 
 
 def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> tuple[list[dict[str, Any]], list[bytes]]:
@@ -187,7 +190,7 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
 
 
 def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, Any]], digests: list[bytes], tier: int,
-            signer: Signer | None = None, make_report: MakeReport | None = None) -> Outcome:
+            floor: float | None, signer: Signer | None = None, make_report: MakeReport | None = None) -> Outcome:
     summary = {
         "backend": config.backend,
         "model": config.model,
@@ -208,7 +211,7 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
         })
     else:
         comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
-                                  tier=tier, atol=config.atol, dtype=config.dtype)
+                                  tier=tier, atol=config.atol, floor=floor)
         report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary)
     write_report(out, report, signer=signer, record_digests=digests)
     return Outcome(out, report)

@@ -161,3 +161,12 @@ def test_tier_3_without_vary_batch_is_refused(cli, tmp_path):
     r = cli("check", "--backend", "fake", "--opt", "batch_invariant=true", "--tier", "3", "--out", tmp_path / "r")
     assert r.exit_code == 2 and "add --vary-batch" in r.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_check_and_diff_share_one_noise_floor_rule():
+    from detllm.compare.divergence import noise_floor, run_noise_floor
+
+    gguf = [{"name": "dtype", "value": "Q4_1"}]
+    assert run_noise_floor("float32", gguf, "Q4_1") == noise_floor("float32", "Q4_1") > noise_floor("float32")
+    assert run_noise_floor("auto", [{"name": "dtype", "value": "float32"}], None) == noise_floor("float32")
+    assert run_noise_floor("bfloat16", [], None) == noise_floor("bfloat16")

@@ -30,6 +30,15 @@ def noise_floor(dtype: str | None, quantization: str | None = None) -> float | N
     return floor
 
 
+def run_noise_floor(asked_dtype: str, applied_settings: list[dict[str, Any]], quantization: str | None) -> float | None:
+    """The one rule `check` and `diff` share: the dtype in effect (determinism_applied's `dtype`
+    value where the backend recorded one, e.g. a GGUF's Q4_1; else the dtype asked for) and the
+    weights' quantization."""
+    applied = next((s["value"] for s in applied_settings if s["name"] == "dtype"), None)
+    dtype = applied if isinstance(applied, str) and applied in NOISE_FLOORS else asked_dtype
+    return noise_floor(dtype, quantization)
+
+
 def _top(rec: dict[str, Any], i: int) -> list[list[Any]] | None:
     tops = rec.get("top_logprobs")
     return tops[i] if tops is not None and i < len(tops) else None

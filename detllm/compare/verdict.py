@@ -12,15 +12,13 @@ from typing import Any
 
 from ..artifacts import stamp
 from .causes import Side, explain, merge
-from .divergence import noise_floor
 from .engine import compare, label, parse_label, select
 
 
 def check_comparisons(records: list[dict[str, Any]], *, base_batch: int, runs: int, batch_sizes: tuple[int, ...],
-                      tier: int, atol: float, dtype: str | None) -> list[dict[str, Any]]:
+                      tier: int, atol: float, floor: float | None) -> list[dict[str, Any]]:
     """Each repeat against run 0 at the base batch size; each other batch size against batch size 1."""
     comps = []
-    floor = noise_floor(dtype)
     ref = select(records, run=0, batch=base_batch)
     for r in range(1, runs):
         comps.append(compare(ref, select(records, run=r, batch=base_batch), name=f"run_{r} vs run_0 @ batch {base_batch}",

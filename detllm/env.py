@@ -116,9 +116,10 @@ def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any
     return info, gpus, threads
 
 
-def collect_env(backend_info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The env.json document (stamped, fingerprinted)."""
-    torch_info, gpus, torch_threads = _torch()
+def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = True) -> dict[str, Any]:
+    """The env.json document (stamped, fingerprinted). `torch=False` for an engine that does not
+    compute with torch (llama.cpp): torch facts of the host process would be noise there."""
+    torch_info, gpus, torch_threads = _torch() if torch else (None, [], {})
     threads: dict[str, Any] = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     threads.update(torch_threads)
     libc = " ".join(x for x in platform.libc_ver() if x)

@@ -139,7 +139,7 @@ def execute(
         }))
         with backend.determinism(tier=tier, seed=config.seed, threads=config.threads) as applied:
             settings = [a.to_json() for a in applied]
-            artifacts.write_json(out, artifacts.ENV, collect_env(backend.env_info()))
+            artifacts.write_json(out, artifacts.ENV, collect_env(backend.env_info(), torch=backend.uses_torch))
             artifacts.write_json(out, artifacts.APPLIED, artifacts.stamp("determinism_applied", {
                 "backend": config.backend,
                 "tier_requested": config.tier,

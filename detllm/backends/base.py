@@ -102,6 +102,7 @@ class Backend(ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type] | None = None
+    uses_torch: ClassVar[bool] = True  # env.json records torch's build and flags only for engines that compute with it
 
     @classmethod
     @abstractmethod

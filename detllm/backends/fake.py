@@ -66,6 +66,7 @@ class FakeOptions:
 
 class FakeBackend(Backend):
     name = "fake"
+    uses_torch = False
     Options = FakeOptions
 
     def __init__(self, options: FakeOptions | None = None, *, model: str = "fake") -> None:

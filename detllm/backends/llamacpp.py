@@ -94,6 +94,7 @@ def batch_seed(seed: int) -> int:
 
 class LlamaCppBackend(Backend):
     name = "llamacpp"
+    uses_torch = False
     Options = LlamaCppOptions
 
     def __init__(self, model: str | Path = "tiny", options: LlamaCppOptions | None = None, *,

@@ -197,8 +197,12 @@ def _backend(left: Side, right: Side) -> dict[str, Any] | None:
 
 def _env(left: Side, right: Side) -> dict[str, Any] | None:
     ignore = set(VOLATILE_KEYS) | {"backend"}  # the engine's own report is BACKEND_MISMATCH's
+    if left.env.get("torch") is None or right.env.get("torch") is None:
+        ignore.add("torch")  # a side whose engine never loaded torch (llama.cpp) has no torch facts to compare
     fields = flat_diff({k: v for k, v in left.env.items() if k not in ignore},
                        {k: v for k, v in right.env.items() if k not in ignore})
+    if "torch" in ignore:
+        fields = [f for f in fields if not f["field"].startswith("threads.torch_")]
     if not fields:
         return None
     return {"differences": _cut(fields, 40), "count": len(fields),

@@ -103,11 +103,21 @@ def dumps(obj: Any, *, indent: int | None = 2) -> str:
     return json.dumps(_finite(obj), indent=indent, ensure_ascii=False, allow_nan=False)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once at import: os.umask can only be read by setting it
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary name in the same folder, fsync, then rename over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are read by CI uploaders and other users
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

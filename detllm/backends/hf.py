@@ -233,6 +233,7 @@ class HFBackend(Backend):
             "py_rng": random.getstate(),
             "np_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,  # manual_seed reseeds CUDA too
         }
         applied = [
             Applied("seed.python", seed, True, seed),
@@ -272,6 +273,8 @@ class HFBackend(Backend):
             random.setstate(saved["py_rng"])
             np.random.set_state(saved["np_rng"])
             torch.set_rng_state(saved["torch_rng"])
+            if saved["cuda_rng"] is not None:
+                torch.cuda.set_rng_state_all(saved["cuda_rng"])
 
     def env_info(self) -> dict[str, Any]:
         from importlib import metadata

@@ -124,6 +124,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         revision: Annotated[Optional[str], typer.Option(help="Hub revision of --model.")] = None,
         prompt_text: Annotated[bool, typer.Option("--prompt-text/--no-prompt-text", help="Record prompt text and input ids (off: only hashes).")] = True,
         opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value (repeatable); see docs/backends/.")] = None,
+        llama_bin: Annotated[Optional[Path], typer.Option("--llama-bin", help="llama.cpp bin folder or llama-server binary (llamacpp; else DETLLM_LLAMA_BIN, PATH, the build cache).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
         sign_key: SignKey = None,
@@ -138,7 +139,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=sample_top_k),
                 seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=parse_batch_list(vary_batch),
                 runs=runs, logprobs_top_k=top_k, record_prompt_text=prompt_text, threads=threads, atol=atol,
-                options=parse_options(opt or []),
+                options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)),
             )
             check_output_file(junit, "--junit")  # before the run, not after it
             with _progress(progress and not as_json) as bar:
@@ -148,6 +149,15 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         guarded(body)
 
     return cmd
+
+
+def llama_bin_option(path: Path | None, backend: str) -> list[str]:
+    """--llama-bin is the llamacpp backend's `--opt bin=`, spelled as issue-tracker users expect."""
+    if path is None:
+        return []
+    if backend != "llamacpp":
+        raise UsageError(f"--llama-bin applies to --backend llamacpp, not {backend!r}")
+    return [f"bin={path}"]
 
 
 class _progress:

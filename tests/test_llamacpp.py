@@ -8,6 +8,7 @@ and flash attention, move logprobs by ~1e-2 on this model).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -421,3 +422,14 @@ def test_bad_llamacpp_input_is_refused_before_anything_is_written(binary, cli, t
     r = cli("check", "--backend", "llamacpp", *args, "--out", out)
     assert r.exit_code == code and text in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
     assert not out.exists()
+
+
+def test_llama_bin_flag(binary, cli, tmp_path):
+    r = cli("run", "--backend", "llamacpp", "--llama-bin", binary, "--max-new-tokens", "2", "--out", tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "a" / "run_config.json").read_text())
+    assert cfg["config"]["options"]["bin"] == str(binary)
+    r = cli("run", "--backend", "llamacpp", "--llama-bin", tmp_path / "none", "--out", tmp_path / "b")
+    assert r.exit_code == 4 and not (tmp_path / "b").exists()
+    r = cli("run", "--backend", "hf", "--llama-bin", binary, "--out", tmp_path / "c")
+    assert r.exit_code == 2 and "--llama-bin applies to --backend llamacpp" in r.stderr

@@ -9,6 +9,7 @@ module, building the backend and asking `capabilities()` never import it.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import logging
@@ -221,6 +222,10 @@ class VLLMBackend(Backend):
     @classmethod
     def from_config(cls, config: RunConfig) -> "VLLMBackend":
         opts = parse_options(VLLMOptions, config.options, "vllm")
+        biggest = max(config.batch_sizes)
+        if "max_num_seqs" not in config.option_dict() and biggest > opts.max_num_seqs:
+            # a batch larger than max_num_seqs would run in waves: not the batch the trace records
+            opts = dataclasses.replace(opts, max_num_seqs=biggest)
         return cls(config.model, options=opts, revision=config.revision, dtype=config.dtype, device=config.device,
                    logprobs_top_k=config.logprobs_top_k, max_new_tokens=config.decoding.max_new_tokens)
 

@@ -67,7 +67,9 @@ def _line(rec: dict) -> str:
     return json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n"  # as TraceWriter writes it
 
 
-def make_pair(root: Path, prompts: int, tokens: int, top_k: int) -> tuple[Path, Path, tuple[int, int]]:
+def make_pair(root: Path, prompts: int, tokens: int, top_k: int, drift: float = 0.0) -> tuple[Path, Path, tuple[int, int]]:
+    """Two folders equal but for the planted flip; with `drift`, every right-side logprob also moves
+    by that much (batch or engine drift), so no record is byte-identical to its partner."""
     left, right = root / "left", root / "right"
     planted = (prompts // 2, tokens * 7 // 10)
     for folder in (left, right):
@@ -86,6 +88,10 @@ def make_pair(root: Path, prompts: int, tokens: int, top_k: int) -> tuple[Path, 
                 rec["token_ids"][p] = rec["top_logprobs"][p][1][0]  # the runner-up wins: a flipped near tie
                 rec["token_texts"][p] = f" w{rec['token_ids'][p]}"
                 rec["text"] = "".join(rec["token_texts"])
+                line = _line(rec)
+            if drift:
+                rec["logprobs"] = [lp + drift for lp in rec["logprobs"]]
+                rec["top_logprobs"] = [[[t, lp + drift] for t, lp in step] for step in rec["top_logprobs"]]
                 line = _line(rec)
             fr.write(line)
     return left, right, planted
@@ -126,6 +132,14 @@ def main() -> int:
               f"over {args.repeat} runs; found the divergence at {planted} ({d['kind']}), category {json.loads(proc.stdout)['category']}")
         out_times, _ = _time(detllm + ["--out", str(root / "diff"), "--force"], args.repeat)
         print(f"detllm diff --out (writes report.json/.txt/.md): best {min(out_times):.2f} s, median {statistics.median(out_times):.2f} s")
+        # the other extreme: every logprob drifted by 1e-7 (batch or engine numerics), no record byte-identical
+        shutil.rmtree(left.parent / "left"), shutil.rmtree(right)
+        left, right, _ = make_pair(root, args.prompts, args.tokens, args.top_k, drift=1e-7)
+        for tier in ("1", "2"):
+            times, proc = _time([sys.executable, "-m", "detllm", "diff", str(left), str(right), "--json", "--tier", tier], args.repeat)
+            d = json.loads(proc.stdout)["first_divergence"]
+            print(f"detllm diff --tier {tier}, every record drifted by 1e-7: best {min(times):.2f} s, median {statistics.median(times):.2f} s; "
+                  f"first divergence ({d['prompt_index']}, {d['token_index']}) kind {d['kind']}")
         return 0
     finally:
         if args.keep is None:

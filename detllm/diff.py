@@ -20,7 +20,7 @@ from typing import Any
 
 from . import artifacts
 from .compare.causes import Side, explain
-from .compare.divergence import run_noise_floor
+from .compare.divergence import applied_dtype, run_noise_floor
 from .compare.engine import compare, label
 from .compare.trace import load_records
 from .errors import ArtifactError, UsageError
@@ -162,8 +162,7 @@ def load_sides(left: Selection, right: Selection) -> tuple[Side, Side]:
 def effective_dtype(side: Side) -> str:
     """The dtype actually in effect where the backend recorded it (config "auto" resolves
     there; a GGUF file fixes it, e.g. Q4_1), else the one asked for."""
-    applied = next((s["value"] for s in side.applied["settings"] if s["name"] == "dtype"), None)
-    return applied if isinstance(applied, str) and applied else side.run_config["config"]["dtype"]
+    return applied_dtype(side.applied["settings"]) or side.run_config["config"]["dtype"]
 
 
 def side_noise_floor(side: Side) -> float | None:

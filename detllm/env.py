@@ -80,6 +80,11 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def detllm_version() -> str:
+    """The installed detllm's version, as every artifact records it."""
+    return _version("detllm") or "unknown"
+
+
 def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]:
     """Torch build/flags, GPUs and torch threads, only if torch is already imported."""
     torch = sys.modules.get("torch")
@@ -126,7 +131,7 @@ def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = Tru
     body = {
         "captured_at": utc_now(),
         "fingerprint": "",
-        "detllm": _version("detllm") or "unknown",
+        "detllm": detllm_version(),
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation()},
         "os": {"system": platform.system(), "release": platform.release(), "machine": platform.machine(), "libc": libc},
         "cpu": _cpu(),

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from . import artifacts
 from .artifacts import ENV, MANIFEST, RUN_CONFIG, TRACE
+from .env import detllm_version
 from .errors import ArtifactError, IntegrityError
 from .hashing import canonical_json
 from .records import check_trace_record
@@ -206,7 +207,7 @@ def build_manifest(folder: Path, record_digests: list[bytes] | None = None) -> d
             sha, size = file_digest(p)
         entries.append({"path": rel, "sha256": sha, "size": size})
     return artifacts.stamp("manifest", {
-        "detllm_version": _version(), "algorithm": "sha256", "files": entries, "trace": trace,
+        "detllm_version": detllm_version(), "algorithm": "sha256", "files": entries, "trace": trace,
     })
 
 
@@ -432,13 +433,6 @@ def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str
                 break
 
 
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("detllm")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 __all__ = ["CHAIN", "Problem", "Verification", "build_manifest", "check_trace_record", "genesis", "scan_line", "seal",

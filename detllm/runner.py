@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import artifacts
-from .backends.base import Backend, Capabilities, Request
+from .backends.base import Backend, Capabilities, Request, options_json
 from .backends.registry import create_backend
 from .compare.divergence import run_noise_floor
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
-from .env import collect_env
+from .env import collect_env, detllm_version
 from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError, UsageError
 from .hashing import canonical_json, sha256_bytes
 from .integrity import seal
@@ -129,11 +129,11 @@ def execute(
         identity = backend.model_identity()
         artifacts.prepare_out_dir(out, force=force)
         artifacts.write_json(out, artifacts.RUN_CONFIG, artifacts.stamp("run_config", {
-            "detllm_version": _version(),
+            "detllm_version": detllm_version(),
             "command": command,
             "created_at": artifacts.utc_now(),
             "config": config.to_json(),
-            "backend_options": _options_json(backend),
+            "backend_options": options_json(getattr(backend, "options", None)),
             "model": identity.to_json(),
             "prompts": {"source": prompts.source, "count": len(prompts.texts), "sha256": prompts.sha256},
         }))
@@ -231,22 +231,6 @@ def write_report(out: Path, report: dict[str, Any], *, signer: Signer | None = N
     artifacts.atomic_write_text(out / artifacts.REPORT_TXT, render_text(report))
     artifacts.atomic_write_text(out / artifacts.REPORT_MD, render_markdown(report))
     seal(out, signer, record_digests)
-
-
-def _options_json(backend: Backend) -> dict[str, Any]:
-    import dataclasses
-
-    opts = getattr(backend, "options", None)
-    return dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else {}
-
-
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("detllm")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 __all__ = ["Outcome", "execute", "gate_tier", "plan_batches", "write_report", "load_prompts"]

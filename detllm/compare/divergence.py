@@ -34,9 +34,15 @@ def run_noise_floor(asked_dtype: str, applied_settings: list[dict[str, Any]], qu
     """The one rule `check` and `diff` share: the dtype in effect (determinism_applied's `dtype`
     value where the backend recorded one, e.g. a GGUF's Q4_1; else the dtype asked for) and the
     weights' quantization."""
-    applied = next((s["value"] for s in applied_settings if s["name"] == "dtype"), None)
-    dtype = applied if isinstance(applied, str) and applied in NOISE_FLOORS else asked_dtype
+    applied = applied_dtype(applied_settings)
+    dtype = applied if applied in NOISE_FLOORS else asked_dtype
     return noise_floor(dtype, quantization)
+
+
+def applied_dtype(applied_settings: list[dict[str, Any]]) -> str | None:
+    """The `dtype` value a backend recorded in determinism_applied.json, if any."""
+    value = next((s["value"] for s in applied_settings if s["name"] == "dtype"), None)
+    return value if isinstance(value, str) and value else None
 
 
 def _top(rec: dict[str, Any], i: int) -> list[list[Any]] | None:

@@ -31,7 +31,7 @@ def _config(prompts: int, tokens: int, top_k: int) -> dict:
         "config": {"backend": "fake", "model": "bench", "revision": None, "dtype": "float32", "device": "cpu",
                    "decoding": {"max_new_tokens": tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0},
                    "seed": 0, "tier": 2, "mode": "best-effort", "batch_size": 1, "vary_batch": [], "runs": 1,
-                   "logprobs_top_k": top_k, "record_prompt_text": True, "threads": None, "atol": 0.0, "options": {}},
+                   "logprobs": top_k, "record_prompt_text": True, "threads": None, "atol": 0.0, "options": {}},
         "backend_options": {},
         "model": {"id": "bench", "path": None, "revision": None, "format": "fake",
                   "weights": [{"file": "bench.weights", "sha256": "0" * 64, "size": 0}],

@@ -24,8 +24,8 @@ from typing import Any, Iterable, Iterator
 from .errors import ArtifactError, UsageError
 from .hashing import canonical_json
 
-SCHEMA_VERSION = "1"
-READABLE_SCHEMA_VERSIONS = ("1",)
+from .versions import CURRENT as SCHEMA_VERSION  # what this detllm writes; the bump rule is in versions.py
+from .versions import READABLE as READABLE_SCHEMA_VERSIONS  # each file is validated against its own version's schemas
 ENV = "env.json"
 RUN_CONFIG = "run_config.json"
 APPLIED = "determinism_applied.json"
@@ -41,40 +41,45 @@ JSON_FILES = {ENV: "env", RUN_CONFIG: "run_config", APPLIED: "determinism_applie
 OWNED_NAMES = (ENV, RUN_CONFIG, APPLIED, TRACE, REPORT, REPORT_TXT, REPORT_MD, MANIFEST, "manifest.sig", "diffs", "plots")
 
 
-def schema_dir() -> Path:
-    """Schemas ship inside the wheel as detllm/schemas; in a source checkout they are ../schemas."""
+def schema_dir(version: str = SCHEMA_VERSION) -> Path:
+    """Schemas ship inside the wheel as detllm/schemas; in a source checkout they are ../schemas.
+    The current version's schemas sit at the top; each older version's frozen copy in v<N>/."""
     here = Path(__file__).resolve().parent
     for cand in (here / "schemas", here.parent / "schemas"):
         if cand.is_dir():
-            return cand
+            return cand if version == SCHEMA_VERSION else cand / f"v{version}"
     raise ArtifactError("detllm's JSON schemas are missing from this installation", hint="reinstall detllm")
 
 
 @lru_cache(maxsize=None)
-def load_schema(artifact_type: str) -> dict[str, Any]:
-    path = schema_dir() / f"{artifact_type}.schema.json"
+def load_schema(artifact_type: str, version: str = SCHEMA_VERSION) -> dict[str, Any]:
+    path = schema_dir(version) / f"{artifact_type}.schema.json"
     if not path.is_file():
-        raise ArtifactError(f"no schema for artifact_type {artifact_type!r}")
+        raise ArtifactError(f"no schema for artifact_type {artifact_type!r} at schema_version {version!r}")
     return json.loads(path.read_text())
 
 
 @lru_cache(maxsize=None)
-def _validator(artifact_type: str):
+def _validator(artifact_type: str, version: str = SCHEMA_VERSION):
     from jsonschema import Draft202012Validator
     from referencing import Registry, Resource
 
     resources = []
-    for p in schema_dir().glob("*.schema.json"):
+    for p in schema_dir(version).glob("*.schema.json"):
         s = json.loads(p.read_text())
         resources.append((s["$id"], Resource.from_contents(s)))
     registry = Registry().with_resources(resources)
     # the schemas themselves are checked against the metaschema by tests/test_schemas.py
-    return Draft202012Validator(load_schema(artifact_type), registry=registry)
+    return Draft202012Validator(load_schema(artifact_type, version), registry=registry)
 
 
 def validate(obj: Any, artifact_type: str, *, where: str = "") -> None:
-    """Raise ArtifactError naming the first violation."""
-    err = next(iter(_validator(artifact_type).iter_errors(obj)), None)
+    """Raise ArtifactError naming the first violation, against the schema of the object's own
+    schema_version (a folder written by an older detllm is read under its own rules)."""
+    version = obj.get("schema_version") if isinstance(obj, dict) else None
+    if version not in READABLE_SCHEMA_VERSIONS:
+        version = SCHEMA_VERSION  # the const in the schema then names the problem
+    err = next(iter(_validator(artifact_type, version).iter_errors(obj)), None)
     if err is not None:
         loc = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise ArtifactError(f"{where or artifact_type}: schema violation at {loc}: {err.message[:200]}")

@@ -114,9 +114,10 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
         temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples with a seeded generator per request.")] = 0.0,
         top_p: Annotated[float, typer.Option(help="Nucleus sampling filter.")] = 1.0,
-        sample_top_k: Annotated[int, typer.Option(help="Top-k sampling filter (0 = off).")] = 0,
+        top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling filter (0 = off), as in transformers, vLLM and llama.cpp.")] = 0,
+        sample_top_k: Annotated[Optional[int], typer.Option("--sample-top-k", hidden=True, help="Old name of --top-k.")] = None,
         seed: Annotated[int, typer.Option(help="Seed for every RNG and per-request generator.")] = 0,
-        top_k: Annotated[int, typer.Option(help="Top-k logprobs recorded per step.")] = 5,
+        logprobs: Annotated[int, typer.Option("--logprobs", help="(id, logprob) pairs recorded per step, best first (OpenAI's top_logprobs).")] = 5,
         dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto.")] = "float32",
         device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
         threads: Annotated[Optional[int], typer.Option(help="Intra-op threads (default: the engine's).")] = None,
@@ -136,9 +137,9 @@ def _gen_command(command: str, default_runs: int) -> Callable:
 
             cfg = RunConfig(
                 backend=backend, model=model, revision=revision, dtype=dtype, device=device,
-                decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=sample_top_k),
+                decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k if sample_top_k is None else sample_top_k),
                 seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=parse_batch_list(vary_batch),
-                runs=runs, logprobs_top_k=top_k, record_prompt_text=prompt_text, threads=threads, atol=atol,
+                runs=runs, logprobs=logprobs, record_prompt_text=prompt_text, threads=threads, atol=atol,
                 options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)),
             )
             check_output_file(junit, "--junit")  # before the run, not after it

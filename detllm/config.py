@@ -42,7 +42,7 @@ class Decoding:
         if not 0.0 < self.top_p <= 1.0:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise UsageError(f"--sample-top-k must be >= 0, got {self.top_k}")
+            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class RunConfig:
     batch_size: int = 1  # batch size of the repeated runs
     vary_batch: tuple[int, ...] = ()  # extra batch sizes compared against batch size 1
     runs: int = 1  # repeats at batch_size (check needs >= 2)
-    logprobs_top_k: int = 5  # top-k (id, logprob) kept per step at tier >= 2
+    logprobs: int = 5  # (id, logprob) pairs recorded per step, best first (OpenAI: top_logprobs); not a sampling filter
     record_prompt_text: bool = True  # False keeps only the sha256 of each prompt
     threads: int | None = None  # intra-op threads; None keeps the backend default
     atol: float = 0.0  # logprob tolerance at tier 2; 0 means bitwise
@@ -86,8 +86,8 @@ class RunConfig:
             raise UsageError(f"check needs --runs of at least 2 to compare runs, got {self.runs}")
         if self.runs < 1:
             raise UsageError(f"--runs must be at least 1, got {self.runs}")
-        if self.logprobs_top_k < 1:
-            raise UsageError(f"--top-k must be at least 1, got {self.logprobs_top_k}")
+        if self.logprobs < 1:
+            raise UsageError(f"--logprobs must be at least 1, got {self.logprobs}")
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"--threads must be at least 1, got {self.threads}")
         if self.atol < 0:
@@ -121,6 +121,8 @@ class RunConfig:
     def from_json(cls, d: dict[str, Any]) -> "RunConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
+        if "logprobs_top_k" in d and "logprobs" not in d:  # schema_version 1 named it logprobs_top_k (detllm/versions.py)
+            kw["logprobs"] = d["logprobs_top_k"]
         kw["decoding"] = Decoding(**d["decoding"])
         kw["vary_batch"] = tuple(d.get("vary_batch", ()))
         kw["options"] = tuple(sorted((str(k), str(v)) for k, v in dict(d.get("options", {})).items()))

@@ -29,8 +29,8 @@ def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> st
     if rec.keys() != _TRACE_KEYS:
         missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS)
         return f"missing {missing}" if missing else f"unexpected {extra}"
-    if rec["schema_version"] != "1" or type(rec["schema_version"]) is not str:
-        return "schema_version is not '1'"
+    if type(rec["schema_version"]) is not str or rec["schema_version"] not in artifacts.READABLE_SCHEMA_VERSIONS:
+        return f"schema_version is not one of {list(artifacts.READABLE_SCHEMA_VERSIONS)}"
     if rec["artifact_type"] != "trace_record" or type(rec["artifact_type"]) is not str:
         return "artifact_type is not 'trace_record'"
     for key, lo in (("run_index", 0), ("batch_size", 1), ("batch_position", 0), ("prompt_index", 0)):

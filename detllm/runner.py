@@ -172,7 +172,7 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
                 reqs = [Request(i, input_ids[i], prompts.texts[i]) if i >= 0
                         else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)])
                         for i in batch]
-                gens = backend.generate(reqs, config.decoding, seed=config.seed, top_k=config.logprobs_top_k, logprobs=want_logprobs)
+                gens = backend.generate(reqs, config.decoding, seed=config.seed, n_logprobs=config.logprobs, logprobs=want_logprobs)
                 for pos, (req, gen) in enumerate(zip(reqs, gens)):
                     if req.is_filler:
                         continue

@@ -25,7 +25,7 @@ BAD = [
     (["--backend", "fake", "--opt", "max_tier=two"], 2, "--opt max_tier expects int"),
     (["--temperature", "-1"], 2, "--temperature must be >= 0"),
     (["--top-p", "0"], 2, "--top-p must be in (0, 1]"),
-    (["--top-k", "0"], 2, "--top-k must be at least 1"),
+    (["--logprobs", "0"], 2, "--logprobs must be at least 1"),
 ]
 
 
@@ -103,7 +103,7 @@ def test_report_with_unknown_schema_version(cli, tmp_path):
 
     detllm.check(backend="fake", out=tmp_path / "r")
     p = tmp_path / "r" / "report.json"
-    p.write_text(p.read_text().replace('"schema_version": "1"', '"schema_version": "99"'))
+    p.write_text(p.read_text().replace('"schema_version": "2"', '"schema_version": "99"'))
     r = cli("report", tmp_path / "r")
     assert r.exit_code == 5 and "schema_version '99' is not one this detllm reads" in r.stderr
 

@@ -120,7 +120,7 @@ def test_tier_default_atol_and_downgrade(tmp_path):
     o = detllm.diff(BASE, BASE)
     assert o.report["tier"] == {"requested": 2, "effective": 2}, "the lower tier the two sides were recorded at"
     assert o.report["comparisons"][0]["logprobs_compared"] is True
-    one = detllm.run(backend="fake", model="fake", max_new_tokens=8, logprobs_top_k=3, tier=2, out=tmp_path / "r",
+    one = detllm.run(backend="fake", model="fake", max_new_tokens=8, logprobs=3, tier=2, out=tmp_path / "r",
                      options={"max_tier": "1"})  # downgraded to tier 1, logprobs still recorded
     assert detllm.diff(BASE, one.out_dir).report["tier"] == {"requested": 1, "effective": 1}
     assert detllm.diff(BASE, one.out_dir, tier=2).report["tier"] == {"requested": 2, "effective": 2}
@@ -132,7 +132,7 @@ def test_tier_default_atol_and_downgrade(tmp_path):
     o = detllm.diff(BASE, blind, tier=2)
     assert o.report["tier"] == {"requested": 2, "effective": 1}, "no logprobs on one side: tokens only"
     assert o.report["comparisons"][0]["logprobs_compared"] is False
-    nudged = detllm.run(backend="fake", model="fake", max_new_tokens=8, logprobs_top_k=3, tier=2, out=tmp_path / "n",
+    nudged = detllm.run(backend="fake", model="fake", max_new_tokens=8, logprobs=3, tier=2, out=tmp_path / "n",
                         options={"diverge": "prompt=0,pos=1,what=logprob"})
     assert detllm.diff(BASE, nudged.out_dir).report["first_divergence"]["kind"] == "logprob"
     relaxed = detllm.diff(BASE, nudged.out_dir, atol=1e-5)
@@ -157,7 +157,7 @@ def test_junit_has_one_testcase_per_prompt(cli, tmp_path):
 def test_prompts_on_one_side_only_fail_as_junit_testcases(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("The capital of France is\nsomething new\n")
-    other = detllm.run(backend="fake", model="fake", max_new_tokens=8, logprobs_top_k=3, tier=2, prompts=prompts, out=tmp_path / "o")
+    other = detllm.run(backend="fake", model="fake", max_new_tokens=8, logprobs=3, tier=2, prompts=prompts, out=tmp_path / "o")
     detllm.diff(BASE, other.out_dir, junit=tmp_path / "j.xml")
     root = ET.parse(tmp_path / "j.xml").getroot()
     failures = [c.find("failure").get("type") for c in root.iter("testcase") if c.find("failure") is not None]

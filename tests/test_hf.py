@@ -77,7 +77,7 @@ def test_greedy_loop_matches_transformers_generate():
     b = HFBackend("tiny")
     texts = ["The capital of France is", "def add(a, b):", "Once"]
     reqs = [Request(i, tuple(b.tokenize(t)), t) for i, t in enumerate(texts)]
-    got = b.generate(reqs, Decoding(max_new_tokens=10), seed=0, top_k=3, logprobs=True)
+    got = b.generate(reqs, Decoding(max_new_tokens=10), seed=0, n_logprobs=3, logprobs=True)
     for req, gen in zip(reqs, got):
         ref = b.model.generate(torch.tensor([req.input_ids]), attention_mask=torch.ones(1, len(req.input_ids), dtype=torch.long),
                                max_new_tokens=10, do_sample=False)[0, len(req.input_ids):].tolist()
@@ -92,9 +92,9 @@ def test_sampling_does_not_depend_on_batch_order():
     b = HFBackend("tiny")
     reqs = [Request(i, tuple(b.tokenize(t)), t) for i, t in enumerate(["Once upon a time", "The quick brown", "42"])]
     d = Decoding(max_new_tokens=8, temperature=1.0, top_p=0.95, top_k=50)
-    fwd = b.generate(reqs, d, seed=3, top_k=2, logprobs=False)
-    rev = b.generate(reqs[::-1], d, seed=3, top_k=2, logprobs=False)[::-1]
-    other = b.generate(reqs, d, seed=4, top_k=2, logprobs=False)
+    fwd = b.generate(reqs, d, seed=3, n_logprobs=2, logprobs=False)
+    rev = b.generate(reqs[::-1], d, seed=3, n_logprobs=2, logprobs=False)[::-1]
+    other = b.generate(reqs, d, seed=4, n_logprobs=2, logprobs=False)
     assert [g.token_ids for g in fwd] == [g.token_ids for g in rev], "same seed, same tokens, any batch order"
     assert [g.token_ids for g in fwd] != [g.token_ids for g in other]
 

@@ -120,7 +120,7 @@ def test_greedy_token_ids_equal_hf(backend, hf):
     _, score = hf
     worst = 0.0
     for req in _requests(backend, range(len(PROMPTS))):
-        gen = backend.generate([req], GREEDY, seed=0, top_k=5, logprobs=True)[0]
+        gen = backend.generate([req], GREEDY, seed=0, n_logprobs=5, logprobs=True)[0]
         argmax, lps, tops = score(list(req.input_ids), gen.token_ids)
         assert gen.token_ids == argmax, f"prompt {req.prompt_index}: llama.cpp's greedy tokens are not HF's argmax"
         assert [[t for t, _ in s] for s in gen.top_logprobs] == [[t for t, _ in s] for s in tops]
@@ -136,7 +136,7 @@ def test_split_utf8_tokens_still_get_logprobs(backend, hf):
     re-scores those steps. The tiny model emits raw bytes often (prompt 0: 0xF5 0xF5)."""
     _, score = hf
     req = _requests(backend, [0])[0]
-    gen = backend.generate([req], GREEDY, seed=0, top_k=5, logprobs=True)[0]
+    gen = backend.generate([req], GREEDY, seed=0, n_logprobs=5, logprobs=True)[0]
     tbytes = read_gguf(backend.gguf).token_bytes()
     tail, split = b"", []
     for pos, t in enumerate(gen.token_ids):
@@ -166,19 +166,19 @@ def test_incomplete_utf8_matches_llama_server_rule():
 
 def test_two_generations_identical_including_logprobs(backend):
     reqs = _requests(backend, [0, 1, 2])
-    first = backend.generate(reqs, GREEDY, seed=0, top_k=5, logprobs=True)
-    second = backend.generate(reqs, GREEDY, seed=0, top_k=5, logprobs=True)
+    first = backend.generate(reqs, GREEDY, seed=0, n_logprobs=5, logprobs=True)
+    second = backend.generate(reqs, GREEDY, seed=0, n_logprobs=5, logprobs=True)
     assert first == second, "same input, same tokens, same logprobs, bit for bit"
 
 
 def test_batch_of_three_vs_single(backend):
     reqs = _requests(backend, [0, 1, 2])
-    singles = [backend.generate([r], GREEDY, seed=0, top_k=5, logprobs=True)[0] for r in reqs]
-    batch = backend.generate(reqs, GREEDY, seed=0, top_k=5, logprobs=True)
+    singles = [backend.generate([r], GREEDY, seed=0, n_logprobs=5, logprobs=True)[0] for r in reqs]
+    batch = backend.generate(reqs, GREEDY, seed=0, n_logprobs=5, logprobs=True)
     for s, b in zip(singles, batch):
         assert s.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(s.logprobs, b.logprobs)) < 1e-3  # not batch invariant: ~3e-4 seen
-    reordered = backend.generate(reqs[::-1], GREEDY, seed=0, top_k=5, logprobs=True)[::-1]
+    reordered = backend.generate(reqs[::-1], GREEDY, seed=0, n_logprobs=5, logprobs=True)[::-1]
     assert reordered == batch, "a batch's order does not change any prompt's output"
 
 
@@ -186,32 +186,32 @@ def test_repeated_batches_identical_whatever_ran_before(backend):
     """Slot assignment must not depend on history: prompt i of a batch always lands on
     slot i (otherwise logprobs alternate by ~1e-7 from run to run)."""
     a_reqs, b_reqs = _requests(backend, [0, 1, 2]), _requests(backend, [3, 4, 5])
-    first = backend.generate(a_reqs, GREEDY, seed=0, top_k=5, logprobs=True)
+    first = backend.generate(a_reqs, GREEDY, seed=0, n_logprobs=5, logprobs=True)
     for size in (3, 2, 1, 3):
-        backend.generate(b_reqs[:size], GREEDY, seed=0, top_k=5, logprobs=True)  # a different history each time
-        again = backend.generate(a_reqs, GREEDY, seed=0, top_k=5, logprobs=True)
+        backend.generate(b_reqs[:size], GREEDY, seed=0, n_logprobs=5, logprobs=True)  # a different history each time
+        again = backend.generate(a_reqs, GREEDY, seed=0, n_logprobs=5, logprobs=True)
         assert again == first, f"the same batch differs after a batch of {size} other prompts"
 
 
 def test_batch_larger_than_slots_is_refused(backend):
     reqs = _requests(backend, [0, 1, 2, 3])
     with pytest.raises(UsageError, match="slots"):
-        backend.generate(reqs, GREEDY, seed=0, top_k=5, logprobs=True)
+        backend.generate(reqs, GREEDY, seed=0, n_logprobs=5, logprobs=True)
 
 
 def test_seeded_sampling_repeats_and_ignores_batch_order(backend):
     dec = Decoding(max_new_tokens=16, temperature=1.0)
     reqs = _requests(backend, [0, 1, 2])
-    a = backend.generate(reqs, dec, seed=7, top_k=3, logprobs=True)
-    b = backend.generate(reqs, dec, seed=7, top_k=3, logprobs=True)
-    c = backend.generate(reqs[::-1], dec, seed=7, top_k=3, logprobs=True)[::-1]
-    d = backend.generate(reqs, dec, seed=8, top_k=3, logprobs=True)
+    a = backend.generate(reqs, dec, seed=7, n_logprobs=3, logprobs=True)
+    b = backend.generate(reqs, dec, seed=7, n_logprobs=3, logprobs=True)
+    c = backend.generate(reqs[::-1], dec, seed=7, n_logprobs=3, logprobs=True)[::-1]
+    d = backend.generate(reqs, dec, seed=8, n_logprobs=3, logprobs=True)
     assert a == b == c, "same seed, same samples, whatever the batch order"
     assert [g.token_ids for g in a] != [g.token_ids for g in d], "another seed samples something else"
 
 
 def test_logprobs_off_returns_none(backend):
-    gen = backend.generate(_requests(backend, [0]), Decoding(max_new_tokens=4), seed=0, top_k=5, logprobs=False)[0]
+    gen = backend.generate(_requests(backend, [0]), Decoding(max_new_tokens=4), seed=0, n_logprobs=5, logprobs=False)[0]
     assert gen.logprobs is None and gen.top_logprobs is None and len(gen.token_ids) == 4
 
 
@@ -225,10 +225,10 @@ def test_smollm2_q4_1_answers_paris_and_repeats(binary):
         assert ident.quantization == "Q4_1" and ident.format == "gguf"
         reqs = [Request(0, tuple(b.tokenize("The capital of France is"))), Request(1, tuple(b.tokenize("Once upon a time")))]
         dec = Decoding(max_new_tokens=8)
-        batch = b.generate(reqs, dec, seed=0, top_k=5, logprobs=True)
+        batch = b.generate(reqs, dec, seed=0, n_logprobs=5, logprobs=True)
         assert batch[0].text.startswith(" Paris")
-        assert b.generate(reqs, dec, seed=0, top_k=5, logprobs=True) == batch
-        assert b.generate(reqs[:1], dec, seed=0, top_k=5, logprobs=True)[0].token_ids == batch[0].token_ids
+        assert b.generate(reqs, dec, seed=0, n_logprobs=5, logprobs=True) == batch
+        assert b.generate(reqs[:1], dec, seed=0, n_logprobs=5, logprobs=True)[0].token_ids == batch[0].token_ids
 
 
 def test_model_identity_is_by_content(backend, binary, tmp_path):
@@ -381,7 +381,7 @@ SCRIPT = textwrap.dedent("""
     print(b.server_pid, flush=True)
     while True:
         if sys.argv[1] == "generating":
-            b.generate([Request(0, ids)], Decoding(max_new_tokens=400), seed=0, top_k=5, logprobs=True)
+            b.generate([Request(0, ids)], Decoding(max_new_tokens=400), seed=0, n_logprobs=5, logprobs=True)
         else:
             time.sleep(0.05)
 """)

@@ -112,8 +112,8 @@ def test_building_the_backend_and_its_capabilities_do_not_import_vllm():
 @pytest.mark.engine
 def test_greedy_repeats_exactly_including_logprobs(backend):
     batch = reqs(backend)
-    first = backend.generate(batch, GREEDY, seed=0, top_k=5, logprobs=True)
-    second = backend.generate(batch, GREEDY, seed=0, top_k=5, logprobs=True)
+    first = backend.generate(batch, GREEDY, seed=0, n_logprobs=5, logprobs=True)
+    second = backend.generate(batch, GREEDY, seed=0, n_logprobs=5, logprobs=True)
     assert first == second, "same input, same tokens and bit-identical logprobs"
     for g in first:
         assert len(g.token_ids) == len(g.logprobs) == len(g.top_logprobs) == len(g.token_texts)
@@ -131,7 +131,7 @@ def test_tokens_and_logprobs_match_transformers(backend):
     path = backend.resolved.path
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for req, gen in zip(reqs(backend), backend.generate(reqs(backend), GREEDY, seed=0, top_k=5, logprobs=True)):
+    for req, gen in zip(reqs(backend), backend.generate(reqs(backend), GREEDY, seed=0, n_logprobs=5, logprobs=True)):
         assert list(req.input_ids) == tok(req.text)["input_ids"], "vLLM is fed the ids HF's tokenizer gives"
         ids, hf_ids, hf_lps = list(req.input_ids), [], []
         with torch.inference_mode():
@@ -150,9 +150,9 @@ def test_tokens_and_logprobs_match_transformers(backend):
 @pytest.mark.engine
 def test_batch_of_three_equals_single(backend):
     batch = reqs(backend)
-    together = backend.generate(batch, GREEDY, seed=0, top_k=5, logprobs=True)
+    together = backend.generate(batch, GREEDY, seed=0, n_logprobs=5, logprobs=True)
     for req, gen in zip(batch, together):
-        alone = backend.generate([req], GREEDY, seed=0, top_k=5, logprobs=True)[0]
+        alone = backend.generate([req], GREEDY, seed=0, n_logprobs=5, logprobs=True)[0]
         assert alone.token_ids == gen.token_ids
         assert max(abs(a - b) for a, b in zip(alone.logprobs, gen.logprobs)) <= 1e-5
 
@@ -160,10 +160,10 @@ def test_batch_of_three_equals_single(backend):
 @pytest.mark.engine
 def test_sampling_is_seeded_per_request_not_by_batch_position(backend):
     batch = reqs(backend)
-    forward = backend.generate(batch, SAMPLED, seed=7, top_k=3, logprobs=True)
-    backward = backend.generate(batch[::-1], SAMPLED, seed=7, top_k=3, logprobs=True)[::-1]
+    forward = backend.generate(batch, SAMPLED, seed=7, n_logprobs=3, logprobs=True)
+    backward = backend.generate(batch[::-1], SAMPLED, seed=7, n_logprobs=3, logprobs=True)[::-1]
     assert [g.token_ids for g in forward] == [g.token_ids for g in backward], "same seed, same tokens, any order"
-    other = backend.generate(batch, SAMPLED, seed=8, top_k=3, logprobs=True)
+    other = backend.generate(batch, SAMPLED, seed=8, n_logprobs=3, logprobs=True)
     assert [g.token_ids for g in other] != [g.token_ids for g in forward], "the seed reaches the sampler"
 
 
@@ -191,7 +191,7 @@ def test_determinism_records_what_is_in_effect_and_restores_threads(backend):
 def test_prompt_longer_than_max_model_len_is_a_usage_error(backend):
     long = Request(0, tuple(range(1, 500)), "")
     with pytest.raises(UsageError, match="max_model_len"):
-        backend.generate([long], GREEDY, seed=0, top_k=5, logprobs=True)
+        backend.generate([long], GREEDY, seed=0, n_logprobs=5, logprobs=True)
 
 
 @pytest.mark.engine
@@ -257,7 +257,7 @@ def test_other_options_restart_the_engine_and_release_restores_env(backend):
     """Last on purpose: it replaces the session engine (a restart costs seconds once vLLM is imported)."""
     other = VLLMBackend("tiny", device="auto", options=VLLMOptions(max_num_seqs=2, prefix_caching=True))
     batch = reqs(backend)
-    assert other.generate(batch, GREEDY, seed=0, top_k=5, logprobs=True) == backend.generate(batch, GREEDY, seed=0, top_k=5, logprobs=True)
+    assert other.generate(batch, GREEDY, seed=0, n_logprobs=5, logprobs=True) == backend.generate(batch, GREEDY, seed=0, n_logprobs=5, logprobs=True)
     with other.determinism(tier=2, seed=0, threads=None) as applied:
         settings = {a.name: a for a in applied}
     assert settings["max_num_seqs"].value == 2 and settings["prefix_caching"].value is True

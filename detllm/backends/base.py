@@ -118,7 +118,7 @@ class Backend(ABC):
 
     @abstractmethod
     def generate(
-        self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool
+        self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool
     ) -> list[Generation]:
         """Generate all requests as ONE batch. Per-request randomness is seeded from
         (seed, prompt_index) so sampled output does not depend on batch order."""

@@ -92,7 +92,7 @@ class FakeBackend(Backend):
         return int.from_bytes(h[:8], "little")
 
     def generate(
-        self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool
+        self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool
     ) -> list[Generation]:
         out = []
         size = len(requests)
@@ -105,17 +105,17 @@ class FakeBackend(Backend):
                 i for i in self.injections
                 if i.prompt == req.prompt_index and (i.run is None or i.run == run) and (i.batch is None or i.batch == size)
             ]
-            out.append(self._one(req, decoding, rng, top_k, logprobs, size, inj))
+            out.append(self._one(req, decoding, rng, n_logprobs, logprobs, size, inj))
         return out
 
-    def _one(self, req, decoding, rng, top_k, want_logprobs, size, injections) -> Generation:
+    def _one(self, req, decoding, rng, n_logprobs, want_logprobs, size, injections) -> Generation:
         ids: list[int] = []
         lps: list[float] = []
         tops: list[list[tuple[int, float]]] = []
         span = _LAST - _FIRST + 1
         for pos in range(decoding.max_new_tokens):
             base = self._score(tuple(req.input_ids), tuple(ids))
-            cands = [_FIRST + (base + 7 * j) % span for j in range(max(top_k, 2))]
+            cands = [_FIRST + (base + 7 * j) % span for j in range(max(n_logprobs, 2))]
             cand_lp = [-0.05 - 0.7 * j - (base % 97) / 1000.0 for j in range(len(cands))]
             if not decoding.greedy:
                 choice = rng.randrange(min(len(cands), decoding.top_k or len(cands)))
@@ -133,7 +133,7 @@ class FakeBackend(Backend):
             drift = self.options.batch_drift * (size - 1)
             ids.append(tok)
             lps.append(lp + drift)
-            tops.append([(c, l + drift) for c, l in zip(cands[:top_k], cand_lp[:top_k])])
+            tops.append([(c, l + drift) for c, l in zip(cands[:n_logprobs], cand_lp[:n_logprobs])])
         texts = [chr(t) for t in ids]
         return Generation(
             token_ids=ids,

@@ -133,15 +133,15 @@ class HFBackend(Backend):
             eos = self.tokenizer.eos_token_id
         return set(eos if isinstance(eos, list) else [eos]) - {None}
 
-    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool) -> list[Generation]:
+    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
         torch = _torch()
         try:
             with torch.inference_mode():
-                return self._generate(torch, requests, decoding, seed, top_k, logprobs)
+                return self._generate(torch, requests, decoding, seed, n_logprobs, logprobs)
         except RuntimeError as exc:
             raise BackendError(f"transformers failed while generating: {str(exc).splitlines()[0][:300]}") from exc
 
-    def _generate(self, torch, requests, decoding, seed, top_k, want_logprobs) -> list[Generation]:
+    def _generate(self, torch, requests, decoding, seed, n_logprobs, want_logprobs) -> list[Generation]:
         n = len(requests)
         width = max(len(r.input_ids) for r in requests)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self._eos()), 0)
@@ -170,7 +170,7 @@ class HFBackend(Backend):
             nxt = logits.argmax(dim=-1) if gens is None else self._sample(torch, logits, decoding, gens)
             if want_logprobs:
                 chosen = logp.gather(1, nxt[:, None])[:, 0].tolist()
-                tv, ti = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+                tv, ti = logp.topk(min(n_logprobs, logp.shape[-1]), dim=-1)
                 tv, ti = tv.tolist(), ti.tolist()
             nxt_list = nxt.tolist()
             for row in range(n):

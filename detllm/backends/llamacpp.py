@@ -222,7 +222,7 @@ class LlamaCppBackend(Backend):
         doc = self._call(lambda srv: srv.post("/tokenize", {"content": text, "add_special": True, "parse_special": True}))
         return [int(t) for t in doc["tokens"]]
 
-    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool) -> list[Generation]:
+    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
         if len(requests) > self.slots:
             raise UsageError(f"a batch of {len(requests)} needs {len(requests)} llama-server slots, the server has {self.slots}",
                              hint=f"pass --opt slots={len(requests)}")
@@ -232,7 +232,7 @@ class LlamaCppBackend(Backend):
             if len(req.input_ids) + decoding.max_new_tokens > self.ctx_per_slot:
                 raise UsageError(f"prompt {req.prompt_index} ({len(req.input_ids)} tokens) + {decoding.max_new_tokens} new tokens "
                                  f"exceed the per-slot context of {self.ctx_per_slot}", hint="raise --opt ctx_size")
-        n_probs = top_k if logprobs else 0
+        n_probs = n_logprobs if logprobs else 0
         body = self._body([list(r.input_ids) for r in requests], decoding, batch_seed(seed), n_probs)
         doc = self._call(lambda srv: self._post_batch(srv, body, len(requests)))
         docs = sorted(doc, key=lambda d: d["index"]) if isinstance(doc, list) else [doc]

@@ -189,7 +189,7 @@ class VLLMBackend(Backend):
     Options = VLLMOptions
 
     def __init__(self, model: str = "tiny", *, options: VLLMOptions | None = None, revision: str | None = None,
-                 dtype: str = "float32", device: str = "cpu", logprobs_top_k: int = 5, max_new_tokens: int = 0) -> None:
+                 dtype: str = "float32", device: str = "cpu", n_logprobs: int = 5, max_new_tokens: int = 0) -> None:
         self.options = opts = options or VLLMOptions()
         found = installed_vllm()
         if found is None:
@@ -213,7 +213,7 @@ class VLLMBackend(Backend):
         self.resolved = resolve_model(model)
         if self.resolved.path is not None and not self.resolved.path.is_dir():
             raise UsageError(f"the vllm backend loads a Hugging Face model folder, and {model!r} is a file")
-        self.max_logprobs = max(MIN_MAX_LOGPROBS, logprobs_top_k)
+        self.max_logprobs = max(MIN_MAX_LOGPROBS, n_logprobs)
         self.max_new_tokens = max_new_tokens  # prompts are checked against max_model_len when tokenized
         self.enforce_eager = opts.enforce_eager if opts.enforce_eager is not None else self.platform == "cpu"
         self._bi: tuple[bool, str] | None = None
@@ -227,7 +227,7 @@ class VLLMBackend(Backend):
             # a batch larger than max_num_seqs would run in waves: not the batch the trace records
             opts = dataclasses.replace(opts, max_num_seqs=biggest)
         return cls(config.model, options=opts, revision=config.revision, dtype=config.dtype, device=config.device,
-                   logprobs_top_k=config.logprobs_top_k, max_new_tokens=config.decoding.max_new_tokens)
+                   n_logprobs=config.logprobs, max_new_tokens=config.decoding.max_new_tokens)
 
     def _resolve_device(self, device: str) -> str:
         if self.platform == "cpu":
@@ -314,10 +314,10 @@ class VLLMBackend(Backend):
             raise UsageError(f"{what} has {n_prompt} tokens; with {n_new} new tokens that exceeds max_model_len "
                              f"{self.options.max_model_len}", hint=f"--opt max_model_len={n_prompt + n_new}")
 
-    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, top_k: int, logprobs: bool) -> list[Generation]:
+    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
         llm = self.engine()
-        if logprobs and top_k > self.max_logprobs:
-            raise UsageError(f"top-k {top_k} is above the engine's max_logprobs {self.max_logprobs}")
+        if logprobs and n_logprobs > self.max_logprobs:
+            raise UsageError(f"--logprobs {n_logprobs} is above the engine's max_logprobs {self.max_logprobs}")
         for req in requests:
             self._check_fits(len(req.input_ids), decoding.max_new_tokens, f"prompt {req.prompt_index}")
         from vllm import SamplingParams
@@ -327,7 +327,7 @@ class VLLMBackend(Backend):
                 n=1, temperature=decoding.temperature, top_p=decoding.top_p,
                 top_k=decoding.top_k,  # 0 disables top-k in vLLM, as in detllm
                 max_tokens=decoding.max_new_tokens, seed=request_seed(seed, req.prompt_index),
-                logprobs=top_k if logprobs else None, ignore_eos=False,
+                logprobs=n_logprobs if logprobs else None, ignore_eos=False,
             )
             for req in requests
         ]
@@ -337,10 +337,10 @@ class VLLMBackend(Backend):
         except Exception as exc:
             raise BackendError(f"vLLM failed while generating: {_first_line(exc)}") from exc
         tokenizer = llm.get_tokenizer()
-        return [self._generation(req, out, tokenizer, top_k, logprobs) for req, out in zip(requests, outputs, strict=True)]
+        return [self._generation(req, out, tokenizer, n_logprobs, logprobs) for req, out in zip(requests, outputs, strict=True)]
 
     @staticmethod
-    def _generation(req: Request, out: Any, tokenizer: Any, top_k: int, want_logprobs: bool) -> Generation:
+    def _generation(req: Request, out: Any, tokenizer: Any, n_logprobs: int, want_logprobs: bool) -> Generation:
         if list(out.prompt_token_ids) != list(req.input_ids):
             raise BackendError(f"vLLM returned outputs out of order (prompt {req.prompt_index})")
         comp = out.outputs[0]
@@ -355,8 +355,8 @@ class VLLMBackend(Backend):
             chosen, tops = [], []
             for tok, step in zip(ids, comp.logprobs):
                 chosen.append(float(step[tok].logprob))  # the sampled token is always in the step's dict
-                ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in step.items() if lp.rank is not None and lp.rank <= top_k))
-                tops.append([(int(tid), float(lp)) for _, tid, lp in ranked[:top_k]])
+                ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in step.items() if lp.rank is not None and lp.rank <= n_logprobs))
+                tops.append([(int(tid), float(lp)) for _, tid, lp in ranked[:n_logprobs]])
         return Generation(
             token_ids=ids,
             token_texts=[tokenizer.decode([t]) for t in ids],

@@ -1,0 +1,57 @@
+"""The run folder's versioning rule, and what changed between versions.
+
+Owns the answer to "can a field written by detllm version X be compared with the same
+field written by version Y?". Does not own the schemas (schemas/, schemas/v<N>/) or
+loading (artifacts.py); diff, report, verify and replay consult this table.
+
+The rule (docs/artifacts.md#versions):
+- `schema_version` is one number for the whole run folder. It is bumped when a field's
+  *meaning* changes (a seed rule, what a hash covers, what an option means) or a field
+  is renamed or removed. Adding an optional field under the same meaning does not bump it.
+- Every version this detllm has ever written stays readable: its schemas are frozen in
+  schemas/v<N>/ and each file is validated against the schemas of its own version.
+- A diff across versions compares only what both sides recorded with the same meaning.
+  A field listed in REDEFINED for the step between the two versions is never used as a
+  cause; the report names it under `not_compared` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CURRENT = "2"
+READABLE = ("1", "2")
+
+
+@dataclass(frozen=True)
+class Change:
+    field: str  # dotted path in the artifact named first, e.g. "run_config.config.logprobs"
+    what: str  # what changed, in plain words
+    since: str  # the first schema_version with the new meaning
+
+
+# Field meanings that changed, per version step. diff/replay across the step must not
+# compare these as if they meant the same thing on both sides.
+REDEFINED: tuple[Change, ...] = (
+    Change("run_config.config.logprobs", "named logprobs_top_k in version 1 (the number of (id, logprob) pairs "
+           "recorded per step); --top-k now means the sampling filter, as in transformers, vLLM and llama.cpp", "2"),
+)
+
+
+def changes_between(left: str, right: str) -> list[Change]:
+    """Every redefinition that lies between two schema versions (either order)."""
+    lo, hi = sorted((int(left), int(right)))
+    return [c for c in REDEFINED if lo < int(c.since) <= hi]
+
+
+def redefined_prefixes(left: str, right: str) -> tuple[str, ...]:
+    """Dotted field prefixes that must not be compared across these two versions."""
+    return tuple(c.field for c in changes_between(left, right))
+
+
+def is_redefined(field: str, left: str, right: str) -> bool:
+    """True when `field` (dotted, artifact first) changed meaning between the two versions."""
+    return any(field == p or field.startswith(p + ".") or field.startswith(p + "[") for p in redefined_prefixes(left, right))
+
+
+__all__ = ["CURRENT", "Change", "READABLE", "REDEFINED", "changes_between", "is_redefined", "redefined_prefixes"]

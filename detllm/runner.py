@@ -164,13 +164,21 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
     schedule = [(b, r) for b in config.batch_sizes for r in range(config.runs if b == config.batch_size else 1)]
     total = sum(len(plan_batches(len(prompts.texts), b)) for b, _ in schedule)
     done = 0
+    ids = prompts.ids
+    seen: dict[str, int] = {}
+    occurrence = []  # per prompt: how many earlier prompts have the same id (the seed rule's key)
+    for pid in ids:
+        occurrence.append(seen.get(pid, 0))
+        seen[pid] = occurrence[-1] + 1
+    filler_keys = ["filler:" + sha256_bytes(t.encode()) for t in FILLERS]
     writer = artifacts.TraceWriter(out)
     records = []
     try:
         for batch_size, run in schedule:
             for batch in plan_batches(len(prompts.texts), batch_size):
-                reqs = [Request(i, input_ids[i], prompts.texts[i]) if i >= 0
-                        else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)])
+                reqs = [Request(i, input_ids[i], prompts.texts[i], ids[i], occurrence[i]) if i >= 0
+                        else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)],
+                                     filler_keys[(-i - 1) % len(FILLERS)])
                         for i in batch]
                 gens = backend.generate(reqs, config.decoding, seed=config.seed, n_logprobs=config.logprobs, logprobs=want_logprobs)
                 for pos, (req, gen) in enumerate(zip(reqs, gens)):

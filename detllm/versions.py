@@ -35,6 +35,8 @@ class Change:
 REDEFINED: tuple[Change, ...] = (
     Change("run_config.config.logprobs", "named logprobs_top_k in version 1 (the number of (id, logprob) pairs "
            "recorded per step); --top-k now means the sampling filter, as in transformers, vLLM and llama.cpp", "2"),
+    Change("run_config.config.seed", "per-request seeds were derived from the prompt's position in version 1; from "
+           "version 2 on from its content (prompt id and occurrence): sampled tokens across the step are not comparable", "2"),
 )
 
 

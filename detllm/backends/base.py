@@ -30,6 +30,8 @@ class Request:
     prompt_index: int
     input_ids: tuple[int, ...]  # what the engine is fed, exactly as recorded in the trace
     text: str = ""  # the prompt text (engines that need text, e.g. for chat templates)
+    prompt_id: str = ""  # sha256 of the prompt text ("" : derived from input_ids by request_seed)
+    occurrence: int = 0  # how many earlier prompts in the set have the same prompt_id
 
     @property
     def is_filler(self) -> bool:
@@ -151,9 +153,16 @@ class Backend(ABC):
         self.close()
 
 
-def request_seed(seed: int, prompt_index: int) -> int:
-    """Per-request RNG seed: depends on the prompt, not on its place in the batch."""
-    return (seed * 1_000_003 + prompt_index) % (2**63 - 1)
+def request_seed(seed: int, request: Request) -> int:
+    """Per-request RNG seed from the prompt's content (its id and occurrence), never from its
+    position in the prompt file or the batch: reorder or insert prompts and every other
+    prompt's sampled output stays the same. One rule for every backend whose engine takes a
+    seed per request (docs/backends/*.md). 63 bits, so every engine's seed type holds it."""
+    import hashlib
+
+    key = request.prompt_id or hashlib.sha256(",".join(map(str, request.input_ids)).encode()).hexdigest()
+    digest = hashlib.sha256(f"detllm-request-seed-v2:{seed}:{key}:{request.occurrence}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
 def parse_options(options_cls: type, pairs: tuple[tuple[str, str], ...], backend: str) -> Any:

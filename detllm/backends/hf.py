@@ -154,7 +154,7 @@ class HFBackend(Backend):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         gens = None
         if not decoding.greedy:
-            gens = [torch.Generator(device=self.device).manual_seed(request_seed(seed, r.prompt_index)) for r in requests]
+            gens = [torch.Generator(device=self.device).manual_seed(request_seed(seed, r)) for r in requests]
         eos = self._eos()
         out_ids: list[list[int]] = [[] for _ in requests]
         out_lp: list[list[float]] = [[] for _ in requests]

@@ -326,7 +326,7 @@ class VLLMBackend(Backend):
             SamplingParams(
                 n=1, temperature=decoding.temperature, top_p=decoding.top_p,
                 top_k=decoding.top_k,  # 0 disables top-k in vLLM, as in detllm
-                max_tokens=decoding.max_new_tokens, seed=request_seed(seed, req.prompt_index),
+                max_tokens=decoding.max_new_tokens, seed=request_seed(seed, req),
                 logprobs=n_logprobs if logprobs else None, ignore_eos=False,
             )
             for req in requests

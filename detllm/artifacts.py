@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .errors import ArtifactError, UsageError
 from .hashing import canonical_json
+from .records import check_trace_record  # the schema's fast equivalent: jsonschema is ~100x slower on traces
+# Schemas, stamping, JSON text and atomic writes live in schema_io (the bottom module); these
+# names stay importable from here for the code that has always used them.
+from .schema_io import (  # noqa: F401
+    READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, _UMASK, _validator, atomic_write_text, check_header, dumps, load_schema,
+    schema_dir, stamp, utc_now, validate, write_json,
+)
+from .schema_io import finite as _finite  # noqa: F401
 
-from .versions import CURRENT as SCHEMA_VERSION  # what this detllm writes; the bump rule is in versions.py
-from .versions import READABLE as READABLE_SCHEMA_VERSIONS  # each file is validated against its own version's schemas
 ENV = "env.json"
 RUN_CONFIG = "run_config.json"
 APPLIED = "determinism_applied.json"
@@ -41,106 +43,6 @@ JSON_FILES = {ENV: "env", RUN_CONFIG: "run_config", APPLIED: "determinism_applie
 OWNED_NAMES = (ENV, RUN_CONFIG, APPLIED, TRACE, REPORT, REPORT_TXT, REPORT_MD, MANIFEST, "manifest.sig", "diffs", "plots")
 
 
-def schema_dir(version: str = SCHEMA_VERSION) -> Path:
-    """Schemas ship inside the wheel as detllm/schemas; in a source checkout they are ../schemas.
-    The current version's schemas sit at the top; each older version's frozen copy in v<N>/."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "schemas", here.parent / "schemas"):
-        if cand.is_dir():
-            return cand if version == SCHEMA_VERSION else cand / f"v{version}"
-    raise ArtifactError("detllm's JSON schemas are missing from this installation", hint="reinstall detllm")
-
-
-@lru_cache(maxsize=None)
-def load_schema(artifact_type: str, version: str = SCHEMA_VERSION) -> dict[str, Any]:
-    path = schema_dir(version) / f"{artifact_type}.schema.json"
-    if not path.is_file():
-        raise ArtifactError(f"no schema for artifact_type {artifact_type!r} at schema_version {version!r}")
-    return json.loads(path.read_text())
-
-
-@lru_cache(maxsize=None)
-def _validator(artifact_type: str, version: str = SCHEMA_VERSION):
-    from jsonschema import Draft202012Validator
-    from referencing import Registry, Resource
-
-    resources = []
-    for p in schema_dir(version).glob("*.schema.json"):
-        s = json.loads(p.read_text())
-        resources.append((s["$id"], Resource.from_contents(s)))
-    registry = Registry().with_resources(resources)
-    # the schemas themselves are checked against the metaschema by tests/test_schemas.py
-    return Draft202012Validator(load_schema(artifact_type, version), registry=registry)
-
-
-def validate(obj: Any, artifact_type: str, *, where: str = "") -> None:
-    """Raise ArtifactError naming the first violation, against the schema of the object's own
-    schema_version (a folder written by an older detllm is read under its own rules)."""
-    version = obj.get("schema_version") if isinstance(obj, dict) else None
-    if version not in READABLE_SCHEMA_VERSIONS:
-        version = SCHEMA_VERSION  # the const in the schema then names the problem
-    err = next(iter(_validator(artifact_type, version).iter_errors(obj)), None)
-    if err is not None:
-        loc = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise ArtifactError(f"{where or artifact_type}: schema violation at {loc}: {err.message[:200]}")
-
-
-def stamp(artifact_type: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"schema_version": SCHEMA_VERSION, "artifact_type": artifact_type, **body}
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN/Infinity: non-finite floats become null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def dumps(obj: Any, *, indent: int | None = 2) -> str:
-    return json.dumps(_finite(obj), indent=indent, ensure_ascii=False, allow_nan=False)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()  # read once at import: os.umask can only be read by setting it
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary name in the same folder, fsync, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are read by CI uploaders and other users
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(folder: Path, name: str, obj: dict[str, Any]) -> Path:
-    """Validate against the schema named by obj['artifact_type'], then write atomically."""
-    validate(_finite(obj), obj["artifact_type"], where=name)
-    path = folder / name
-    atomic_write_text(path, dumps(obj) + "\n")
-    return path
-
-
 class TraceWriter:
     """Appends validated records to `trace.jsonl.partial`; `finish()` renames it into place,
     so an interrupted run never leaves a trace.jsonl that looks complete. Keeps the sha256 of
@@ -154,8 +56,6 @@ class TraceWriter:
         self.digests: list[bytes] = []  # sha256(canonical JSON) of each record written, in order
 
     def write(self, record: dict[str, Any]) -> None:
-        from .records import check_trace_record  # the schema's fast equivalent: jsonschema is ~100x slower here
-
         try:
             line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except ValueError:  # a NaN/inf logprob: rare, so the record is walked only then
@@ -302,18 +202,6 @@ def read_json(path: Path, artifact_type: str) -> dict[str, Any]:
     return obj
 
 
-def check_header(obj: Any, artifact_type: str, where: str) -> None:
-    if not isinstance(obj, dict):
-        raise ArtifactError(f"{where}: expected a JSON object")
-    if obj.get("artifact_type") != artifact_type:
-        raise ArtifactError(f"{where}: artifact_type is {obj.get('artifact_type')!r}, expected {artifact_type!r}")
-    if obj.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
-        raise ArtifactError(
-            f"{where}: schema_version {obj.get('schema_version')!r} is not one this detllm reads ({', '.join(READABLE_SCHEMA_VERSIONS)})",
-            hint="upgrade detllm",
-        )
-
-
 def iter_trace(path: Path) -> Iterator[dict[str, Any]]:
     try:
         f = open(path, encoding="utf-8")
@@ -339,27 +227,14 @@ def load_trace(path: Path, *, validate_records: bool = True) -> list[dict[str, A
     return recs
 
 
-@contextmanager
-def open_run_path(path: Path) -> Iterator[Path]:
-    """A run folder as given, or a .tar.gz pack safely extracted (pack.py) to a temporary
-    folder that is removed when the block ends."""
-    from .pack import extracted, is_archive
-
-    if is_archive(path):
-        with extracted(path) as folder:
-            yield folder
-    else:
-        yield Path(path)
-
-
 def load_run(path: Path, *, validate_records: bool = True) -> RunFolder:
-    """Load and validate a run folder or .tar.gz pack; ArtifactError names the first bad file."""
+    """Load and validate a run folder; ArtifactError names the first bad file. A .tar.gz pack is
+    opened by pack.load_run (opening archives is pack.py's job, not the run folder's)."""
     path = Path(path)
     if str(path).lower().endswith((".tar.gz", ".tgz")) and path.is_file():
-        with open_run_path(path) as folder:
-            run = load_run(folder, validate_records=validate_records)
-        run.path = path  # everything is in memory; the extracted copy is gone
-        return run
+        from .pack import load_run as load_pack  # lazy: pack builds on this module
+
+        return load_pack(path, validate_records=validate_records)
     if not path.is_dir():
         raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
     if not (path / RUN_CONFIG).is_file():
@@ -393,3 +268,12 @@ def validate_folder(folder: Path) -> list[str]:
         load_trace(folder / TRACE)
         checked.append(TRACE)
     return checked
+
+
+def __getattr__(name: str) -> Any:
+    # open_run_path moved to pack.py (opening a .tar.gz is the pack's job); the old name still works
+    if name == "open_run_path":
+        from .pack import open_run_path
+
+        return open_run_path
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,10 +11,11 @@ import platform
 import re
 import socket
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from .artifacts import stamp, utc_now
+from .schema_io import stamp, utc_now
 from .hashing import canonical_json, sha256_bytes
 
 LIBRARIES = (
@@ -37,14 +38,27 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
 VOLATILE_KEYS = ("captured_at", "fingerprint", "volatile")
 
 
-def redact_env(environ: dict[str, str]) -> dict[str, str]:
-    """Allow-listed variables only; secret-looking names or values read <redacted>."""
+@dataclass(frozen=True)
+class Redaction:
+    """What the user asked to hide beyond the secrets that are always hidden (the seed's
+    --redact-env / --redact-env-var): every recorded variable's value and the hostname, or
+    the named variables' values. Names stay, so a diff still sees a variable exists."""
+
+    all_vars: bool = False
+    names: tuple[str, ...] = ()
+
+
+def redact_env(environ: dict[str, str], redaction: Redaction | None = None) -> dict[str, str]:
+    """Allow-listed variables only; secret-looking names or values read <redacted>, and so do
+    the values `redaction` names."""
+    r = redaction or Redaction()
     out: dict[str, str] = {}
     for name in sorted(environ):
         if not (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) or name in PER_PROCESS_VARS:
             continue
         value = environ[name]
-        out[name] = REDACTED if SECRET_NAME.search(name) or SECRET_VALUE.search(value) else value
+        hide = r.all_vars or name in r.names or SECRET_NAME.search(name) or SECRET_VALUE.search(value)
+        out[name] = REDACTED if hide else value
     return out
 
 
@@ -121,9 +135,11 @@ def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any
     return info, gpus, threads
 
 
-def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = True) -> dict[str, Any]:
+def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = True,
+                redaction: Redaction | None = None) -> dict[str, Any]:
     """The env.json document (stamped, fingerprinted). `torch=False` for an engine that does not
-    compute with torch (llama.cpp): torch facts of the host process would be noise there."""
+    compute with torch (llama.cpp): torch facts of the host process would be noise there.
+    `redaction` hides more than the secrets (see Redaction)."""
     torch_info, gpus, torch_threads = _torch() if torch else (None, [], {})
     threads: dict[str, Any] = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     threads.update(torch_threads)
@@ -139,9 +155,9 @@ def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = Tru
         "libraries": {name: _version(name) for name in LIBRARIES},
         "torch": torch_info,
         "gpus": gpus,
-        "env_vars": redact_env(dict(os.environ)),
+        "env_vars": redact_env(dict(os.environ), redaction),
         "backend": backend_info,
-        "volatile": {"hostname": socket.gethostname(), "pid": os.getpid()},
+        "volatile": {"hostname": REDACTED if redaction and redaction.all_vars else socket.gethostname(), "pid": os.getpid()},
     }
     doc = stamp("env", body)
     doc["fingerprint"] = fingerprint(doc)

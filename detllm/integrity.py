@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import artifacts
+from . import artifacts, schema_io
 from .artifacts import ENV, MANIFEST, RUN_CONFIG, TRACE
 from .env import detllm_version
 from .errors import ArtifactError, IntegrityError
 from .hashing import canonical_json
+from .pack import open_run_path
 from .records import check_trace_record
 from .signing import Signer, check_signature
 
@@ -206,7 +207,7 @@ def build_manifest(folder: Path, record_digests: list[bytes] | None = None) -> d
         else:
             sha, size = file_digest(p)
         entries.append({"path": rel, "sha256": sha, "size": size})
-    return artifacts.stamp("manifest", {
+    return schema_io.stamp("manifest", {
         "detllm_version": detllm_version(), "algorithm": "sha256", "files": entries, "trace": trace,
     })
 
@@ -244,9 +245,9 @@ def seal(folder: Path, signer: Signer | None = None, record_digests: list[bytes]
     A stale manifest.sig is removed when not signing: it could not verify any more."""
     folder = Path(folder)
     manifest = build_manifest(folder, record_digests)
-    artifacts.write_json(folder, MANIFEST, manifest)
+    schema_io.write_json(folder, MANIFEST, manifest)
     if signer is not None:
-        artifacts.atomic_write_text(folder / SIG, signer.sign((folder / MANIFEST).read_bytes()))
+        schema_io.atomic_write_text(folder / SIG, signer.sign((folder / MANIFEST).read_bytes()))
     else:
         (folder / SIG).unlink(missing_ok=True)
     return manifest
@@ -293,7 +294,7 @@ def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verificatio
     """Check a run folder or .tar.gz pack against its manifest, chain, schemas and (optionally)
     signature. Raises IntegrityError (exit 6) naming the first changed file or trace line,
     ArtifactError (exit 5) when it is not a pack or a file breaks its schema."""
-    with artifacts.open_run_path(Path(path)) as folder:
+    with open_run_path(Path(path)) as folder:
         result = verify_folder(folder, pubkey=pubkey)
     result.path = Path(path)
     return result
@@ -356,8 +357,8 @@ def _parse_manifest(raw: bytes) -> dict[str, Any]:
         obj = json.loads(raw)
     except ValueError as exc:
         raise ArtifactError(f"{MANIFEST}: not valid JSON") from exc
-    artifacts.check_header(obj, "manifest", MANIFEST)
-    artifacts.validate(obj, "manifest", where=MANIFEST)
+    schema_io.check_header(obj, "manifest", MANIFEST)
+    schema_io.validate(obj, "manifest", where=MANIFEST)
     return obj
 
 
@@ -423,8 +424,8 @@ def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str
                 if not isinstance(kind, str):
                     yield where, "has no artifact_type, so no schema to check it against"
                     break
-                artifacts.check_header(obj, kind, where)
-                artifacts.validate(obj, kind, where=where)
+                schema_io.check_header(obj, kind, where)
+                schema_io.validate(obj, kind, where=where)
             except ValueError:
                 yield where, "not valid JSON"
                 break

@@ -45,6 +45,28 @@ def is_archive(path: str | Path) -> bool:
     return str(path).lower().endswith(ARCHIVE_SUFFIXES) and Path(path).is_file()
 
 
+@contextmanager
+def open_run_path(path: str | Path) -> Iterator[Path]:
+    """A run folder as given, or a .tar.gz pack safely extracted to a temporary folder that is
+    removed when the block ends."""
+    if is_archive(path):
+        with extracted(path) as folder:
+            yield folder
+    else:
+        yield Path(path)
+
+
+def load_run(path: str | Path, *, validate_records: bool = True):
+    """artifacts.load_run of a run folder or a .tar.gz pack (read into memory, then removed)."""
+    from .artifacts import load_run as load_folder
+
+    path = Path(path)
+    with open_run_path(path) as folder:
+        run = load_folder(folder, validate_records=validate_records)
+    run.path = path  # everything is in memory; the extracted copy is gone
+    return run
+
+
 # ---------------------------------------------------------------- create
 
 

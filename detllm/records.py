@@ -13,10 +13,10 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any
 
-from . import artifacts
+from .schema_io import READABLE_SCHEMA_VERSIONS, load_schema
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_TRACE_KEYS = frozenset(artifacts.load_schema("trace_record")["required"])
+_TRACE_KEYS = frozenset(load_schema("trace_record")["required"])
 
 
 def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> str | None:
@@ -29,8 +29,8 @@ def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> st
     if rec.keys() != _TRACE_KEYS:
         missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS)
         return f"missing {missing}" if missing else f"unexpected {extra}"
-    if type(rec["schema_version"]) is not str or rec["schema_version"] not in artifacts.READABLE_SCHEMA_VERSIONS:
-        return f"schema_version is not one of {list(artifacts.READABLE_SCHEMA_VERSIONS)}"
+    if type(rec["schema_version"]) is not str or rec["schema_version"] not in READABLE_SCHEMA_VERSIONS:
+        return f"schema_version is not one of {list(READABLE_SCHEMA_VERSIONS)}"
     if rec["artifact_type"] != "trace_record" or type(rec["artifact_type"]) is not str:
         return "artifact_type is not 'trace_record'"
     for key, lo in (("run_index", 0), ("batch_size", 1), ("batch_position", 0), ("prompt_index", 0)):

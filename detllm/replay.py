@@ -18,6 +18,7 @@ from .config import RunConfig
 from .errors import IntegrityError, ModelChangedError, UsageError
 from .hashing import sha256_text
 from .integrity import verify_folder
+from .pack import open_run_path
 from .prompts import PromptSet
 from .runner import Outcome, Progress, execute
 from .signing import load_signing_key
@@ -37,7 +38,7 @@ def replay(
     """Re-run `pack` (a sealed run folder or .tar.gz) on this machine into `out`; the outcome's
     report is the diff of the replay against the pack (PASS: the pack reproduced). With `pubkey`,
     only a pack whose manifest.sig verifies with that key is replayed."""
-    with artifacts.open_run_path(Path(pack)) as folder:
+    with open_run_path(Path(pack)) as folder:
         verify_folder(folder, pubkey=pubkey)  # a changed (or, with pubkey, unsigned) pack is refused before anything runs
         recorded = artifacts.load_run(folder, validate_records=False)  # verify already checked every record
         config = untrusted_options_dropped(RunConfig.from_json(recorded.run_config["config"]))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm import artifacts
+from detllm import artifacts, schema_io
 from detllm.errors import ArtifactError, IntegrityError
 from detllm.integrity import SIG, seal, verify
 
@@ -87,8 +87,10 @@ def test_chain_is_the_documented_byte_format(run):
 
 def test_manifest_is_written_last_and_sealing_is_deterministic(tmp_path, monkeypatch):
     written = []
-    real = artifacts.atomic_write_text
-    monkeypatch.setattr(artifacts, "atomic_write_text", lambda p, t: (written.append(Path(p).name), real(p, t))[1])
+    real = schema_io.atomic_write_text
+    spy = lambda p, t: (written.append(Path(p).name), real(p, t))[1]  # noqa: E731
+    for module in (schema_io, artifacts):  # integrity writes through schema_io, the runner through artifacts
+        monkeypatch.setattr(module, "atomic_write_text", spy)
     out = tmp_path / "run"
     detllm.check(backend="fake", out=out)
     assert written[-1] == "manifest.json"

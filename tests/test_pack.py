@@ -16,6 +16,7 @@ import detllm
 from detllm import artifacts
 from detllm.errors import IntegrityError
 from detllm.pack import Limits, extract
+from detllm.pack import load_run as load_pack
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_verify_report_and_load_run_read_a_pack(cli, pack, sealed_run):
     assert r.exit_code == 0 and "12 trace records chained" in r.stdout, r.output
     rep = cli("report", pack, "--format", "json")
     assert rep.exit_code == 0 and json.loads(rep.stdout)["status"] == "PASS"
-    run = artifacts.load_run(pack)
+    run = load_pack(pack)
     assert run.path == pack and len(run.records) == 12
     assert run.records == artifacts.load_run(sealed_run).records
 

@@ -1,0 +1,140 @@
+"""The bottom of the artifact stack: schemas, stamping, JSON text and atomic writes.
+
+Owns loading and applying schemas/*.schema.json (each file under its own schema_version),
+the `schema_version`/`artifact_type` header, non-finite-safe JSON text and the
+write-to-temp-then-rename rule. Imports nothing of detllm but errors and versions, so
+records, env, artifacts, integrity and pack can all build on it without a cycle.
+Does not own the run-folder layout (artifacts.py) or manifests (integrity.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError
+from .versions import CURRENT as SCHEMA_VERSION  # what this detllm writes; the bump rule is in versions.py
+from .versions import READABLE as READABLE_SCHEMA_VERSIONS  # each file is validated against its own version's schemas
+
+
+def schema_dir(version: str = SCHEMA_VERSION) -> Path:
+    """Schemas ship inside the wheel as detllm/schemas; in a source checkout they are ../schemas.
+    The current version's schemas sit at the top; each older version's frozen copy in v<N>/."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "schemas", here.parent / "schemas"):
+        if cand.is_dir():
+            return cand if version == SCHEMA_VERSION else cand / f"v{version}"
+    raise ArtifactError("detllm's JSON schemas are missing from this installation", hint="reinstall detllm")
+
+
+@lru_cache(maxsize=None)
+def load_schema(artifact_type: str, version: str = SCHEMA_VERSION) -> dict[str, Any]:
+    path = schema_dir(version) / f"{artifact_type}.schema.json"
+    if not path.is_file():
+        raise ArtifactError(f"no schema for artifact_type {artifact_type!r} at schema_version {version!r}")
+    return json.loads(path.read_text())
+
+
+@lru_cache(maxsize=None)
+def _validator(artifact_type: str, version: str = SCHEMA_VERSION):
+    from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
+
+    resources = []
+    for p in schema_dir(version).glob("*.schema.json"):
+        s = json.loads(p.read_text())
+        resources.append((s["$id"], Resource.from_contents(s)))
+    registry = Registry().with_resources(resources)
+    # the schemas themselves are checked against the metaschema by tests/test_schemas.py
+    return Draft202012Validator(load_schema(artifact_type, version), registry=registry)
+
+
+def validate(obj: Any, artifact_type: str, *, where: str = "") -> None:
+    """Raise ArtifactError naming the first violation, against the schema of the object's own
+    schema_version (a folder written by an older detllm is read under its own rules)."""
+    version = obj.get("schema_version") if isinstance(obj, dict) else None
+    if version not in READABLE_SCHEMA_VERSIONS:
+        version = SCHEMA_VERSION  # the const in the schema then names the problem
+    err = next(iter(_validator(artifact_type, version).iter_errors(obj)), None)
+    if err is not None:
+        loc = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise ArtifactError(f"{where or artifact_type}: schema violation at {loc}: {err.message[:200]}")
+
+
+def check_header(obj: Any, artifact_type: str, where: str) -> None:
+    """The object is a dict of the expected artifact_type at a schema_version this detllm reads."""
+    if not isinstance(obj, dict):
+        raise ArtifactError(f"{where}: expected a JSON object")
+    if obj.get("artifact_type") != artifact_type:
+        raise ArtifactError(f"{where}: artifact_type is {obj.get('artifact_type')!r}, expected {artifact_type!r}")
+    if obj.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+        raise ArtifactError(
+            f"{where}: schema_version {obj.get('schema_version')!r} is not one this detllm reads ({', '.join(READABLE_SCHEMA_VERSIONS)})",
+            hint="upgrade detllm",
+        )
+
+
+def stamp(artifact_type: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"schema_version": SCHEMA_VERSION, "artifact_type": artifact_type, **body}
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats become null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, *, indent: int | None = 2) -> str:
+    return json.dumps(finite(obj), indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once at import: os.umask can only be read by setting it
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary name in the same folder, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are read by CI uploaders and other users
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(folder: Path, name: str, obj: dict[str, Any]) -> Path:
+    """Validate against the schema named by obj['artifact_type'], then write atomically."""
+    validate(finite(obj), obj["artifact_type"], where=name)
+    path = folder / name
+    atomic_write_text(path, dumps(obj) + "\n")
+    return path
+
+
+__all__ = ["READABLE_SCHEMA_VERSIONS", "SCHEMA_VERSION", "atomic_write_text", "check_header", "dumps", "finite", "load_schema",
+           "schema_dir", "stamp", "utc_now", "validate", "write_json"]

@@ -99,6 +99,24 @@ def detllm_version() -> str:
     return _version("detllm") or "unknown"
 
 
+def _tf32_flags(torch: Any) -> dict[str, bool]:
+    """TF32 on for matmul / cuDNN, read through torch's new fp32_precision API where it exists:
+    reading the legacy allow_tf32 flags raises once the new API was used (backends/tf32.py)."""
+    from .backends import tf32
+
+    now = tf32.read(torch)
+    if "cuda.matmul.allow_tf32" in now:
+        return {"tf32_matmul": bool(now["cuda.matmul.allow_tf32"]), "tf32_cudnn": bool(now["cudnn.allow_tf32"])}
+    return {"tf32_matmul": now["cuda.matmul.fp32_precision"] == "tf32", "tf32_cudnn": now["cudnn.conv.fp32_precision"] == "tf32"}
+
+
+def _matmul_precision(torch: Any) -> str:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # the new API was used: the legacy getter refuses to answer
+        return f"fp32_precision={torch.backends.fp32_precision}"
+
+
 def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]:
     """Torch build/flags, GPUs and torch threads, only if torch is already imported."""
     torch = sys.modules.get("torch")
@@ -116,9 +134,8 @@ def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        **_tf32_flags(torch),
+        "float32_matmul_precision": _matmul_precision(torch),
     }
     gpus = []
     if torch.cuda.is_available():

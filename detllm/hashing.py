@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -26,7 +27,10 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 CONFIG_FILES = ("config.json", "generation_config.json")  # architecture and decoding defaults: part of the model
-_memo: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, per process
+# (path, device, inode, size, mtime_ns, ctime_ns) -> (sha256, ns when the hash was taken), per process.
+# mtime can be set back (os.utime, cp -p, rsync -t) but ctime cannot: every write or utime sets it.
+_memo: dict[tuple, tuple[str, int]] = {}
+RACY_NS = 2_000_000_000  # a file changed this close to its hashing is re-hashed (timestamps are coarse)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -38,15 +42,22 @@ def sha256_text(text: str) -> str:
 
 
 def sha256_file(path: Path) -> str:
+    """sha256 of the file's bytes. A long-lived process (tests, a notebook, the API) re-uses an
+    earlier hash only when nothing about the file can have changed since: same inode, size,
+    mtime *and* ctime, and the file was last changed well before that hash was taken (git's
+    "racy clean" rule: an edit within the timestamp granularity of the hash is not visible)."""
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _memo:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        _memo[key] = h.hexdigest()
-    return _memo[key]
+    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    hit = _memo.get(key)
+    if hit is not None and max(st.st_mtime_ns, st.st_ctime_ns) < hit[1] - RACY_NS:
+        return hit[0]
+    started = time.time_ns()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    _memo[key] = (h.hexdigest(), started)
+    return h.hexdigest()
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -72,6 +83,14 @@ def tokenizer_sha256(folder: Path) -> str:
     """Hash of the tokenizer files' contents (names relative, paths ignored)."""
     found = [(n, sha256_file(folder / n)) for n in TOKENIZER_FILES if (folder / n).is_file()]
     return combine(found)
+
+
+def content_key(folder: Path) -> str:
+    """One digest over every file under `folder` (relative name and sha256 of its bytes): what
+    an in-process cache of a loaded model is keyed on, so a file edited in place (same size,
+    mtime set back) is never served from a model loaded before the edit."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.relative_to(folder).parts)
+    return combine((str(p.relative_to(folder)), sha256_file(p)) for p in files)
 
 
 def folder_identity(model_id: str, folder: Path, *, revision: str | None = None, fmt: str | None = None) -> ModelIdentity:

@@ -17,13 +17,14 @@ from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
-from ..hashing import folder_identity
+from ..hashing import content_key, folder_identity
 from ..models import local_folder, resolve_model
+from . import tf32
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-_LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, revision, dtype, device, attn) -> (model, tokenizer)
+_LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, content key, revision, dtype, device, attn) -> (model, tokenizer)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class HFBackend(Backend):
     def __init__(self, model: str, *, options: HFOptions | None = None, revision: str | None = None,
                  dtype: str = "float32", device: str = "cpu", cublas_workspace: bool = False) -> None:
         torch = _torch()
+        from .vllm import refuse_after_batch_invariant  # imports no vLLM
+
+        refuse_after_batch_invariant("the hf backend")
         self.options = options or HFOptions()
         self.revision = revision
         if device == "auto":
@@ -92,9 +96,10 @@ class HFBackend(Backend):
             except BackendError:
                 folder = None  # not cached: from_pretrained downloads it where the hub is reachable
         source = str(folder) if folder else self.resolved.id
-        # every file's size and mtime is in the key: weights or config edited in place are reloaded
-        files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file()) if folder else ()
-        key = (source, files, self.revision, self.dtype, self.device, self.options.attn_implementation)
+        # keyed on every file's content, not its size and mtime: a file edited in place (same size,
+        # mtime set back) is reloaded, never served from the model loaded before the edit
+        content = content_key(folder) if folder else None
+        key = (source, content, self.revision, self.dtype, self.device, self.options.attn_implementation)
         if key in _LOADED:
             return _LOADED[key]
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # retry chatter would bury the one-line error
@@ -109,6 +114,8 @@ class HFBackend(Backend):
                              hint="pass a built-in model, a local folder, or a hub id reachable from this machine") from exc
         model.to(self.device).eval()
         tok.padding_side = "left"  # decoder-only: pad on the left so the last position is real
+        for stale in [k for k in _LOADED if k[0] == source and k[1] != content]:
+            del _LOADED[stale]  # files changed since: that model is never served again
         _LOADED[key] = (model, tok)
         return model, tok
 
@@ -228,8 +235,7 @@ class HFBackend(Backend):
             "threads": torch.get_num_threads(),
             "cudnn_det": torch.backends.cudnn.deterministic,
             "cudnn_bench": torch.backends.cudnn.benchmark,
-            "tf32_mm": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+            "tf32": tf32.read(torch),  # new fp32_precision API where it exists: reading legacy allow_tf32 can raise
             "py_rng": random.getstate(),
             "np_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -252,8 +258,8 @@ class HFBackend(Backend):
             else:
                 applied.append(Applied("torch.use_deterministic_algorithms", False, True, torch.are_deterministic_algorithms_enabled(), "tier 0 asks for nothing"))
             if self.device == "cuda":
-                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-                applied.append(Applied("tf32", False, True, False))
+                now = tf32.disable(torch)
+                applied.append(Applied("tf32", False, tf32.is_off(now), False if tf32.is_off(now) else now, ", ".join(f"{k}={v}" for k, v in now.items())))
                 ok, note = self._cublas_note or (False, "not requested at tier 0")
                 applied.append(Applied("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE, ok, os.environ.get("CUBLAS_WORKSPACE_CONFIG"), note))
             else:
@@ -269,12 +275,12 @@ class HFBackend(Backend):
             torch.use_deterministic_algorithms(saved["det"], warn_only=saved["warn"])
             torch.set_num_threads(saved["threads"])
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved["cudnn_det"], saved["cudnn_bench"]
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved["tf32_mm"], saved["tf32_cudnn"]
             random.setstate(saved["py_rng"])
             np.random.set_state(saved["np_rng"])
             torch.set_rng_state(saved["torch_rng"])
             if saved["cuda_rng"] is not None:
                 torch.cuda.set_rng_state_all(saved["cuda_rng"])
+            tf32.write(torch, saved["tf32"])  # last: a BackendError here leaves nothing else unrestored
 
     def env_info(self) -> dict[str, Any]:
         from importlib import metadata

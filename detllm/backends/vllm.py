@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
-from ..hashing import folder_identity
+from ..hashing import content_key, folder_identity
 from ..models import local_folder, resolve_model
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
@@ -101,12 +101,40 @@ def batch_invariance_support(platform: str) -> tuple[bool, str]:
 
 @dataclass
 class _Engine:
-    key: tuple  # (model source, revision, dtype, platform, options, max_logprobs)
+    key: tuple  # (model source, its content key, revision, dtype, platform, options, max_logprobs)
     llm: Any  # vllm.LLM
     saved_env: dict[str, str | None]  # env vars this engine set -> their previous values
 
 
 _ENGINE: _Engine | None = None
+
+# vLLM's batch-invariant mode changes the whole process and has no off switch: it registers
+# aten overrides (mm, addmm, matmul, linear, softmax, log_softmax, mean, bmm), replaces
+# torch.bmm, sets TF32 off and reduced-precision reductions off, and writes env vars. Any
+# later computation in the process (another vLLM engine, the hf backend) runs with it.
+_BI_MODULES_LOADED = ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant")
+_BI_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_USE_AOT_COMPILE",
+           "NCCL_LAUNCH_MODE", "NCCL_COLLNET_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_P2P_NET_DISABLE", "NCCL_MIN_NCHANNELS",
+           "NCCL_MAX_NCHANNELS", "NCCL_PROTO", "NCCL_ALGO", "NCCL_NTHREADS", "NCCL_SOCKET_NTHREADS")
+_BI_STARTED = False  # an engine of this process was started with VLLM_BATCH_INVARIANT=1
+
+
+def batch_invariant_in_process() -> bool:
+    """True once vLLM's batch-invariant mode is on in this process: an engine detllm started
+    with it, or vLLM's own flag (`_batch_invariant_MODE`, read without importing vLLM)."""
+    import sys
+
+    mods = (sys.modules.get(name) for name in _BI_MODULES_LOADED)
+    return _BI_STARTED or any(bool(getattr(m, "_batch_invariant_MODE", False)) for m in mods if m is not None)
+
+
+def refuse_after_batch_invariant(what: str) -> None:
+    """A run that would compute under vLLM's leftover batch-invariant mode while recording it
+    off is refused (BackendError) before anything is written."""
+    if batch_invariant_in_process():
+        raise BackendError(f"vLLM's batch-invariant mode was switched on earlier in this process and cannot be switched off "
+                           f"(aten overrides, TF32 and env stay in place); {what} would compute with it while recording it off",
+                           hint="run it in a new process: a new detllm command, or check --fresh-process")
 
 
 def release_engine() -> None:
@@ -134,11 +162,14 @@ def _restore_env(saved: dict[str, str | None]) -> None:
 
 
 def _start_engine(key: tuple, env: dict[str, str], llm_kwargs: dict[str, Any]) -> Any:
-    global _ENGINE
+    global _ENGINE, _BI_STARTED
     if _ENGINE is not None and _ENGINE.key == key:
         return _ENGINE.llm
     release_engine()  # one engine at a time: a second would double memory and share global state
-    saved = {name: os.environ.get(name) for name in env}
+    invariant = env.get("VLLM_BATCH_INVARIANT") == "1"
+    if not invariant:
+        refuse_after_batch_invariant("an engine without batch_invariant")
+    saved = {name: os.environ.get(name) for name in (*env, *(_BI_ENV if invariant else ()))}
     for name, value in LOGGING_DEFAULTS.items():
         os.environ.setdefault(name, value)  # before vLLM's logger is configured, on its first import
     # Some vLLM modules log while it is still importing, before that configuration exists.
@@ -173,6 +204,8 @@ def _start_engine(key: tuple, env: dict[str, str], llm_kwargs: dict[str, Any]) -
         # process; put it back so --threads (and the hf backend in the same process) still work.
         torch.set_num_threads = set_num_threads
     _ENGINE = _Engine(key, llm, saved)
+    if invariant:
+        _BI_STARTED = True  # for the rest of the process, whatever release_engine restores
     return llm
 
 
@@ -277,7 +310,9 @@ class VLLMBackend(Backend):
                 kwargs["attention_backend"] = opts.attention_backend.upper()
             if opts.kv_cache_gib is not None and self.platform != "cpu":
                 kwargs["kv_cache_memory_bytes"] = opts.kv_cache_gib << 30
-            key = (source, self.revision, self.dtype, self.platform, astuple(opts), self.max_logprobs)
+            # the files' content is in the key: a folder edited in place restarts the engine
+            content = content_key(self.resolved.path) if self.resolved.path else None
+            key = (source, content, self.revision, self.dtype, self.platform, astuple(opts), self.max_logprobs)
             self._llm = _start_engine(key, self._engine_env(), kwargs)
         return self._llm
 

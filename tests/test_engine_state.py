@@ -1,0 +1,163 @@
+"""Process-wide engine state that must not leak into a later run (issue 9, items 11-13):
+identity caches keyed on content, vLLM's batch-invariant mode refused once it leaked,
+TF32 read and set through torch's new fp32_precision API."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from detllm import hashing
+from detllm.backends import tf32, vllm as vllm_backend
+from detllm.errors import BackendError
+from detllm.models import builtin_path
+
+
+def _edit_in_place_keeping_size_and_mtime(path) -> None:
+    """Scale the last 4 KiB of weights by 1.5, same size, and set mtime back to what it was."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(-4096, os.SEEK_END)
+        vals = np.frombuffer(f.read(4096), dtype=np.float32) * np.float32(1.5)
+        f.seek(-4096, os.SEEK_END)
+        f.write(vals.astype(np.float32).tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+@pytest.fixture
+def tiny_copy(tmp_path):
+    dest = tmp_path / "tiny"
+    shutil.copytree(builtin_path("tiny"), dest)
+    return dest
+
+
+# ------------------------------------------------------------------ item 11: caches keyed on content
+
+
+def test_file_hash_sees_a_same_size_edit_with_mtime_set_back(tiny_copy, monkeypatch):
+    monkeypatch.setattr(hashing, "RACY_NS", 0)  # treat the fresh copy as old: the memo is used
+    weights = tiny_copy / "model.safetensors"
+    before = hashing.sha256_file(weights)
+    assert hashing.sha256_file(weights) == before  # unchanged: served from the memo
+    _edit_in_place_keeping_size_and_mtime(weights)
+    assert hashing.sha256_file(weights) != before
+    assert hashing.sha256_file(weights) == hashing.sha256_bytes(weights.read_bytes())
+
+
+def test_a_file_changed_just_before_its_hash_is_hashed_again(tmp_path):
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"a" * 64)
+    hashing.sha256_file(f)
+    key = next(k for k in hashing._memo if k[0] == str(f.resolve()))
+    hashing._memo[key] = ("0" * 64, hashing._memo[key][1])  # a stale entry under the same key
+    assert hashing.sha256_file(f) == hashing.sha256_bytes(b"a" * 64), "a racy entry is never trusted"
+
+
+@pytest.mark.engine
+def test_hf_reloads_a_model_edited_in_place(tiny_copy):
+    from detllm.backends.hf import HFBackend
+
+    first = HFBackend(str(tiny_copy))
+    before = first.model_identity().weights_sha256
+    assert HFBackend(str(tiny_copy)).model is first.model  # unchanged files: loaded once per process
+    norm = first.model.state_dict()["model.norm.weight"].clone()  # the last tensor in the file
+    _edit_in_place_keeping_size_and_mtime(tiny_copy / "model.safetensors")
+    second = HFBackend(str(tiny_copy))
+    assert second.model is not first.model, "a same-size in-place edit must not reuse the stale model"
+    assert second.model_identity().weights_sha256 != before
+    assert bool((second.model.state_dict()["model.norm.weight"] == norm * 1.5).all()), "the reload holds the edited weights"
+
+
+# ------------------------------------------------------------------ item 12: vLLM batch-invariant leak
+
+
+def test_batch_invariant_mode_left_on_refuses_a_later_hf_run(monkeypatch, cli, tmp_path):
+    monkeypatch.setattr(vllm_backend, "_BI_STARTED", True)
+    out = tmp_path / "run"
+    res = cli("check", "--backend", "hf", "--model", "tiny", "--runs", "2", "--out", out, "--no-progress")
+    assert res.exit_code == 8, res.output
+    assert "batch-invariant mode was switched on earlier in this process" in res.output
+    assert "new process" in res.output and "Traceback" not in res.output
+    assert not out.exists(), "refused before anything was written"
+
+
+def test_batch_invariant_state_is_read_from_vllms_own_flag(monkeypatch):
+    import sys
+    import types
+
+    assert not vllm_backend.batch_invariant_in_process()
+    for name in vllm_backend._BI_MODULES_LOADED:  # the module vLLM keeps its flag in, whichever release
+        if name in sys.modules:
+            monkeypatch.setattr(sys.modules[name], "_batch_invariant_MODE", True)
+            break
+    else:
+        # vLLM not imported in this process: the bookkeeping reads only sys.modules, never imports it
+        mod = types.ModuleType(vllm_backend._BI_MODULES_LOADED[-1])
+        mod._batch_invariant_MODE = True
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    assert vllm_backend.batch_invariant_in_process()
+    with pytest.raises(BackendError, match="cannot be switched off"):
+        vllm_backend.refuse_after_batch_invariant("the hf backend")
+
+
+def test_engine_without_batch_invariant_is_refused_before_vllm_starts(monkeypatch):
+    monkeypatch.setattr(vllm_backend, "_BI_STARTED", True)
+    monkeypatch.setattr(vllm_backend, "_ENGINE", None)
+    with pytest.raises(BackendError, match="an engine without batch_invariant"):
+        vllm_backend._start_engine(("k",), {"VLLM_BATCH_INVARIANT": "0"}, {})
+
+
+# ------------------------------------------------------------------ item 13: TF32 through the new API
+
+
+@pytest.fixture
+def torch_tf32():
+    torch = pytest.importorskip("torch")
+    saved = tf32.read(torch)
+    yield torch
+    tf32.write(torch, saved)
+
+
+def test_tf32_uses_the_new_api_and_survives_a_mixed_state(torch_tf32):
+    torch = torch_tf32
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has only the legacy allow_tf32 flags")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # as user code or vLLM would
+    with pytest.raises(RuntimeError):
+        torch.backends.cuda.matmul.allow_tf32  # noqa: B018 - the legacy read that used to crash a run
+    saved = tf32.read(torch)
+    assert saved["cuda.matmul.fp32_precision"] == "tf32"
+    now = tf32.disable(torch)
+    assert tf32.is_off(now) and set(now) == {f"{p}.{a}" for p, a in tf32.NEW_API}
+    tf32.write(torch, saved)
+    assert tf32.read(torch) == saved
+
+
+@pytest.mark.engine
+def test_hf_run_after_the_new_api_was_used_is_not_a_traceback(torch_tf32, tmp_path):
+    import detllm
+
+    torch_tf32.backends.cuda.matmul.fp32_precision = "tf32"
+    outcome = detllm.check(backend="hf", model="tiny", runs=2, max_new_tokens=4, out=tmp_path / "c")
+    assert outcome.status == "PASS"
+    assert torch_tf32.backends.cuda.matmul.fp32_precision == "tf32", "restored after the run"
+
+
+def test_tf32_failures_are_backend_errors():
+    class Matmul:
+        @property
+        def fp32_precision(self):
+            raise RuntimeError("mix of the legacy and new APIs\nmore")
+
+    class Torch:
+        class backends:
+            class cuda:
+                matmul = Matmul()
+
+    with pytest.raises(BackendError, match="cannot read torch's TF32 setting torch.backends.cuda.matmul.fp32_precision"):
+        tf32.read(Torch)

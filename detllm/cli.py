@@ -8,6 +8,7 @@ schema error, 6 integrity error, 7 replay refused (model changed), 8 backend err
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -42,6 +43,8 @@ def guarded(fn: Callable[[], int | None]) -> None:
         code = fn()
     except DetllmError as err:
         fail(err)
+    except BrokenPipeError:
+        raise typer.Exit(closed_pipe())
     except OSError as err:
         where = f": {err.filename}" if err.filename else ""
         fail(UsageError(f"{err.strerror or err}{where}", hint="check the paths given to --out, --junit, --plot and the like"))
@@ -54,7 +57,11 @@ def guarded(fn: Callable[[], int | None]) -> None:
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError  # rich would exit 1, which reads as FAIL; guarded() exits silently instead
+
+    return _Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
 def print_verdict(report: dict, out_dir: Path | None) -> None:
@@ -354,5 +361,75 @@ def pack_cmd(
     guarded(body)
 
 
-def main() -> None:
-    app()
+# Options whose value is a path: an empty value would silently mean the current folder.
+PATH_FLAGS = ("--out", "-o", "--output", "--prompts", "--prompt-file", "--junit", "--html", "--plot", "--sign-key",
+              "--pubkey", "--llama-bin", "--in")
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, what any program killed by a closed pipe returns
+
+
+def closed_pipe() -> int:
+    """The reader of stdout went away (`detllm report X | head -1`): exit silently. stdout is
+    pointed at /dev/null so the interpreter's final flush cannot print an error either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_CLOSED_PIPE
+
+
+def empty_path_argument(args: list[str]) -> str | None:
+    """The flag (or "an argument") given an empty value, where an empty string would silently
+    mean the current folder; None when there is none."""
+    for i, arg in enumerate(args):
+        if arg == "":
+            prev = args[i - 1] if i else ""
+            if prev in PATH_FLAGS:
+                return prev
+            if not prev.startswith("-"):
+                return "an argument"
+        for flag in PATH_FLAGS:
+            if flag.startswith("--") and arg == flag + "=":
+                return flag
+    return None
+
+
+def quiet_usage_errors() -> bool:
+    """CI mode (the CI variable set, or stderr not a terminal): a bad option prints the usage
+    line and one error line, not typer's framed box."""
+    return bool(os.environ.get("CI")) or not sys.stderr.isatty()
+
+
+def _click_exceptions():
+    try:
+        from typer._click import exceptions  # typer vendors click from 0.2x on
+    except ImportError:  # older typer: click itself
+        from click import exceptions
+    return exceptions
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console entry point: the typer app, plus what must happen before it parses
+    (empty path values) and around it (CI-mode usage errors, a closed stdout)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    flag = empty_path_argument(args)
+    if flag is not None:
+        typer.echo(f"detllm: error: {flag} is empty; give a path (use . for the current folder)", err=True)
+        sys.exit(2)
+    exc = _click_exceptions()
+    try:
+        if not quiet_usage_errors():
+            app(args=args, prog_name="detllm")
+            return
+        try:
+            code = app(args=args, prog_name="detllm", standalone_mode=False)
+        except exc.UsageError as err:
+            usage = err.ctx.get_usage().splitlines()[0] if err.ctx is not None else "Usage: detllm [OPTIONS] COMMAND [ARGS]..."
+            typer.echo(f"{usage}\ndetllm: error: {err.format_message()}", err=True)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            typer.echo("detllm: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+    except BrokenPipeError:
+        sys.exit(closed_pipe())

@@ -1,16 +1,99 @@
 """Run configuration as frozen dataclasses, validated once, before anything runs.
 
-Owns: what the user asked for (backend, model, decoding, tier, batches, runs).
+Owns: what the user asked for (backend, model, decoding, tier, batches, runs), and the
+one validation layer for numbers: each numeric field declares its accepted `Range` in its
+metadata (backends' Options dataclasses too), and `check_ranges` refuses NaN, infinities,
+bools and out-of-range values with one line. docs/cli.md lists every range.
 Does not own: what a backend actually applied (see backends/base.py `Applied`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .errors import UsageError
+
+# One seed range for every backend: numpy's legacy RNG (seeded by hf) takes 0..2**32-1, and
+# torch, random, vLLM and llama.cpp take at least that. Per-request seeds are derived from it
+# by backends.base.request_seed, so no engine ever sees a seed outside its own type.
+SEED_MAX = 2**32 - 1
+INT64_MAX = 2**63 - 1  # the bound of an int option that declares no range (every engine's int type holds it)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The accepted values of one numeric setting: a finite number in [lo, hi] (lo excluded
+    when lo_open; None: unbounded on that side), an integer when `integer`."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    integer: bool = False
+
+    def check(self, what: str, value: Any) -> None:
+        """UsageError naming `what` unless `value` is accepted."""
+        kinds = (int,) if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise UsageError(f"{what} must be {'an integer' if self.integer else 'a number'} in {self.text()}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{what} must be a finite number in {self.text()}, got {value}")
+        low = self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo))
+        if low or (self.hi is not None and value > self.hi):
+            raise UsageError(f"{what} must be in {self.text()}, got {value}")
+
+    def text(self) -> str:
+        """The range as docs/cli.md writes it, e.g. [0, 4294967295] or (0, 1]."""
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi is None else ']'}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def ints(lo: int | None, hi: int | None) -> Range:
+    return Range(lo, hi, integer=True)
+
+
+def floats(lo: float | None, hi: float | None, *, lo_open: bool = False) -> Range:
+    return Range(lo, hi, lo_open=lo_open)
+
+
+def ranged(default: Any, rng: Range) -> Any:
+    """A dataclass field with a declared range (dataclasses.field metadata "range")."""
+    return field(default=default, metadata={"range": rng})
+
+
+def field_range(f: dataclasses.Field) -> Range | None:
+    """The declared range of a field; a number field without one is still held to finite
+    values and to int64 (so an engine never sees NaN or an integer it cannot hold)."""
+    rng = f.metadata.get("range")
+    if rng is not None:
+        return rng
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    if kind.replace(" ", "") in ("int", "int|None"):
+        return ints(-INT64_MAX - 1, INT64_MAX)
+    if kind.replace(" ", "") in ("float", "float|None"):
+        return floats(None, None)
+    return None
+
+
+def check_ranges(obj: Any, flag: Callable[[str], str]) -> None:
+    """Every numeric field of the dataclass `obj` against its range; `flag` names a field as
+    the user wrote it (--max-new-tokens, --opt port). None (an unset optional) passes."""
+    for f in dataclasses.fields(obj):
+        rng = field_range(f)
+        value = getattr(obj, f.name)
+        if rng is not None and value is not None:
+            rng.check(flag(f.name), value)
+
+
+def cli_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 TIERS = {
     0: "artifacts only: runs are recorded, nothing is required to agree",
@@ -19,30 +102,24 @@ TIERS = {
     3: "tier 2, and outputs are equal across batch sizes (batch invariance enforced)",
 }
 MODES = ("strict", "best-effort")
+MAX_BATCH = 4096  # --batch-size and each --vary-batch size
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 DEVICES = ("cpu", "cuda", "auto")
 
 
 @dataclass(frozen=True)
 class Decoding:
-    max_new_tokens: int = 16  # generated tokens per prompt, padding never counted
-    temperature: float = 0.0  # 0 means greedy (argmax); > 0 samples
-    top_p: float = 1.0  # nucleus filter when sampling; 1.0 disables it
-    top_k: int = 0  # sampling filter (not the logprob top-k); 0 disables it
+    max_new_tokens: int = ranged(16, ints(1, 1_000_000))  # generated tokens per prompt, padding never counted
+    temperature: float = ranged(0.0, floats(0, 100))  # 0 means greedy (argmax); > 0 samples
+    top_p: float = ranged(1.0, floats(0, 1, lo_open=True))  # nucleus filter when sampling; 1.0 disables it
+    top_k: int = ranged(0, ints(0, 1_000_000))  # sampling filter (not the logprob top-k); 0 disables it; <= any vocabulary
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+        check_ranges(self, cli_flag)
 
 
 @dataclass(frozen=True)
@@ -53,19 +130,20 @@ class RunConfig:
     dtype: str = "float32"  # weights/activations dtype the backend is asked for
     device: str = "cpu"  # cpu, cuda, or auto (cuda when present)
     decoding: Decoding = field(default_factory=Decoding)
-    seed: int = 0  # seeds python/numpy/torch and every per-request generator
-    tier: int = 1  # requested determinism tier (see TIERS)
+    seed: int = ranged(0, ints(0, SEED_MAX))  # seeds python/numpy/torch and every per-request generator; one range for every backend
+    tier: int = 1  # requested determinism tier (see TIERS); 0..3, checked against TIERS
     mode: str = "best-effort"  # strict refuses an unenforceable tier, best-effort downgrades
-    batch_size: int = 1  # batch size of the repeated runs
-    vary_batch: tuple[int, ...] = ()  # extra batch sizes compared against batch size 1
-    runs: int = 1  # repeats at batch_size (check needs >= 2)
-    logprobs: int = 5  # (id, logprob) pairs recorded per step, best first (OpenAI: top_logprobs); not a sampling filter
+    batch_size: int = ranged(1, ints(1, MAX_BATCH))  # batch size of the repeated runs
+    vary_batch: tuple[int, ...] = ()  # extra batch sizes compared against batch size 1; each in [1, MAX_BATCH]
+    runs: int = ranged(1, ints(1, 1000))  # repeats at batch_size (check needs >= 2)
+    logprobs: int = ranged(5, ints(1, 100))  # (id, logprob) pairs recorded per step, best first (OpenAI: top_logprobs); not a sampling filter
     record_prompt_text: bool = True  # False keeps only the sha256 of each prompt
-    threads: int | None = None  # intra-op threads; None keeps the backend default
-    atol: float = 0.0  # logprob tolerance at tier 2; 0 means bitwise
+    threads: int | None = ranged(None, ints(1, 1024))  # intra-op threads; None keeps the backend default
+    atol: float = ranged(0.0, floats(0, 1000))  # logprob tolerance at tier 2; 0 means bitwise
     options: tuple[tuple[str, str], ...] = ()  # backend-specific key=value, typed by the backend
 
     def validate(self, *, command: str = "run") -> None:
+        check_ranges(self, cli_flag)
         if self.tier not in TIERS:
             raise UsageError(f"--tier must be 0, 1, 2 or 3, got {self.tier}")
         if self.mode not in MODES:
@@ -74,26 +152,15 @@ class RunConfig:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.batch_size < 1:
-            raise UsageError(f"--batch-size must be at least 1, got {self.batch_size}")
         for b in self.vary_batch:
-            if b < 1:
-                raise UsageError(f"--vary-batch sizes must be at least 1, got {b}")
+            ints(1, MAX_BATCH).check("--vary-batch sizes", b)
+        if len(set(self.vary_batch)) != len(self.vary_batch):
+            raise UsageError(f"--vary-batch lists a size twice: {','.join(map(str, self.vary_batch))}")
         if command == "check" and self.tier == 3 and not self.vary_batch:
             raise UsageError("tier 3 promises batch invariance, which a check without --vary-batch never tests",
                              hint="add --vary-batch, e.g. 1,2,8")
         if command == "check" and self.runs < 2:
             raise UsageError(f"check needs --runs of at least 2 to compare runs, got {self.runs}")
-        if self.runs < 1:
-            raise UsageError(f"--runs must be at least 1, got {self.runs}")
-        if self.logprobs < 1:
-            raise UsageError(f"--logprobs must be at least 1, got {self.logprobs}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be at least 1, got {self.threads}")
-        if self.atol < 0:
-            raise UsageError(f"--atol must be >= 0, got {self.atol}")
-        if self.seed < 0:
-            raise UsageError(f"--seed must be >= 0, got {self.seed}")
         self.decoding.validate()
 
     @property
@@ -141,9 +208,22 @@ def parse_options(pairs: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def parse_batch_list(text: str | None) -> tuple[int, ...]:
-    if not text:
+    """`--vary-batch 1,2,8` -> (1, 2, 8); an empty item ("1,,2", ","), a non-integer or a size
+    given twice is a UsageError. None (flag absent) is (); an empty string is refused."""
+    if text is None:
         return ()
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise UsageError(f"--vary-batch expects comma-separated integers like 1,2,8, got {text!r} (an empty item)")
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        sizes = tuple(int(x) for x in items)
     except ValueError as exc:
         raise UsageError(f"--vary-batch expects comma-separated integers like 1,2,8, got {text!r}") from exc
+    if len(set(sizes)) != len(sizes):
+        raise UsageError(f"--vary-batch lists a size twice: {text!r}")
+    return sizes
+
+
+def check_atol(atol: Any) -> None:
+    """diff's --atol: the same range as RunConfig.atol."""
+    RunConfig.__dataclass_fields__["atol"].metadata["range"].check("--atol", atol)

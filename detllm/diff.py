@@ -23,6 +23,7 @@ from .compare.causes import Side, explain
 from .compare.divergence import applied_dtype, run_noise_floor
 from .compare.engine import compare, label
 from .compare.trace import load_records
+from .config import check_atol
 from .errors import ArtifactError, UsageError
 from .runner import Outcome, write_report
 
@@ -71,8 +72,7 @@ def diff(
     JUnit XML file; `plot` a PNG of drift by position (needs matplotlib). Without `out`
     nothing is written but those two. Returns the outcome; exit_code 1 on FAIL."""
     left_sel, right_sel = Selection.parse(a), Selection.parse(b)
-    if atol < 0:
-        raise UsageError(f"--atol must be >= 0, got {atol}")
+    check_atol(atol)  # finite and in RunConfig.atol's range: a NaN would compare as "within tolerance" nowhere
     if tier is not None and tier not in (1, 2, 3):
         raise UsageError(f"diff compares outputs: --tier must be 1, 2 or 3, got {tier}")
     if plot is not None:

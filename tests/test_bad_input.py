@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -10,10 +12,10 @@ BAD = [
     (["--tier", "4"], 2, "--tier must be 0, 1, 2 or 3"),
     (["--tier", "-1"], 2, "--tier must be 0, 1, 2 or 3"),
     (["--runs", "1"], 2, "check needs --runs of at least 2"),
-    (["--batch-size", "0"], 2, "--batch-size must be at least 1"),
-    (["--vary-batch", "1,0"], 2, "--vary-batch sizes must be at least 1"),
+    (["--batch-size", "0"], 2, "--batch-size must be in [1, 4096], got 0"),
+    (["--vary-batch", "1,0"], 2, "--vary-batch sizes must be in [1, 4096], got 0"),
     (["--vary-batch", "1,two"], 2, "--vary-batch expects comma-separated integers"),
-    (["--max-new-tokens", "0"], 2, "--max-new-tokens must be at least 1"),
+    (["--max-new-tokens", "0"], 2, "--max-new-tokens must be in [1, 1000000], got 0"),
     (["--backend", "hff"], 2, "unknown backend 'hff' (did you mean 'hf'?)"),
     (["--backend", "vllmm"], 2, "did you mean 'vllm'?"),
     (["--model", "./no/such/model"], 2, "model path './no/such/model' does not exist"),
@@ -23,9 +25,34 @@ BAD = [
     (["--opt", "novalue"], 2, "--opt expects key=value"),
     (["--backend", "fake", "--opt", "diverg=prompt=0,pos=1"], 2, "unknown --opt 'diverg' for backend 'fake' (did you mean 'diverge'?)"),
     (["--backend", "fake", "--opt", "max_tier=two"], 2, "--opt max_tier expects int"),
-    (["--temperature", "-1"], 2, "--temperature must be >= 0"),
+    (["--temperature", "-1"], 2, "--temperature must be in [0, 100], got -1.0"),
     (["--top-p", "0"], 2, "--top-p must be in (0, 1]"),
-    (["--logprobs", "0"], 2, "--logprobs must be at least 1"),
+    (["--logprobs", "0"], 2, "--logprobs must be in [1, 100], got 0"),
+    # non-finite floats: refused before anything runs (issue 11), never a schema error at write time
+    (["--temperature", "nan"], 2, "--temperature must be a finite number in [0, 100], got nan"),
+    (["--temperature", "inf"], 2, "--temperature must be a finite number in [0, 100], got inf"),
+    (["--top-p", "nan"], 2, "--top-p must be a finite number in (0, 1], got nan"),
+    (["--atol", "nan"], 2, "--atol must be a finite number in [0, 1000], got nan"),
+    (["--atol", "-inf"], 2, "--atol must be a finite number in [0, 1000], got -inf"),
+    # one seed range for every backend (config.SEED_MAX), and huge integers
+    (["--seed", "4294967296"], 2, "--seed must be in [0, 4294967295], got 4294967296"),
+    (["--seed", "-1"], 2, "--seed must be in [0, 4294967295], got -1"),
+    (["--max-new-tokens", "100000000000000000000"], 2, "--max-new-tokens must be in [1, 1000000]"),
+    (["--runs", "99999999999999999999999"], 2, "--runs must be in [1, 1000]"),
+    (["--top-k", "-1"], 2, "--top-k must be in [0, 1000000], got -1"),
+    (["--threads", "0"], 2, "--threads must be in [1, 1024], got 0"),
+    # sloppy lists
+    (["--vary-batch", "1,,2"], 2, "--vary-batch expects comma-separated integers like 1,2,8, got '1,,2' (an empty item)"),
+    (["--vary-batch", ","], 2, "(an empty item)"),
+    (["--vary-batch", ""], 2, "(an empty item)"),
+    (["--vary-batch", "1,2,2"], 2, "--vary-batch lists a size twice: '1,2,2'"),
+    # backend options declare their ranges (config.Range in each Options dataclass)
+    (["--backend", "fake", "--opt", "max_tier=7"], 2, "--opt max_tier must be in [0, 3], got 7"),
+    (["--backend", "fake", "--opt", "batch_drift=nan"], 2, "--opt batch_drift must be a finite number in [-100, 100], got nan"),
+    (["--backend", "llamacpp", "--opt", "port=99999"], 2, "--opt port must be in [1, 65535], got 99999"),
+    (["--backend", "llamacpp", "--opt", "request_timeout=inf"], 2, "--opt request_timeout must be a finite number in (0, 86400], got inf"),
+    (["--backend", "llamacpp", "--opt", "startup_timeout=0"], 2, "--opt startup_timeout must be in (0, 86400], got 0.0"),
+    (["--backend", "vllm", "--opt", "gpu_memory_utilization=1.5"], 2, "--opt gpu_memory_utilization must be in (0, 1], got 1.5"),
 ]
 
 
@@ -186,3 +213,64 @@ def test_diff_out_never_destroys_a_run_folder(cli, tmp_path):
     assert cli("diff", a, a, "--out", tmp_path / "d").exit_code == 0, "an earlier diff folder is re-used"
     r = cli("check", "--backend", "fake", "--out", tmp_path / "d")
     assert r.exit_code == 2 and "is a diff folder" in r.stderr
+
+
+# ------------------------------------------------------------------ the console entry point (issue 11)
+
+def _detllm(*args, env=None, stdout=subprocess.PIPE, cwd=None):
+    return subprocess.run([sys.executable, "-m", "detllm", *map(str, args)], stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("args", [["check", "--out", ""], ["check", "--out="], ["report", ""], ["verify", ""],
+                                  ["check", "--prompts", ""]])
+def test_an_empty_path_is_a_usage_error(tmp_path, args):
+    r = _detllm(*args, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("detllm: error: ") and "is empty" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == [], "nothing written into the current folder"
+
+
+def test_bad_typer_option_in_ci_mode_is_usage_line_and_error(tmp_path):
+    r = _detllm("check", "--bogus", env={"CI": "1"}, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["Usage: detllm check [OPTIONS]", r.stderr.splitlines()[1]], r.stderr
+    assert r.stderr.splitlines()[1].startswith("detllm: error: No such option: --bogus")
+    r = _detllm("check", "--tier", "x", env={"CI": "1"}, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 2 and "'--tier'" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["report", "check"])
+def test_a_closed_pipe_is_a_silent_exit(tmp_path, command):
+    import detllm
+
+    run = detllm.check(backend="fake", out=tmp_path / "r").out_dir
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before detllm writes a byte: every write is EPIPE
+    try:
+        args = ["report", run] if command == "report" else ["check", "-b", "fake", "--out", tmp_path / "c", "--no-progress"]
+        r = _detllm(*args, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert r.stderr == "", r.stderr
+    assert r.returncode == 141  # 128 + SIGPIPE, as for any program whose reader went away
+
+
+def test_non_finite_atol_in_diff_is_refused_before_comparing(cli, tmp_path):
+    import detllm
+
+    a = detllm.check(backend="fake", out=tmp_path / "a").out_dir
+    for bad in ("nan", "inf", "-1"):
+        r = cli("diff", a, a, "--atol", bad)
+        assert r.exit_code == 2 and "--atol must be" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+def test_api_refuses_non_finite_and_huge_numbers(tmp_path):
+    import detllm
+    from detllm.errors import UsageError
+
+    for bad in ({"temperature": float("nan")}, {"seed": 2**64}, {"atol": float("inf")}, {"top_k": 1.5},
+                {"vary_batch": (1, 2, 2)}):
+        with pytest.raises(UsageError):
+            detllm.check(backend="fake", out=tmp_path / "x", **bad)
+        assert not (tmp_path / "x").exists()

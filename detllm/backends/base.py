@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Sequence
 
-from ..config import Decoding, RunConfig
+from ..config import Decoding, RunConfig, check_ranges
 from ..errors import UsageError
 
 FINISH_REASONS = ("length", "stop")
@@ -177,7 +177,9 @@ def parse_options(options_cls: type, pairs: tuple[tuple[str, str], ...], backend
             hint = f"did you mean {close[0]!r}?" if close else f"known options: {', '.join(sorted(fields)) or 'none'}"
             raise UsageError(f"unknown --opt {key!r} for backend {backend!r}", hint=hint)
         kwargs[key] = _convert(raw, hints[key], f"--opt {key}")
-    return options_cls(**kwargs)
+    options = options_cls(**kwargs)
+    check_ranges(options, lambda name: f"--opt {name}")  # each field's declared range (config.Range), finite always
+    return options
 
 
 def _convert(raw: str, hint: Any, what: str) -> Any:

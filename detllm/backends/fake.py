@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from ..config import Decoding, RunConfig
+from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
 
@@ -59,9 +59,9 @@ class Injection:
 class FakeOptions:
     diverge: str = ""  # injections separated by ';' (see Injection.parse)
     salt: str = ""  # changes every token and the weights hash: a "different model"
-    max_tier: int = 2  # highest tier the fake claims to enforce
+    max_tier: int = ranged(2, ints(0, 3))  # highest tier the fake claims to enforce
     batch_invariant: bool = False  # claim tier-3 batch invariance
-    batch_drift: float = 0.0  # logprob offset per extra batch member (non-invariant numerics)
+    batch_drift: float = ranged(0.0, floats(-100, 100))  # logprob offset per extra batch member (non-invariant numerics)
 
 
 class FakeBackend(Backend):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..config import Decoding, RunConfig
+from ..config import MAX_BATCH, Decoding, RunConfig, floats, ints, ranged
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import combine, sha256_file
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
@@ -34,18 +34,18 @@ KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_
 @dataclass(frozen=True)
 class LlamaCppOptions:
     bin: str | None = None  # llama.cpp bin folder or llama-server path; else DETLLM_LLAMA_BIN, PATH, build cache
-    threads: int | None = None  # -t generation threads; None: --threads, else llama.cpp's default (recorded)
-    threads_batch: int | None = None  # -tb prompt-processing threads; None: same as threads
-    batch: int | None = None  # -b logical batch in tokens; None: llama.cpp default (2048)
-    ubatch: int | None = None  # -ub physical batch in tokens (one graph evaluation); None: default (512)
-    slots: int | None = None  # -np parallel sequences; None: the largest batch size of the run
-    ctx_size: int | None = None  # context per slot in tokens; None: min(1024, the model's training context)
+    threads: int | None = ranged(None, ints(1, 1024))  # -t generation threads; None: --threads, else llama.cpp's default (recorded)
+    threads_batch: int | None = ranged(None, ints(1, 1024))  # -tb prompt-processing threads; None: same as threads
+    batch: int | None = ranged(None, ints(1, 1 << 20))  # -b logical batch in tokens; None: llama.cpp default (2048)
+    ubatch: int | None = ranged(None, ints(1, 1 << 20))  # -ub physical batch in tokens (one graph evaluation); None: default (512)
+    slots: int | None = ranged(None, ints(1, MAX_BATCH))  # -np parallel sequences; None: the largest batch size of the run
+    ctx_size: int | None = ranged(None, ints(1, 1 << 24))  # context per slot in tokens; None: min(1024, the model's training context)
     cache_prompt: bool = False  # reuse a slot's KV cache across requests: faster, a known nondeterminism source
     flash_attn: str | None = None  # -fa on|off|auto; None keeps llama.cpp's default (auto)
     kv_type: str | None = None  # -ctk/-ctv KV cache type (f32, f16, q8_0...); None: llama.cpp's default (f16)
-    port: int | None = None  # fixed port on 127.0.0.1; None picks a free one
-    startup_timeout: float = 120.0  # seconds to wait for the server's /health
-    request_timeout: float = 600.0  # seconds one HTTP request may take
+    port: int | None = ranged(None, ints(1, 65535))  # fixed port on 127.0.0.1; None picks a free one
+    startup_timeout: float = ranged(120.0, floats(0, 86400, lo_open=True))  # seconds to wait for the server's /health
+    request_timeout: float = ranged(600.0, floats(0, 86400, lo_open=True))  # seconds one HTTP request may take
 
 
 def resolve_gguf(model: str) -> Path:

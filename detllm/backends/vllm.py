@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..config import Decoding, RunConfig
+from ..config import MAX_BATCH, Decoding, RunConfig, floats, ints, ranged
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import content_key, folder_identity
 from ..models import local_folder, resolve_model
@@ -40,14 +40,14 @@ _BI_ROCM_ARCHS = ("gfx90a", "gfx942", "gfx950")
 
 @dataclass(frozen=True)
 class VLLMOptions:
-    max_num_seqs: int = 8  # sequences scheduled together; a batch larger than this runs in waves
+    max_num_seqs: int = ranged(8, ints(1, MAX_BATCH))  # sequences scheduled together; a batch larger than this runs in waves
     enforce_eager: bool | None = None  # None: True on CPU (no compile step), False on GPU (CUDA graphs)
-    max_model_len: int = 512  # context the KV cache is sized for; prompt + new tokens must fit
-    gpu_memory_utilization: float = 0.9  # share of GPU memory vLLM may reserve (unused on CPU: kv_cache_gib)
-    tensor_parallel_size: int = 1  # GPUs the weights are split over; > 1 adds all-reduce order to the numerics
+    max_model_len: int = ranged(512, ints(1, 1 << 24))  # context the KV cache is sized for; prompt + new tokens must fit
+    gpu_memory_utilization: float = ranged(0.9, floats(0, 1, lo_open=True))  # share of GPU memory vLLM may reserve (unused on CPU: kv_cache_gib)
+    tensor_parallel_size: int = ranged(1, ints(1, 1024))  # GPUs the weights are split over; > 1 adds all-reduce order to the numerics
     attention_backend: str = ""  # force one (FLASH_ATTN, TRITON_ATTN, ...); "" lets vLLM choose
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1: batch-invariant kernels, needed for tier 3
-    kv_cache_gib: int | None = None  # KV cache size; None: 1 GiB on CPU (VLLM_CPU_KVCACHE_SPACE), vLLM's choice on GPU
+    kv_cache_gib: int | None = ranged(None, ints(1, 65536))  # KV cache size; None: 1 GiB on CPU (VLLM_CPU_KVCACHE_SPACE), vLLM's choice on GPU
     prefix_caching: bool = False  # reuse KV of shared prefixes: warm and cold cache may compute differently
 
 

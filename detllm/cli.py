@@ -18,7 +18,7 @@ import typer
 from .artifacts import check_output_file
 from .errors import EXIT_CODES, DetllmError, UsageError
 
-EXIT_HELP = "Exit codes: " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
+EXIT_HELP = "Exit codes (every command): " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
 
 app = typer.Typer(
     name="detllm",
@@ -111,6 +111,8 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         backend: Backend = "hf",
         model: Model = "tiny",
         prompts: Annotated[Optional[Path], typer.Option(help="Prompt file: .jsonl ({\"prompt\": ...} per line) or text (one per line).")] = None,
+        prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeatable); instead of --prompts.")] = None,
+        prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="JSONL prompt file ({\"prompt\"|\"text\": ...} or a string per line).")] = None,
         out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Run folder (default: a new folder under artifacts/).")] = None,
         force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
         tier: Annotated[int, typer.Option(help="0 artifacts only, 1 token ids repeat, 2 +logprobs equal, 3 +batch invariance.")] = 1,
@@ -130,9 +132,19 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         threads: Annotated[Optional[int], typer.Option(help="Intra-op threads (default: the engine's).")] = None,
         atol: Annotated[float, typer.Option(help="Logprob tolerance at tier >= 2 (0 = bitwise).")] = 0.0,
         revision: Annotated[Optional[str], typer.Option(help="Hub revision of --model.")] = None,
+        tokenizer_revision: Annotated[Optional[str], typer.Option("--tokenizer-revision", help="Tokenizer revision: the model's snapshot, so the same as --revision.")] = None,
+        redact_env: Annotated[bool, typer.Option("--redact-env", help="env.json: hide every recorded variable's value and the hostname (secrets are always hidden).")] = False,
+        redact_env_var: Annotated[Optional[list[str]], typer.Option("--redact-env-var", metavar="NAME", help="env.json: hide this variable's value (repeatable).")] = None,
+        validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: every artifact is always validated.")] = False,
+        html: Annotated[Optional[Path], typer.Option("--html", help="Also write a self-contained HTML report here.")] = None,
         prompt_text: Annotated[bool, typer.Option("--prompt-text/--no-prompt-text", help="Record prompt text and input ids (off: only hashes).")] = True,
         opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value (repeatable); see docs/backends/.")] = None,
         llama_bin: Annotated[Optional[Path], typer.Option("--llama-bin", help="llama.cpp bin folder or llama-server binary (llamacpp; else DETLLM_LLAMA_BIN, PATH, the build cache).")] = None,
+        base_url: Annotated[Optional[str], typer.Option("--base-url", help="openai: the server's OpenAI-compatible root, e.g. http://127.0.0.1:8080/v1.")] = None,
+        api_key_env: Annotated[Optional[str], typer.Option("--api-key-env", metavar="NAME", help="openai: the environment variable holding the API key (never recorded).")] = None,
+        chat: Annotated[bool, typer.Option("--chat", help="openai: /v1/chat/completions with one user message.")] = False,
+        concurrency: Annotated[Optional[str], typer.Option("--concurrency", help="openai: requests in flight, e.g. 1,8,32 (its --vary-batch); each level is compared with 1.")] = None,
+        cache_probe: Annotated[bool, typer.Option("--cache-probe", help="openai (check): each prompt cold, warm, and after a shared prefix; CACHE_VARIANCE on a difference.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
         sign_key: SignKey = None,
@@ -141,22 +153,67 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         def body() -> int:
             from . import api
             from .config import Decoding, RunConfig, parse_batch_list, parse_options
+            from .prompts import resolve_prompts
 
             cfg = RunConfig(
-                backend=backend, model=model, revision=revision, dtype=dtype, device=device,
+                backend=backend, model=model, revision=api.tokenizer_revision_of(revision, tokenizer_revision) if tokenizer_revision else revision,
+                dtype=dtype, device=device,
                 decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k if sample_top_k is None else sample_top_k),
-                seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=parse_batch_list(vary_batch),
+                seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=concurrency_levels(vary_batch, concurrency, backend),
                 runs=runs, logprobs=logprobs, record_prompt_text=prompt_text, threads=threads, atol=atol,
-                options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)),
+                options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)
+                                      + served_options(backend, base_url, api_key_env, chat, cache_probe, command)),
             )
             check_output_file(junit, "--junit")  # before the run, not after it
+            check_output_file(html, "--html")
+            cfg.validate(command=command)
+            prompt_set = resolve_prompts(prompts, texts=prompt or (), jsonl_file=prompt_file)
             with _progress(progress and not as_json) as bar:
-                outcome = getattr(api, command)(cfg, prompts=prompts, out=out, force=force, progress=bar, sign_key=sign_key)
+                outcome = getattr(api, command)(cfg, prompts=prompt_set, out=out, force=force, progress=bar, sign_key=sign_key,
+                                                redact=redact_env, redact_env_vars=redact_env_var)
+            write_html(outcome, html)
             return emit(outcome, as_json=as_json, junit=junit)
 
         guarded(body)
 
     return cmd
+
+
+def write_html(outcome, path: Path | None) -> None:
+    """--html: the self-contained HTML report of what was just written (render/html.py)."""
+    if path is None:
+        return
+    from .artifacts import atomic_write_text
+    from .render.html import render_outcome
+
+    atomic_write_text(path, render_outcome(outcome.report, outcome.out_dir))
+
+
+def served_options(backend: str, base_url: str | None, key_env: str | None, chat: bool, cache_probe: bool, command: str) -> list[str]:
+    """--base-url, --api-key-env, --chat and --cache-probe are the openai backend's `--opt`s."""
+    given = [f for f, v in (("--base-url", base_url), ("--api-key-env", key_env), ("--chat", chat), ("--cache-probe", cache_probe)) if v]
+    if given and backend != "openai":
+        raise UsageError(f"{given[0]} applies to --backend openai, not {backend!r}")
+    if cache_probe and command != "check":
+        raise UsageError("--cache-probe is a check: use `detllm check --cache-probe`")
+    return ([f"base_url={base_url}"] if base_url else []) + ([f"api_key_env={key_env}"] if key_env else []) \
+        + (["chat=true"] if chat else []) + (["cache_probe=true"] if cache_probe else [])
+
+
+def concurrency_levels(vary_batch: str | None, concurrency: str | None, backend: str) -> tuple[int, ...]:
+    """--concurrency is the openai backend's spelling of --vary-batch: a batch is the requests in flight."""
+    from .config import parse_batch_list
+
+    if concurrency is None:
+        return parse_batch_list(vary_batch)
+    if backend != "openai":
+        raise UsageError(f"--concurrency applies to --backend openai (requests in flight), not {backend!r}", hint="use --vary-batch")
+    if vary_batch is not None:
+        raise UsageError("--concurrency and --vary-batch say the same thing: give one")
+    try:
+        return tuple(int(x) for x in concurrency.split(",") if x.strip())
+    except ValueError as exc:
+        raise UsageError(f"--concurrency expects comma-separated integers like 1,8,32, got {concurrency!r}") from exc
 
 
 def llama_bin_option(path: Path | None, backend: str) -> list[str]:
@@ -169,40 +226,61 @@ def llama_bin_option(path: Path | None, backend: str) -> list[str]:
 
 
 class _progress:
-    """A rich progress bar on stderr, created on first update (imports nothing until used)."""
+    """Prompts done / total and tokens/s on stderr, only when stderr is a terminal (CI logs stay
+    clean); a rich bar created on first update (imports nothing until used)."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled, self.bar, self.task = enabled and sys.stderr.isatty(), None, None
+        self.enabled, self.bar, self.task, self.t0 = enabled and sys.stderr.isatty(), None, None, 0.0
 
     def __enter__(self):
         return self.update if self.enabled else None
 
-    def update(self, done: int, total: int) -> None:
-        if self.bar is None:
-            from rich.progress import Progress
+    def update(self, done: int, total: int, tokens: int = 0) -> None:
+        import time
 
-            self.bar = Progress(console=_console(stderr=True), transient=True)
+        if self.bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts  {task.fields[rate]}"),
+                                console=_console(stderr=True), transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("generating", total=total)
-        self.bar.update(self.task, completed=done)
+            self.task = self.bar.add_task("generating", total=total, rate="")
+            self.t0 = time.monotonic()
+        elapsed = time.monotonic() - self.t0
+        rate = f"{tokens / elapsed:.1f} tokens/s" if elapsed > 0 and tokens else ""
+        self.bar.update(self.task, completed=done, rate=rate)
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.stop()
 
 
-app.command("run", help=f"Generate once per batch size and write a run folder. {EXIT_HELP}")(_gen_command("run", 1))
-app.command("check", help=f"Repeat runs, vary batch size, compare, and give a verdict CI can act on. {EXIT_HELP}")(_gen_command("check", 3))
+app.command("run", help=f"Generate once per batch size and write a run folder.")(_gen_command("run", 1))
+app.command("check", help=f"Repeat runs, vary batch size, compare, and give a verdict CI can act on.")(_gen_command("check", 3))
 
 
 # ------------------------------------------------------------------ env / report / models
 
 @app.command(help="Print this machine's environment fingerprint (no engine is loaded).")
-def env(as_json: Annotated[bool, typer.Option("--json", help="Print the whole env.json document.")] = False) -> None:
+def env(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole env.json document.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write env.json to this file instead.")] = None,
+    redact_env: Annotated[bool, typer.Option("--redact-env", help="Hide every recorded variable's value and the hostname (secrets are always hidden).")] = False,
+    redact_env_var: Annotated[Optional[list[str]], typer.Option("--redact-env-var", metavar="NAME", help="Hide this variable's value (repeatable).")] = None,
+    validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: env.json is always validated.")] = False,
+) -> None:
     def body() -> int:
+        from .api import _redaction
+        from .artifacts import atomic_write_text, dumps, validate
         from .env import collect_env
 
-        doc = collect_env()
+        check_output_file(out, "--out")
+        doc = collect_env(redaction=_redaction(redact_env, redact_env_var))
+        validate(doc, "env")
+        if out is not None:
+            atomic_write_text(out, dumps(doc) + "\n")
+            typer.echo(f"wrote {out} (fingerprint {doc['fingerprint'][:12]})")
+            return 0
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
             return 0
@@ -215,29 +293,39 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="Print the whole en
     guarded(body)
 
 
-@app.command(help=f"Render a run or diff folder's report.json (txt, json, md), optionally as JUnit XML too. {EXIT_HELP}")
+@app.command(help="Render a run or diff folder's report.json: txt, json, md, html (one self-contained file) or "
+                  "issue (markdown for an engine's bug template). No engine is imported.")
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="A detllm run folder or .tar.gz pack.")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="txt, json or md.")] = "txt",
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A detllm run or diff folder, .tar.gz pack, or report.json.")] = None,
+    report_in: Annotated[Optional[Path], typer.Option("--in", help="The same as RUN_DIR (the seed's spelling).")] = None,
+    fmt: Annotated[Optional[str], typer.Option("--format", "-f", help="txt, json, md, html or issue (default: from --out's suffix, else txt).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the rendering to this file instead of stdout.")] = None,
     junit: JUnit = None,
+    validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: report.json is always validated.")] = False,
 ) -> None:
     def body() -> int:
-        from .artifacts import REPORT, open_run_path, read_json
-        from .errors import ArtifactError, UsageError
-        from .render.markdown import render_markdown
-        from .render.junit import write_junit
-        from .render.text import render_text
+        from .reporting import render_path
 
-        if fmt not in ("txt", "json", "md"):
-            raise UsageError(f"--format must be txt, json or md, got {fmt!r}")
-        with open_run_path(run_dir) as folder:
-            if not (folder / REPORT).is_file():
-                raise ArtifactError(f"{str(run_dir)!r} has no {REPORT}", hint="pass a detllm run folder or pack")
-            rep = read_json(folder / REPORT, "report")
-        if junit is not None:
-            write_junit(rep, junit)
-        render = {"json": lambda r: json.dumps(r, indent=2) + "\n", "md": render_markdown, "txt": render_text}[fmt]
-        typer.echo(render(rep), nl=False)
+        if (run_dir is None) == (report_in is None):
+            raise UsageError("give the report to render once: RUN_DIR or --in", hint="e.g. detllm report artifacts/check-1")
+        check_output_file(out, "--out")
+        check_output_file(junit, "--junit")
+        text = render_path(run_dir or report_in, fmt, out=out, junit=junit)
+        if out is None:
+            typer.echo(text, nl=False)
+        return 0
+
+    guarded(body)
+
+
+@app.command(help="What works on this machine: each backend, the tier it can enforce, and the command that fixes "
+                  "what is missing. Never downloads anything.")
+def doctor(as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False) -> None:
+    def body() -> int:
+        from .doctor import diagnose_machine, render_doctor
+
+        found = diagnose_machine()
+        typer.echo(json.dumps(found, indent=2) if as_json else render_doctor(found), nl=not not as_json)
         return 0
 
     guarded(body)
@@ -280,23 +368,61 @@ def models_export(
 # ------------------------------------------------------------------ diff (docs/causes.md)
 
 @app.command(help="Compare two run folders (or FOLDER::run_N, FOLDER::batch_B, FOLDER::run_N@batch_B selections): "
-                  f"first divergent token, ranked causes with evidence, drift. No engine is imported. {EXIT_HELP}")
+                  f"first divergent token, ranked causes with evidence, drift. No engine is imported.")
 def diff(
-    a: Annotated[str, typer.Argument(metavar="A", help="Left side: FOLDER or FOLDER::run_N@batch_B (default run 0 at its --batch-size).")],
-    b: Annotated[str, typer.Argument(metavar="B", help="Right side, the same way.")],
+    a: Annotated[Optional[str], typer.Argument(metavar="A", help="Left side: FOLDER, FOLDER::run_N@batch_B (default run 0 at its --batch-size) or a trace .jsonl file.")] = None,
+    b: Annotated[Optional[str], typer.Argument(metavar="B", help="Right side, the same way.")] = None,
+    left: Annotated[Optional[str], typer.Option("--left", help="Left side, instead of A (the seed's spelling).")] = None,
+    right: Annotated[Optional[str], typer.Option("--right", help="Right side, instead of B.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write report.json, report.txt, report.md (and diffs/) here.")] = None,
     force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
     tier: Annotated[Optional[int], typer.Option(help="1 tokens, 2 + logprobs and top-k, 3 + across batch sizes (default: the lower recorded tier).")] = None,
     atol: Annotated[float, typer.Option(help="Logprob tolerance at tier >= 2 (0 = bitwise).")] = 0.0,
     junit: JUnit = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG of logprob drift by position (needs matplotlib).")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Also write a self-contained HTML report here.")] = None,
+    validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: every artifact is always validated.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
 ) -> None:
     def body() -> int:
-        from .diff import diff as diff_runs
+        from .tracefiles import diff_any, pick_sides
 
-        outcome = diff_runs(a, b, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
+        left_arg, right_arg = pick_sides(a, b, left, right)
+        check_output_file(html, "--html")
+        outcome = diff_any(left_arg, right_arg, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
+        write_html(outcome, html)
         return emit(outcome, as_json=as_json)  # the library wrote --junit
+
+    guarded(body)
+
+
+# ------------------------------------------------------------------ diagnose / sweep (docs/diagnose.md)
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             help="From a FAIL to the knob that causes it: `detllm diagnose RUN_DIR` (a failing check or diff folder) or "
+                  "`detllm diagnose CHECK-OPTIONS` (runs that check first, into OUT/baseline). Runs real probes, cheapest "
+                  "first, and writes diagnosis.json/.txt/.md. Exit 0 when the diagnosis was written.")
+def diagnose(
+    ctx: typer.Context,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Diagnosis folder (default: a new folder under artifacts/).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an earlier diagnosis in --out.")] = False,
+    budget: Annotated[Optional[str], typer.Option(help="Probe count (12) or time (90s, 5m).")] = None,
+    fresh_repeats: Annotated[int, typer.Option(help="Fresh processes per fresh-process probe and confirmation.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print diagnosis.json instead of the text.")] = False,
+) -> None:
+    def body() -> int:
+        from .diagnose import diagnose as run_diagnosis
+        from .diagnose.render import render_text
+
+        args = list(ctx.args)
+        run_dir = args[0] if len(args) == 1 and not args[0].startswith("-") else None
+        if not args:
+            raise UsageError("diagnose needs a failing run folder or check's options", hint="e.g. detllm diagnose RUN_DIR")
+        say = None if as_json else (lambda text: typer.echo(f"detllm: {text}", err=True))
+        result = run_diagnosis(run_dir=run_dir, check_args=None if run_dir else args, out=out, force=force, budget=budget,
+                               fresh_repeats=fresh_repeats, progress=say)
+        typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"diagnosis folder: {result.out_dir}")
+        return 0
 
     guarded(body)
 
@@ -322,7 +448,7 @@ def verify(
 
 
 @app.command(help=f"Re-run a pack's recorded config and prompts on this machine, then diff against the pack. "
-                  f"Refuses (exit 7) when the local weights differ from the pack's. {EXIT_HELP}")
+                  f"Refuses (exit 7) when the local weights differ from the pack's.")
 def replay(
     pack: Annotated[Path, typer.Argument(help="A sealed run folder or .tar.gz pack (recorded with prompt text).")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the replay (default: a new folder under artifacts/).")] = None,

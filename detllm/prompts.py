@@ -1,15 +1,19 @@
 """Prompt sets: the built-in defaults, prompt files, and filler prompts for batches.
 
 A prompt file is `.jsonl` (one JSON object per line with a "prompt" or "text"
-string) or plain text (one prompt per non-blank line). Read and validated before
-anything runs; a bad file is one UsageError naming the line.
+string, or a bare JSON string) or plain text (one prompt per non-blank line); the
+seed's `--prompt-file` is always JSONL. Prompts may also be given inline (`--prompt`,
+the API's `prompts=[...]`). Read and validated before anything runs; a bad file is
+one UsageError naming the line.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Sequence
 
 from .errors import UsageError
 from .hashing import sha256_text
@@ -38,16 +42,50 @@ class PromptSet:
     texts: tuple[str, ...]
     source: str  # file path or "builtin"
 
-    @property
+    @cached_property  # computed once: the runner reads ids[i] per record (a property made a run quadratic)
     def ids(self) -> tuple[str, ...]:
         return tuple(sha256_text(t) for t in self.texts)
 
-    @property
+    @cached_property
     def sha256(self) -> str:
         return sha256_text("\n".join(self.ids))
 
 
-def load_prompts(path: str | Path | None) -> PromptSet:
+def inline_prompts(texts: Sequence[str]) -> PromptSet:
+    """Prompts given as strings (`--prompt`, `prompts=[...]`)."""
+    texts = tuple(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str) or not t:
+            raise UsageError(f"prompt {i} must be a non-empty string, got {t!r}"[:200])
+    if not texts:
+        raise UsageError("the prompt list is empty", hint="give at least one prompt")
+    return PromptSet(texts, "inline")
+
+
+def resolve_prompts(prompts: "str | Path | Sequence[str] | PromptSet | None" = None, *, texts: Sequence[str] = (),
+                    jsonl_file: str | Path | None = None) -> PromptSet:
+    """One prompt set from the ways a user can give one: a file (`--prompts`, `prompts="f.jsonl"`),
+    a JSONL file (`--prompt-file`), or strings (`--prompt`, `prompts=[...]`). More than one source
+    is a UsageError; none gives the built-in prompts."""
+    if isinstance(prompts, PromptSet) and not texts and jsonl_file is None:
+        return prompts  # already resolved (the CLI resolves before it calls the API)
+    given = [x for x in (prompts, jsonl_file, tuple(texts) or None) if x is not None]
+    if len(given) > 1:
+        raise UsageError("give prompts one way: --prompt, --prompt-file or --prompts")
+    if jsonl_file is not None:
+        return load_prompts(jsonl_file, jsonl=True)
+    if texts:
+        return inline_prompts(texts)
+    if isinstance(prompts, (list, tuple)):
+        return inline_prompts(prompts)
+    if prompts is not None and not isinstance(prompts, (str, Path)):
+        raise UsageError(f"prompts must be a list of strings or a file path, got {type(prompts).__name__}")
+    return load_prompts(prompts)
+
+
+def load_prompts(path: str | Path | None, *, jsonl: bool | None = None) -> PromptSet:
+    """The built-in prompts (no path) or a prompt file; `jsonl` forces (or forbids) JSONL,
+    otherwise the `.jsonl` suffix decides."""
     if path is None:
         return PromptSet(BUILTIN_PROMPTS, "builtin")
     p = Path(path)
@@ -58,7 +96,7 @@ def load_prompts(path: str | Path | None) -> PromptSet:
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"prompt file {str(p)!r} cannot be read as UTF-8 text: {exc.__class__.__name__}") from exc
     texts: list[str] = []
-    if p.suffix == ".jsonl":
+    if jsonl or (jsonl is None and p.suffix == ".jsonl"):
         for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
@@ -66,7 +104,7 @@ def load_prompts(path: str | Path | None) -> PromptSet:
                 obj = json.loads(line)
             except ValueError as exc:
                 raise UsageError(f"prompt file {str(p)!r} line {n}: not valid JSON") from exc
-            text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
+            text = obj if isinstance(obj, str) else obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str) or not text:
                 raise UsageError(f"prompt file {str(p)!r} line {n}: expected an object with a non-empty \"prompt\" string")
             texts.append(text)

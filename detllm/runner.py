@@ -19,7 +19,7 @@ from .backends.registry import create_backend
 from .compare.divergence import run_noise_floor
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
-from .env import collect_env, detllm_version
+from .env import Redaction, collect_env, detllm_version
 from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError, UsageError
 from .hashing import canonical_json, sha256_bytes
 from .integrity import seal
@@ -28,7 +28,7 @@ from .render.markdown import render_markdown
 from .render.text import render_text
 from .signing import Signer, load_signing_key
 
-Progress = Callable[[int, int], None]  # (batches done, batches total)
+Progress = Callable[[int, int, int], None]  # (prompts done, prompts total, tokens generated so far)
 MakeReport = Callable[[list, int, dict], dict]  # (records, effective tier, summary) -> report.json
 
 
@@ -40,6 +40,16 @@ class Outcome:
     @property
     def status(self) -> str:
         return self.report["status"]
+
+    @property
+    def category(self) -> str:
+        """The top cause code, PASS or RECORDED (the seed's report.category)."""
+        return self.report["category"]
+
+    @property
+    def details(self) -> dict[str, Any]:
+        """Everything report.json says beyond status and category (the seed's report.details)."""
+        return {k: v for k, v in self.report.items() if k not in ("schema_version", "artifact_type", "status", "category")}
 
     @property
     def exit_code(self) -> int:
@@ -109,6 +119,7 @@ def execute(
     prompt_set: PromptSet | None = None,
     sign_key: str | Path | None = None,
     make_report: MakeReport | None = None,
+    redaction: Redaction | None = None,
 ) -> Outcome:
     """Run `config` (command "run", "check" or "replay"), write the run folder, return the outcome.
     `prompt_set` replaces the prompt file (replay: the pack's prompts); `make_report` replaces the
@@ -139,7 +150,8 @@ def execute(
         }))
         with backend.determinism(tier=tier, seed=config.seed, threads=config.threads) as applied:
             settings = [a.to_json() for a in applied]
-            artifacts.write_json(out, artifacts.ENV, collect_env(backend.env_info(), torch=backend.uses_torch))
+            artifacts.write_json(out, artifacts.ENV, collect_env(backend.env_info(), torch=backend.uses_torch,
+                                                                       redaction=redaction))
             artifacts.write_json(out, artifacts.APPLIED, artifacts.stamp("determinism_applied", {
                 "backend": config.backend,
                 "tier_requested": config.tier,
@@ -162,8 +174,8 @@ def execute(
 def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Generate every (batch size, run) and stream the trace; returns the records and their chain digests."""
     schedule = [(b, r) for b in config.batch_sizes for r in range(config.runs if b == config.batch_size else 1)]
-    total = sum(len(plan_batches(len(prompts.texts), b)) for b, _ in schedule)
-    done = 0
+    total = len(schedule) * len(prompts.texts)
+    done = tokens = 0
     ids = prompts.ids
     seen: dict[str, int] = {}
     occurrence = []  # per prompt: how many earlier prompts have the same id (the seed rule's key)
@@ -187,9 +199,10 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
                     rec = _record(config, prompts, req.prompt_index, req.input_ids, gen, run, batch_size, pos)
                     writer.write(rec)
                     records.append(rec)
-                done += 1
+                    done += 1
+                    tokens += len(gen.token_ids)
                 if progress:
-                    progress(done, total)
+                    progress(done, total, tokens)
         writer.finish()
     except BaseException:
         writer.abort()

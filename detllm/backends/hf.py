@@ -206,6 +206,18 @@ class HFBackend(Backend):
             for r in range(n)
         ]
 
+    can_score = True
+    score_method = "one forward pass over prompt + generated tokens (transformers)"
+
+    def score(self, input_ids: Sequence[int], target_ids: Sequence[int]) -> list[float]:
+        torch = _torch()
+        seq = torch.tensor([list(input_ids) + list(target_ids)], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0].float()
+        start = len(input_ids) - 1  # logits at position p predict token p + 1
+        logp = torch.log_softmax(logits[start:start + len(target_ids)], dim=-1)
+        return logp.gather(1, torch.tensor(list(target_ids), device=self.device)[:, None])[:, 0].tolist()
+
     @staticmethod
     def _sample(torch, logits, decoding: Decoding, gens) -> Any:
         scores = logits / decoding.temperature

@@ -383,6 +383,18 @@ class LlamaCppBackend(Backend):
                 raise BackendError(f"llama-server's probabilities do not line up with its tokens at token {t}")
         return out
 
+    can_score = True
+    score_method = "one prompt-only /completion per position (prefix processed as a prompt batch, slot 0)"
+
+    def score(self, input_ids: Sequence[int], target_ids: Sequence[int]) -> list[float]:
+        tbytes = self._token_bytes()
+        prefix = list(input_ids)
+        out = []
+        for tok in target_ids:
+            out.append(float(self._rescore(prefix, int(tok), 1, tbytes)["logprob"]))
+            prefix.append(int(tok))
+        return out
+
     def _rescore(self, prefix: list[int], token: int, n_probs: int, tbytes: list[bytes] | None) -> dict[str, Any]:
         """Logprobs of `token` after `prefix` from a 1-token request. A complete ASCII token is
         forced through the sampler (logit_bias) so the server reports the step; the reported

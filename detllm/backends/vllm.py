@@ -374,6 +374,19 @@ class VLLMBackend(Backend):
         tokenizer = llm.get_tokenizer()
         return [self._generation(req, out, tokenizer, n_logprobs, logprobs) for req, out in zip(requests, outputs, strict=True)]
 
+    can_score = True
+    score_method = "prompt_logprobs of prompt + generated tokens (vLLM prefill)"
+
+    def score(self, input_ids: Sequence[int], target_ids: Sequence[int]) -> list[float]:
+        from vllm import SamplingParams
+
+        seq = list(input_ids) + list(target_ids)
+        self._check_fits(len(seq), 1, "the sequence to score")
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        out = self.engine().generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
+        steps = out.prompt_logprobs  # position p: {token: Logprob} of seq[p]; None at p = 0
+        return [float(steps[len(input_ids) + i][t].logprob) for i, t in enumerate(target_ids)]
+
     @staticmethod
     def _generation(req: Request, out: Any, tokenizer: Any, n_logprobs: int, want_logprobs: bool) -> Generation:
         if list(out.prompt_token_ids) != list(req.input_ids):

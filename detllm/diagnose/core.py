@@ -1,0 +1,479 @@
+"""`detllm diagnose`: from a failing check (or diff) to the knob the divergence follows.
+
+Owns the order of events: read the failing folder or run the check, judge it at the tier the
+user asked for, run the probe plan (diagnose/probes.py) in real worker processes within the
+budget, stop once a setting makes the divergence vanish, confirm that setting in fresh
+processes, rank the knobs and write the diagnosis folder. Judging lives in evidence.py,
+rendering in render.py; every probe is a real run on the real engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import artifacts
+from ..config import RunConfig
+from ..env import detllm_version
+from ..errors import ArtifactError, UsageError
+from . import evidence
+from .needle import trial_plan
+from .pool import Pool
+from .probes import LADDER, Probe, plan
+
+DIAGNOSIS = "diagnosis.json"
+OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "prompts.jsonl", "baseline", "probes", "logs")
+DEFAULT_BUDGET = "12"  # probes
+NEEDLE_TRIALS = 6
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Budget:
+    probes: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | int | None) -> "Budget":
+        """`12` (probes), `90s`, `5m`; a bad value is a UsageError."""
+        raw = str(text if text is not None else DEFAULT_BUDGET).strip().lower()
+        try:
+            if raw.endswith("m"):
+                b = cls(seconds=float(raw[:-1]) * 60)
+            elif raw.endswith("s"):
+                b = cls(seconds=float(raw[:-1]))
+            else:
+                b = cls(probes=int(raw))
+        except ValueError as exc:
+            raise UsageError(f"--budget expects a probe count (12) or a time (90s, 5m), got {text!r}") from exc
+        if (b.probes is not None and b.probes < 1) or (b.seconds is not None and b.seconds <= 0):
+            raise UsageError(f"--budget must be positive, got {text!r}")
+        return b
+
+
+@dataclass
+class Diagnosis:
+    out_dir: Path
+    doc: dict[str, Any]
+
+    @property
+    def exit_code(self) -> int:
+        return 0
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / DIAGNOSIS).is_file():
+            raise UsageError(f"--out {str(out)!r} is not empty and is not a diagnosis folder", hint="choose another --out")
+        if not force:
+            raise UsageError(f"--out {str(out)!r} holds an earlier diagnosis", hint="pass --force to replace it")
+
+
+def _prompts_from_records(records: list[dict[str, Any]], where: str) -> list[str]:
+    by_index: dict[int, str] = {}
+    for r in records:
+        if r.get("prompt_text") is None:
+            raise UsageError(f"{where} was recorded without prompt text (--no-prompt-text), so its prompts cannot be re-run",
+                             hint="run diagnose with check's options instead of a folder")
+        by_index[r["prompt_index"]] = r["prompt_text"]
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def read_failing(run_dir: Path) -> tuple[RunConfig, int, list[dict[str, Any]], list[str], dict[str, Any]]:
+    """(config, requested tier, records, prompts, source) of a check or diff folder."""
+    run_dir = Path(run_dir)
+    if artifacts.is_diff_folder(run_dir):
+        rep = artifacts.read_json(run_dir / artifacts.REPORT, "report")
+        left = Path(rep["summary"]["left"]["folder"])
+        if not artifacts.is_detllm_folder(left):
+            raise ArtifactError(f"the diff's left side {str(left)!r} is not a run folder here", hint="diagnose the run folder itself")
+        folder = artifacts.load_run(left)
+        source = {"kind": "diff", "path": str(run_dir), "left": str(left), "status": rep["status"],
+                  "recorded_causes": [c["code"] for c in rep["causes"]]}
+    elif artifacts.is_detllm_folder(run_dir):
+        folder = artifacts.load_run(run_dir)
+        rep = folder.report or {}
+        source = {"kind": "folder", "path": str(run_dir), "status": rep.get("status"), "recorded_causes": [c["code"] for c in rep.get("causes", [])]}
+    else:
+        raise ArtifactError(f"{str(run_dir)!r} is not a detllm run or diff folder", hint="pass the folder a failing check or diff wrote")
+    config = RunConfig.from_json(folder.run_config["config"])
+    tier = folder.applied["tier_requested"]
+    return config, tier, folder.records, _prompts_from_records(folder.records, str(run_dir)), source
+
+
+def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Path:
+    """`python -m detllm check ARGS --out OUT/baseline` in a child process; its usage or backend
+    error becomes ours (same exit code), with nothing left behind."""
+    import subprocess
+    import sys
+
+    from ..errors import EXIT_CODES, ArtifactError, BackendError, BackendUnavailableError, TierUnsupportedError
+
+    if any(a in ("--out", "-o") or a.startswith("--out=") for a in args):
+        raise UsageError("diagnose's --out is the diagnosis folder; the check it runs goes to OUT/baseline")
+    if progress:
+        progress("baseline check: detllm check " + " ".join(args))
+    created = not out.exists()
+    baseline = out / "baseline"
+    proc = subprocess.run([sys.executable, "-m", "detllm", "check", *args, "--out", str(baseline), "--no-progress"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode in (0, 1) and artifacts.is_detllm_folder(baseline):
+        return baseline
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+    elif baseline.is_dir():
+        shutil.rmtree(baseline, ignore_errors=True)
+    line = next((ln for ln in proc.stderr.splitlines() if ln.startswith("detllm: error: ")), proc.stderr.strip()[-300:])
+    err = {2: UsageError, 3: TierUnsupportedError, 4: BackendUnavailableError, 5: ArtifactError}.get(proc.returncode, BackendError)
+    code = proc.returncode if proc.returncode in EXIT_CODES else 8
+    raise err(f"the check to diagnose stopped (exit {code}): {line.removeprefix('detllm: error: ')}")
+
+
+# ------------------------------------------------------------------ probes
+
+
+class _Runner:
+    """Runs probes against a baseline within the budget; keeps the evidence."""
+
+    def __init__(self, pool: Pool, out: Path, base: RunConfig, tier: int, kinds: list[str], baseline: dict[str, Any],
+                 prompts_file: Path, budget: Budget, progress: Progress | None) -> None:
+        self.pool, self.out, self.base, self.tier, self.kinds = pool, out, base, tier, kinds
+        self.baseline, self.prompts, self.budget, self.progress = baseline, str(prompts_file), budget, progress
+        self.started = time.monotonic()
+        self.used = 0
+        self.results: list[dict[str, Any]] = []
+
+    def left(self) -> bool:
+        if self.budget.probes is not None and self.used >= self.budget.probes:
+            return False
+        return self.budget.seconds is None or time.monotonic() - self.started < self.budget.seconds
+
+    def _say(self, text: str) -> None:
+        if self.progress:
+            self.progress(text)
+
+    def _job(self, kind: str, config: RunConfig, name: str, fresh: bool, **extra: Any) -> dict[str, Any]:
+        job = {"kind": kind, "config": config.to_json(), "prompts": self.prompts, "tier": self.tier, **extra}
+        if kind in ("check", "run"):
+            job["out"] = str(self.out / "probes" / _slug(name))
+        return self.pool.fresh(job) if fresh else self.pool.shared().run(job)
+
+    def probe_config(self, probe: Probe) -> RunConfig:
+        cfg = probe.apply(self.base)
+        runs = self.base.runs if "run" in self.kinds else 2
+        return dataclasses.replace(cfg, runs=max(2, runs))
+
+    def run(self, probe: Probe) -> dict[str, Any]:
+        self.used += 1
+        self._say(f"probe {self.used}: {probe.name}")
+        t0 = time.monotonic()
+        entry: dict[str, Any] = {"name": probe.name, "knob": probe.knob, "kind": probe.kind, "setting": probe.setting(),
+                                 "proves": probe.proves, "status": "ran", "outcome": None, "evidence": {}, "folder": None}
+        try:
+            getattr(self, f"_{probe.kind}")(probe, entry)
+        except _ProbeFailed as err:
+            entry["status"], entry["reason"] = "error", str(err)
+        entry["seconds"] = round(time.monotonic() - t0, 2)
+        self.results.append(entry)
+        return entry
+
+    def _judge(self, folder: Path, entry: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+        records = artifacts.load_trace(folder / artifacts.TRACE, validate_records=False)
+        comps = evidence.comparisons(records, tier=self.tier, atol=config.atol, base_batch=config.batch_size, runs=config.runs)
+        sig = evidence.signature(comps)
+        entry["evidence"] = {**sig, "comparisons": comps}
+        entry["folder"] = str(folder.relative_to(self.out))
+        return sig
+
+    def _check(self, probe: Probe, entry: dict[str, Any]) -> None:
+        cfg = self.probe_config(probe)
+        res = self._job("check", cfg, probe.name, probe.fresh)
+        if not res.get("ok"):
+            raise _ProbeFailed(res.get("error", "the probe failed"))
+        sig = self._judge(Path(res["out"]), entry, cfg)
+        entry["outcome"] = evidence.outcome(sig, self.baseline)
+
+    def _ladder(self, probe: Probe, entry: dict[str, Any]) -> None:
+        sizes = tuple(sorted(set(LADDER) | set(self.base.batch_sizes)))
+        cfg = dataclasses.replace(self.base, mode="best-effort", runs=2, batch_size=1, vary_batch=sizes)
+        entry["setting"] = {"vary_batch": list(sizes)}
+        res = self._job("check", cfg, probe.name, False)
+        if not res.get("ok"):
+            raise _ProbeFailed(res.get("error", "the probe failed"))
+        sig = self._judge(Path(res["out"]), entry, cfg)
+        entry["outcome"] = "follows" if sig["diverged_batch_sizes"] else "vanish"
+
+    def _needle(self, probe: Probe, entry: dict[str, Any]) -> None:
+        first = self.baseline.get("first") or {}
+        target = first.get("prompt_index", 0)
+        max_size = max(8, max(self.base.batch_sizes))
+        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, batch_size=1, vary_batch=(max_size,))
+        n_company = len(Path(self.prompts).read_text(encoding="utf-8").splitlines()) - 1 + 8  # other prompts + fillers
+        trials = trial_plan(max(1, n_company), trials=NEEDLE_TRIALS, max_size=max_size, seed=self.base.seed)
+        res = self._job("needle", cfg, probe.name, False, target=target, plan=trials)
+        if not res.get("ok"):
+            raise _ProbeFailed(res.get("error", "the probe failed"))
+        entry["setting"] = {"prompt_index": target, "trials": len(trials), "max_batch": max_size, "seed": self.base.seed}
+        entry["evidence"] = {k: res[k] for k in ("target", "trials", "diverged", "total")}
+        entry["outcome"] = "follows" if res["diverged"] else "vanish"
+
+    def _fresh_process(self, probe: Probe, entry: dict[str, Any], config: RunConfig | None = None, n: int = 3) -> None:
+        cfg = dataclasses.replace(config or self.base, mode="best-effort", runs=1, vary_batch=())
+        folders = []
+        for k in range(n):
+            res = self.pool.fresh({"kind": "run", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
+                                   "out": str(self.out / "probes" / f"{_slug(probe.name)}-{k}")})
+            if not res.get("ok"):
+                raise _ProbeFailed(res.get("error", "the probe failed"))
+            folders.append(Path(res["out"]))
+        from ..compare.engine import compare
+
+        ref = artifacts.load_trace(folders[0] / artifacts.TRACE, validate_records=False)
+        comps = []
+        for k, f in enumerate(folders[1:], 1):
+            other = artifacts.load_trace(f / artifacts.TRACE, validate_records=False)
+            c = compare(ref, other, name=f"process {k} vs process 0", kind="run", left_label=f"process_0", right_label=f"process_{k}",
+                        required=True, check_logprobs=self.tier >= 2, atol=cfg.atol)
+            comps.append(evidence._summary(c, "run", cfg.batch_size))
+        sig = evidence.signature(comps)
+        entry["evidence"] = {**sig, "processes": n, "comparisons": comps}
+        entry["folder"] = str((self.out / "probes").relative_to(self.out))
+        entry["outcome"] = "follows" if sig["diverged"] else "vanish"
+
+    def _prefill(self, probe: Probe, entry: dict[str, Any]) -> None:
+        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, vary_batch=())
+        res = self._job("score", cfg, probe.name, False)
+        if not res.get("ok"):
+            raise _ProbeFailed(res.get("error", "the probe failed"))
+        res.pop("ok", None)
+        res.pop("seconds", None)
+        entry["evidence"] = res
+        if not res.get("available"):
+            entry["status"], entry["reason"] = "skipped", res.get("reason", "")
+        else:
+            entry["outcome"] = "differs" if res["first_differing_position"] is not None else "equal"
+
+    def confirm(self, probe: Probe, repeats: int) -> dict[str, Any] | None:
+        """The passing setting checked in `repeats` fresh processes (each a full check)."""
+        cfg = self.probe_config(probe)
+        passes, ran = 0, 0
+        for k in range(repeats):
+            if not self.left():
+                break
+            self.used += 1
+            self._say(f"confirm {k + 1}/{repeats}: {probe.name}")
+            res = self.pool.fresh({"kind": "check", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
+                                   "out": str(self.out / "probes" / f"confirm-{_slug(probe.name)}-{k}")})
+            if not res.get("ok"):
+                break
+            ran += 1
+            records = artifacts.load_trace(Path(res["out"]) / artifacts.TRACE, validate_records=False)
+            sig = evidence.signature(evidence.comparisons(records, tier=self.tier, atol=cfg.atol, base_batch=cfg.batch_size, runs=cfg.runs))
+            passes += not sig["diverged"]
+        if not ran:
+            return None
+        return {"settings": probe.setting(), "tier": self.tier, "fresh_process_passes": passes, "fresh_process_runs": ran,
+                "summary": f"{_setting_text(probe.setting())}: {'PASS' if passes == ran else 'FAIL'} at tier {self.tier} "
+                           f"in {passes}/{ran} fresh-process checks"}
+
+
+class _ProbeFailed(Exception):
+    pass
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "=-_." else "-" for c in name).strip("-")
+
+
+def _setting_text(setting: dict[str, Any]) -> str:
+    return " and ".join(f"{k}={v}" for k, v in setting.items()) or "the failing settings"
+
+
+# ------------------------------------------------------------------ ranking and conclusion
+
+
+def rank_knobs(results: list[dict[str, Any]], baseline: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per knob: follows (the divergence comes with it), vanishes (setting it removes
+    the divergence), moves (it changes the divergence), not_followed; in that order."""
+    knobs: dict[str, dict[str, Any]] = {}
+    order = {"follows": 0, "vanishes": 1, "moves": 2, "not_followed": 3}
+    base_lp = baseline.get("max_abs_logprob_diff") or 0.0
+    for r in results:
+        if r["status"] != "ran" or r["kind"] == "prefill":
+            continue
+        verdict = {"follows": "follows", "vanish": "vanishes" if r["kind"] == "check" else "not_followed",
+                   "move": "moves", "persist": "not_followed"}[r["outcome"]]
+        k = knobs.setdefault(r["knob"], {"knob": r["knob"], "verdict": verdict, "probes": [], "summary": ""})
+        k["probes"].append(r["name"])
+        if order[verdict] < order[k["verdict"]]:
+            k["verdict"] = verdict
+        k["summary"] = "; ".join(x for x in (k["summary"], _knob_summary(r, base_lp)) if x)
+    ranked = sorted(knobs.values(), key=lambda k: order[k["verdict"]])
+    for i, k in enumerate(ranked, 1):
+        k["rank"] = i
+    return ranked
+
+
+def _knob_summary(r: dict[str, Any], base_lp: float) -> str:
+    ev = r["evidence"]
+    if r["kind"] == "ladder":
+        bad = ev.get("diverged_batch_sizes", [])
+        return (f"batch sizes {', '.join(map(str, bad))} differ from batch 1" if bad else "no batch size differs from batch 1") + _lp(ev)
+    if r["kind"] == "needle":
+        return f"{ev['diverged']}/{ev['total']} random batch placements changed prompt {ev['target']}'s output"
+    if r["kind"] == "fresh_process":
+        return (f"{'outputs differ' if ev['diverged'] else 'outputs equal'} across {ev['processes']} fresh processes") + _lp(ev)
+    word = {"vanish": "divergence vanishes", "move": "divergence moves", "persist": "divergence persists"}[r["outcome"]]
+    return f"{r['name']}: {word}" + _lp(ev) + (f" (was {base_lp:.3g})" if r["outcome"] != "vanish" and base_lp else "")
+
+
+def _lp(ev: dict[str, Any]) -> str:
+    lp = ev.get("max_abs_logprob_diff")
+    first = ev.get("first")
+    where = f", first at prompt {first['prompt_index']} token {first['token_index']}" if first else ""
+    return (f"; max |dlogprob| {lp:.3g}" if lp else "") + where
+
+
+def conclusion(knobs: list[dict[str, Any]], passing: dict[str, Any] | None, kinds: list[str]) -> str:
+    follows = [k for k in knobs if k["verdict"] == "follows"]
+    vanish = [k for k in knobs if k["verdict"] == "vanishes"]
+    parts = []
+    if follows:
+        parts.append("The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + ".")
+    if passing:
+        parts.append(f"Minimal passing setting: {passing['summary']}.")
+    elif vanish:
+        parts.append("It vanishes with " + ", ".join(k["probes"][0] for k in vanish) + " (not confirmed in fresh processes).")
+    else:
+        tried = [k["probes"][0] for k in knobs if k["verdict"] in ("moves", "not_followed") and k["knob"] not in ("batch composition", "process")]
+        parts.append("Nothing isolates it: no setting tried" + (f" ({', '.join(tried)})" if tried else "") + " makes it vanish.")
+        if "batch" in kinds:
+            parts.append("The only workaround left is to serve one request at a time (batch size 1).")
+    return " ".join(parts)
+
+
+# ------------------------------------------------------------------ the command
+
+
+def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = None, prompts: str | Path | None = None,
+             out: str | Path | None = None, force: bool = False, budget: str | int | None = None, fresh_repeats: int = 3,
+             progress: Progress | None = None, check_args: list[str] | None = None) -> Diagnosis:
+    """Diagnose a failing check folder or diff folder (`run_dir`), or run the check `config`
+    first; write diagnosis.json/.txt/.md under `out` and return it."""
+    from .render import render_markdown, render_text
+
+    if sum(x is not None for x in (config, run_dir, check_args)) != 1:
+        raise UsageError("diagnose takes a failing run folder or check's options, not both")
+    limits = Budget.parse(budget)
+    if fresh_repeats < 2:
+        raise UsageError(f"--fresh-repeats must be at least 2, got {fresh_repeats}")
+    out = Path(out) if out is not None else artifacts.default_out_dir("diagnose")
+    _check_out(out, force)
+    if check_args is not None:  # the CLI: run `detllm check ARGS` as the user would, then diagnose its folder
+        run_dir = _run_check_cli(list(check_args), out, progress)
+    if run_dir is not None:
+        base, tier, records, texts, source = read_failing(Path(run_dir))
+        if check_args is not None:
+            source["kind"] = "check"
+    else:
+        config.validate(command="check")
+        from ..prompts import load_prompts
+
+        texts = list(load_prompts(prompts).texts)  # a bad prompt file is refused before anything is written
+        base, tier, records, source = config, config.tier, None, {"kind": "check", "path": None, "status": None, "recorded_causes": []}
+    for name in OWNED:
+        if name == "baseline" and check_args is not None:
+            continue  # the check diagnose just ran
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    prompts_file = out / "prompts.jsonl"
+    artifacts.atomic_write_text(prompts_file, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts))
+    t0 = time.monotonic()
+    with Pool(out / "logs") as pool:
+        if records is None:
+            if progress:
+                progress("baseline check")
+            res = pool.shared().run({"kind": "check", "config": dataclasses.replace(base, mode="best-effort").to_json(),
+                                     "prompts": str(prompts_file), "tier": tier, "out": str(out / "baseline")})
+            if not res.get("ok"):
+                from ..errors import BackendError
+
+                raise BackendError(f"the baseline check failed: {res.get('error')}")
+            source.update(status=res["status"], path=str(out / "baseline"))
+            rep = artifacts.read_json(out / "baseline" / artifacts.REPORT, "report")
+            source["recorded_causes"] = [c["code"] for c in rep["causes"]]
+            records = artifacts.load_trace(out / "baseline" / artifacts.TRACE, validate_records=False)
+        comps = evidence.comparisons(records, tier=tier, atol=base.atol, base_batch=base.batch_size, runs=base.runs)
+        baseline = {**evidence.signature(comps), "comparisons": comps}
+        runner = _Runner(pool, out, base, tier, baseline["kinds"], baseline, prompts_file, limits, progress)
+        probes, skipped = plan(base, baseline["kinds"], tier=tier, fresh_repeats=fresh_repeats) if baseline["diverged"] else ([], [])
+        passing = None
+        not_run: list[dict[str, str]] = []
+        isolated_by: Probe | None = None
+        for probe in probes:
+            if isolated_by is not None and probe.kind in ("check", "fresh_process"):
+                not_run.append({"name": probe.name, "reason": f"skipped: the cause is isolated ({isolated_by.name} makes it vanish)"})
+                continue
+            if not runner.left():
+                not_run.append({"name": probe.name, "reason": "skipped: the --budget is spent"})
+                continue
+            got = runner.run(probe)
+            if probe.kind == "check" and got["outcome"] == "vanish":
+                isolated_by = probe
+        if baseline["diverged"] and isolated_by is None:
+            moved = [p for p in probes if p.kind == "check" and any(r["name"] == p.name and r["outcome"] == "move" for r in runner.results)]
+            if len(moved) >= 2 and runner.left():  # no single knob: try the ones that changed it, together
+                combo = Probe(" + ".join(p.name for p in moved), " + ".join(p.knob for p in moved), "check",
+                              "whether the knobs that each changed the divergence remove it together", 0,
+                              threads=next((p.threads for p in moved if p.threads is not None), None),
+                              dtype=next((p.dtype for p in moved if p.dtype), None),
+                              options={k: v for p in moved for k, v in p.options.items()}, fresh=any(p.fresh for p in moved))
+                if runner.run(combo)["outcome"] == "vanish":
+                    isolated_by = combo
+        if isolated_by is not None:
+            passing = runner.confirm(isolated_by, fresh_repeats)
+        prefill = None
+        if baseline["diverged"] and runner.left():
+            got = runner.run(Probe("prefill vs decode", "prefill/decode path", "prefill",
+                                   "whether scoring the generated sequence as a prompt gives the logprobs seen while decoding", 1.0))
+            prefill = {"status": got["status"], "reason": got.get("reason"), **got["evidence"]}
+    knobs = rank_knobs(runner.results, baseline)
+    doc = artifacts.stamp("diagnosis", {
+        "detllm_version": detllm_version(),
+        "created_at": artifacts.utc_now(),
+        "source": source,
+        "backend": base.backend,
+        "model": base.model,
+        "config": base.to_json(),
+        "tier_requested": tier,
+        "baseline": baseline,
+        "budget": {"probes": limits.probes, "seconds": limits.seconds, "probes_used": runner.used,
+                   "seconds_used": round(time.monotonic() - t0, 2), "exhausted": not runner.left()},
+        "probes": runner.results,
+        "not_run": not_run,
+        "skipped_knobs": skipped,
+        "knobs": knobs,
+        "passing_settings": passing,
+        "prefill_vs_decode": prefill,
+        "isolated": isolated_by is not None,
+        "conclusion": conclusion(knobs, passing, baseline["kinds"]) if baseline["diverged"]
+        else f"Nothing to diagnose: the check passes at tier {tier} (every comparison agreed).",
+    })
+    artifacts.write_json(out, DIAGNOSIS, doc)
+    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
+    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
+    return Diagnosis(out, doc)

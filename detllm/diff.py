@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from . import artifacts
-from .compare.causes import Side, explain
+from .compare.causes import Notes, Side, explain
 from .compare.divergence import applied_dtype, run_noise_floor
-from .compare.engine import compare, label
+from .compare.engine import compare, label, report_magnitude
 from .compare.trace import load_records
 from .config import check_atol
 from .errors import ArtifactError, UsageError
@@ -184,10 +184,12 @@ def diff_report(left: Side, right: Side, *, atol: float = 0.0, tier: int | None 
     floor = max(floors) if floors else None  # the noisier side decides what counts as a tie
     # logprobs across batch sizes are only promised at tier 3, as in check
     logprobs = effective >= 3 or (effective == 2 and left.batch_size == right.batch_size)
+    sampled = any(s.run_config["config"]["decoding"].get("temperature", 0.0) > 0 for s in (left, right))
     comp = compare(left.records, right.records, name=f"{left.label} vs {right.label}", kind="diff",
                    left_label=left.label, right_label=right.label, required=True,
-                   check_logprobs=logprobs, atol=atol, noise_floor=floor)
-    causes, info = explain(comp, left, right)
+                   check_logprobs=logprobs, atol=atol, noise_floor=floor, sampled=sampled)
+    notes = Notes()
+    causes, info = explain(comp, left, right, notes)
     failed = comp["status"] == "FAIL"
     report = artifacts.stamp("report", {
         "command": "diff",
@@ -205,6 +207,9 @@ def diff_report(left: Side, right: Side, *, atol: float = 0.0, tier: int | None 
             "atol": atol,
             "noise_floor": floor,
         },
+        "magnitude": report_magnitude([comp]),
+        "not_compared": notes.not_compared,
+        "inert_differences": notes.inert,
     })
     return report  # validated when written (artifacts.write_json); tests validate the rest
 

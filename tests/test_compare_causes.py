@@ -90,7 +90,7 @@ def test_run_variance_within_one_folder(fake_runs):
     assert (r["category"], codes(r["causes"])) == ("RUN_VARIANCE", ["RUN_VARIANCE"])
     ev = r["causes"][0]["evidence"]
     assert ev["recorded_differences"].startswith("none") and ev["prompts_diverged"] == 1
-    assert ev["first"] == {"prompt_index": 1, "token_index": 2, "kind": "token", "near_tie": False}
+    assert ev["first"] == {"prompt_index": 1, "token_index": 2, "kind": "token", "near_tie": False, "magnitude": "confident_flip"}
     assert r["info"] == []
 
 

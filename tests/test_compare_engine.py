@@ -49,8 +49,12 @@ def test_token_divergence_reports_both_sides_logprobs_of_both_tokens():
     assert (d["right"]["token_id"], d["right"]["logprob"], d["right"]["other_logprob"]) == (8, -0.55, -0.58)
     assert d["left"]["margin"] == pytest.approx(0.1) and d["right"]["margin"] == pytest.approx(0.03)
     assert d["left"]["top_logprobs"] == tops_a[1] and d["right"]["top_logprobs"] == tops_b[1]
-    assert d["near_tie"] is True, "the right margin 0.03 is below the floor 0.05"
-    assert div(a, b, noise_floor=0.01)["near_tie"] is False
+    # the gap between the two competing tokens, on each side: left 0.1, right 0.03
+    assert d["magnitude"]["gap"]["left"] == pytest.approx(0.1) and d["magnitude"]["gap"]["right"] == pytest.approx(0.03)
+    assert d["magnitude"]["label"] == "confident_flip" and d["near_tie"] is False, "the left gap 0.1 is above the floor 0.05"
+    assert div(a, b, noise_floor=0.2)["magnitude"]["label"] == "tie_flip", "both gaps below the floor"
+    assert div(a, b, noise_floor=0.2)["near_tie"] is True
+    assert div(a, b, noise_floor=None)["magnitude"]["label"] == "unclassified"
 
 
 def test_length_divergence_when_one_side_stops():

@@ -3,12 +3,23 @@ say whether it was a numeric tie.
 
 Pure functions over trace records (dicts as written to trace.jsonl): no backend, no
 torch. A divergence says where (generated-token index), what (both tokens, their
-text, each side's logprob of both tokens, top-k and margin) and how close it was.
+text, each side's logprob of both tokens, top-k and margin) and how big it was: its
+`magnitude` (tie flip, confident flip, sampled step, tokens equal but logprobs differ),
+judged against the noise floor of what actually ran (docs/causes.md#magnitude).
+
+One NaN rule for check (records in memory) and diff (records read back): a non-finite
+logprob is what the sanitised record holds on disk, null; null equals null and differs
+from any number.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+# magnitude labels, most severe first (docs/causes.md#magnitude)
+LABELS = ("confident_flip", "tie_flip", "sampled_step", "tokens_equal_logprobs_differ", "input_ids", "length",
+          "unclassified", "identical")
 
 # Margin (top-1 minus top-2 logprob, nats) below which a flipped top token is within
 # the rounding noise of the dtype (docs/causes.md#noise-floors). Low-precision floors
@@ -45,13 +56,21 @@ def applied_dtype(applied_settings: list[dict[str, Any]]) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def finite(x: Any) -> float | None:
+    """The value as the sanitised record holds it: None for null, NaN and +-inf."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
 def _top(rec: dict[str, Any], i: int) -> list[list[Any]] | None:
     tops = rec.get("top_logprobs")
     return tops[i] if tops is not None and i < len(tops) else None
 
 
 def _margin(top: list[list[Any]] | None) -> float | None:
-    if not top or len(top) < 2 or top[0][1] is None or top[1][1] is None:
+    if not top or len(top) < 2 or finite(top[0][1]) is None or finite(top[1][1]) is None:
         return None
     return float(top[0][1]) - float(top[1][1])
 
@@ -59,7 +78,7 @@ def _margin(top: list[list[Any]] | None) -> float | None:
 def _lookup(top: list[list[Any]] | None, token_id: int | None) -> float | None:
     if top is None or token_id is None:
         return None
-    return next((lp for tid, lp in top if tid == token_id), None)
+    return finite(next((lp for tid, lp in top if tid == token_id), None))
 
 
 def side(rec: dict[str, Any], i: int, label: str, other_token: int | None) -> dict[str, Any]:
@@ -80,21 +99,39 @@ def side(rec: dict[str, Any], i: int, label: str, other_token: int | None) -> di
 def _abs(x: Any, y: Any) -> float:
     if x == y:
         return 0.0
+    x, y = finite(x), finite(y)
     if x is None or y is None:
-        return float("inf")
-    return abs(float(x) - float(y))
+        return 0.0 if x is y else float("inf")
+    return abs(x - y)
 
 
-def _topk_diff(ta: list[list[Any]] | None, tb: list[list[Any]] | None) -> float:
-    """Largest |logprob difference| over the top-k ids; inf when the ids differ."""
+def _topk_diff(ta: list[list[Any]] | None, tb: list[list[Any]] | None, atol: float = 0.0) -> float:
+    """Largest |logprob difference| over the top-k ids. Sides that recorded a different k
+    compare their common top-min(k). Ids in one side's top-k only: inf when bitwise
+    (atol 0); with atol > 0 such an id is fine when its value is within atol of the other
+    side's k-th value (a boundary swap: it may sit just below the other's cut)."""
     if ta == tb:
         return 0.0
     if ta is None or tb is None:
         return float("inf")
-    da, db = dict((t[0], t[1]) for t in ta), dict((t[0], t[1]) for t in tb)
-    if da.keys() != db.keys():
+    k = min(len(ta), len(tb))
+    ta, tb = ta[:k], tb[:k]
+    if ta == tb:
+        return 0.0
+    da, db = {t[0]: finite(t[1]) for t in ta}, {t[0]: finite(t[1]) for t in tb}
+    common = da.keys() & db.keys()
+    d = max((_abs(da[i], db[i]) for i in common), default=0.0)
+    if len(common) == len(da) == len(db):
+        return d
+    if atol <= 0:
         return float("inf")
-    return max(_abs(da[k], db[k]) for k in da)
+    for mine, other in ((da, db), (db, da)):
+        kth = min((v for v in other.values() if v is not None), default=None)
+        for i in mine.keys() - other.keys():
+            if mine[i] is None or kth is None:
+                return float("inf")
+            d = max(d, mine[i] - kth)  # it would sit at or below the other's k-th value: the gap is at least this
+    return d
 
 
 def _logprob_step(left: dict[str, Any], right: dict[str, Any], stop: int, atol: float) -> tuple[int, float] | None:
@@ -108,10 +145,57 @@ def _logprob_step(left: dict[str, Any], right: dict[str, Any], stop: int, atol: 
         d = _abs(la[i], lb[i])
         top_a, top_b = (ta[i] if i < len(ta) else None), (tb[i] if i < len(tb) else None)
         if top_a != top_b:
-            d = max(d, _topk_diff(top_a, top_b))
+            d = max(d, _topk_diff(top_a, top_b, atol))
         if d > atol:
             return i, d
     return None
+
+
+def _gap(s: dict[str, Any]) -> tuple[float | None, bool]:
+    """(this side's logprob of its own token minus its logprob of the other side's token,
+    whether that is a lower bound: the other token was below its top-k)."""
+    own = finite(s["logprob"])
+    if own is None:
+        own = _lookup(s["top_logprobs"], s["token_id"])
+    if own is None:
+        return None, False
+    if s["other_logprob"] is not None:
+        return own - s["other_logprob"], False
+    vals = [v for v in (finite(t[1]) for t in s["top_logprobs"] or []) if v is not None]
+    return (own - min(vals), True) if vals else (None, False)
+
+
+def magnitude(ls: dict[str, Any], rs: dict[str, Any], *, floor: float | None, sampled: bool) -> dict[str, Any]:
+    """How big a token divergence at one step is. Greedy: each side's gap between the two
+    competing tokens (its own minus the other side's token); a tie flip when both gaps are
+    below the noise floor (any reordering of a sum can flip it), a confident flip when
+    one is not. Sampled: the argmax margin means nothing; the two sampled tokens'
+    probabilities on each side, and whether their log-ratio moved by more than the floor."""
+    (gl, bl), (gr, br) = _gap(ls), _gap(rs)
+    out: dict[str, Any] = {"gap": {"left": gl, "right": gr}, "gap_is_lower_bound": {"left": bl, "right": br},
+                           "noise_floor": floor}
+    known = gl is not None and gr is not None and not bl and not br
+    if known:
+        out["shift"] = gl + gr  # how far the log-ratio of the two tokens moved between the sides
+    if sampled:
+        probs = {}
+        for name, s in (("left", ls), ("right", rs)):
+            own = finite(s["logprob"])
+            probs[name] = {"own": None if own is None else math.exp(own),
+                           "other": None if s["other_logprob"] is None else math.exp(s["other_logprob"])}
+        out.update(label="sampled_step", sampled=True, probabilities=probs)
+        if known and floor is not None:
+            out["distribution_moved"] = abs(gl + gr) > floor
+        return out
+    if gl is None or gr is None:
+        return {**out, "label": "unclassified", "why": "no logprobs for the two tokens"}
+    if floor is None:
+        return {**out, "label": "unclassified", "why": "noise floor unknown (dtype in effect not recorded)"}
+    if gl >= floor or gr >= floor:  # a lower bound at or above the floor is enough
+        return {**out, "label": "confident_flip"}
+    if bl or br:
+        return {**out, "label": "unclassified", "why": "the other side's token is below a top-k: its gap is only bounded"}
+    return {**out, "label": "tie_flip"}
 
 
 def _first_difference(a: list[Any] | None, b: list[Any] | None) -> int | None:
@@ -138,8 +222,11 @@ def first_divergence(
     check_logprobs: bool,
     atol: float = 0.0,
     noise_floor: float | None = None,
+    sampled: bool = False,
 ) -> dict[str, Any] | None:
-    """The earliest point where two records of the same prompt differ, or None."""
+    """The earliest point where two records of the same prompt differ, or None.
+    `sampled`: the tokens were sampled (temperature > 0), so a flip is judged from the
+    two sampled tokens' probabilities, not an argmax margin."""
     base = {"comparison": comparison, "prompt_index": left["prompt_index"], "prompt_id": left["prompt_id"],
             "noise_floor": noise_floor}
     if left["input_ids_sha256"] != right["input_ids_sha256"]:
@@ -150,6 +237,7 @@ def first_divergence(
             "right": side(right, len(right["token_ids"]), right_label, None),
             "near_tie": False, "logprob_abs_diff": None,
             "input_ids": {"left": la, "right": lb, "first_difference": _first_difference(la, lb)},
+            "magnitude": {"label": "input_ids", "noise_floor": noise_floor},
         }
     a, b = left["token_ids"], right["token_ids"]
     tok_i = first_token_difference(a, b)
@@ -163,7 +251,7 @@ def first_divergence(
         return None
     ls = side(left, i, left_label, b[i] if i < len(b) else None)
     rs = side(right, i, right_label, a[i] if i < len(a) else None)
-    margins = [m for m in (ls["margin"], rs["margin"]) if m is not None]
+    mag = _classify(left, right, kind, i, tok_i, ls, rs, diff, noise_floor, sampled, left_label, right_label)
     return {
         **base,
         "kind": kind,
@@ -171,6 +259,24 @@ def first_divergence(
         "common_prefix_text": "".join(left["token_texts"][:i]),
         "left": ls,
         "right": rs,
-        "near_tie": kind == "token" and noise_floor is not None and bool(margins) and min(margins) < noise_floor,
+        "near_tie": mag["label"] == "tie_flip",
         "logprob_abs_diff": None if diff is None or diff == float("inf") else diff,
+        "magnitude": mag,
     }
+
+
+def _classify(left, right, kind, i, tok_i, ls, rs, diff, floor, sampled, left_label, right_label) -> dict[str, Any]:
+    """The divergence's magnitude. A logprob divergence followed by a token flip in the same
+    prompt is classified by that flip (its step in `token_index`); without one, the tokens are
+    equal and only the logprobs differ."""
+    a, b = left["token_ids"], right["token_ids"]
+    if kind == "length":
+        return {"label": "length", "token_index": i, "noise_floor": floor}
+    if kind == "logprob" and (tok_i is None or tok_i >= min(len(a), len(b))):
+        return {"label": "tokens_equal_logprobs_differ", "token_index": i, "noise_floor": floor,
+                "abs_diff": None if diff is None or diff == float("inf") else diff,
+                "within_noise": diff is not None and floor is not None and diff <= floor}
+    if kind == "logprob":
+        ls = side(left, tok_i, left_label, b[tok_i])
+        rs = side(right, tok_i, right_label, a[tok_i])
+    return {**magnitude(ls, rs, floor=floor, sampled=sampled), "token_index": tok_i if kind == "logprob" else i}

@@ -7,10 +7,12 @@ byte-identical (compare/trace.py) are settled without parsing them.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from .divergence import first_divergence, first_token_difference
+from .divergence import LABELS, finite, first_divergence, first_token_difference
+from .divergence import _abs as abs_diff
 from .divergence import noise_floor as dtype_noise_floor
 from .trace import payload_shape, same_output
 
@@ -49,13 +51,32 @@ def align(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> tuple[list
 # ------------------------------------------------------------------ drift
 
 
-def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[dict[str, Any], list[float], int] | None:
-    """Drift of one aligned prompt over the steps both sides generated from the same
-    context: (per-prompt metrics, |dlogprob| per step, steps with top-k on both sides),
-    or None without logprobs.
+def _kl_topk(ta: list[list[Any]], tb: list[list[Any]]) -> float | None:
+    """KL(left || right) of one step's top-k distributions: the left's top-k ids, each side
+    renormalised over them; an id below the right's top-k takes the right's k-th logprob
+    (an upper bound). None when a value is missing."""
+    db = {t[0]: finite(t[1]) for t in tb}
+    kth = min((v for v in db.values() if v is not None), default=None)
+    p, q = [], []
+    for tid, lp in ta:
+        x, y = finite(lp), db.get(tid, kth)
+        if x is None or y is None:
+            return None
+        p.append(x)
+        q.append(y)
+    if not p:
+        return None
+    zp, zq = math.log(sum(math.exp(x) for x in p)), math.log(sum(math.exp(y) for y in q))
+    return max(0.0, sum(math.exp(x - zp) * ((x - zp) - (y - zq)) for x, y in zip(p, q)))
 
-    max |dlogprob| covers steps where both chose the same token; top-k overlap and
-    argmax flips also cover the first divergent step, whose context is still shared."""
+
+def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[dict[str, Any], list[float], int, list[float]] | None:
+    """Drift of one aligned prompt over the steps both sides generated from the same
+    context: (per-prompt metrics, |dlogprob| per step, steps with top-k on both sides,
+    KL per top-k step), or None without logprobs.
+
+    max |dlogprob| covers steps where both chose the same token; top-k overlap, argmax
+    flips and KL also cover the first divergent step, whose context is still shared."""
     if identical:
         shape = payload_shape(a)  # type: ignore[arg-type]
         if shape is not None:
@@ -63,8 +84,8 @@ def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[
             if not has_lp:
                 return None
             return ({"prompt_index": a["prompt_index"], "steps": n, "max_abs_logprob_diff": 0.0,
-                     "mean_topk_overlap": 1.0 if has_top and n else None, "argmax_flips": 0}, [0.0] * n,
-                    n if has_top else 0)
+                     "mean_topk_overlap": 1.0 if has_top and n else None, "argmax_flips": 0, "tokens_equal": True},
+                    [], n if has_top else 0, [])
     la, lb = a.get("logprobs"), b.get("logprobs")
     if la is None or lb is None or a["input_ids_sha256"] != b["input_ids_sha256"]:
         return None
@@ -72,54 +93,109 @@ def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[
     tok = first_token_difference(ia, ib)
     same = min(len(la), len(lb), len(ia) if tok is None else tok)
     shared = same + 1 if tok is not None and tok < min(len(ia), len(ib)) else same
-    per_step = [0.0 if x == y else (abs(float(x) - float(y)) if x is not None and y is not None else float("inf"))
-                for x, y in zip(la[:same], lb[:same])]
+    per_step = [0.0 if x == y else abs_diff(x, y) for x, y in zip(la[:same], lb[:same])]
     ta, tb = a.get("top_logprobs") or [], b.get("top_logprobs") or []
-    overlap, counted, flips = 0.0, 0, 0
+    overlap, counted, flips, kls = 0.0, 0, 0, []
     for i in range(min(shared, len(ta), len(tb))):
         if ta[i] and tb[i]:
             ids_a, ids_b = [t[0] for t in ta[i]], [t[0] for t in tb[i]]
             overlap += len(set(ids_a) & set(ids_b)) / max(len(ids_a), len(ids_b))
             counted += 1
             flips += ids_a[0] != ids_b[0]
-    finite = [d for d in per_step if d != float("inf")]
-    return ({"prompt_index": a["prompt_index"], "steps": shared, "max_abs_logprob_diff": max(finite, default=0.0),
-             "mean_topk_overlap": overlap / counted if counted else None, "argmax_flips": flips}, per_step, counted)
+            kl = 0.0 if ta[i] == tb[i] else _kl_topk(ta[i], tb[i])
+            if kl is not None:
+                kls.append(kl)
+    finite_steps = [d for d in per_step if d != float("inf")]
+    equal = tok is None
+    return ({"prompt_index": a["prompt_index"], "steps": shared, "max_abs_logprob_diff": max(finite_steps, default=0.0),
+             "mean_topk_overlap": overlap / counted if counted else None, "argmax_flips": flips, "tokens_equal": equal},
+            per_step, counted, kls)
+
+
+def _percentile(nonzero: list[float], zeros: int, q: float) -> float:
+    """Nearest-rank percentile of `zeros` zeros plus the sorted `nonzero` values."""
+    n = zeros + len(nonzero)
+    rank = max(1, math.ceil(q / 100.0 * n))
+    return 0.0 if rank <= zeros else nonzero[rank - zeros - 1]
+
+
+def _quarters(by_position: list[float]) -> list[dict[str, Any]]:
+    """How a drift grows: the largest |dlogprob| in each quarter of the generated positions."""
+    n = len(by_position)
+    cuts = sorted({0, *(round(n * k / 4) for k in (1, 2, 3)), n})
+    return [{"from": lo, "to": hi - 1, "max_abs_logprob_diff": max(by_position[lo:hi])} for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
 
 
 def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None) -> dict[str, Any]:
     """Logprob drift over aligned steps up to each prompt's first token divergence:
-    per prompt, overall, and the largest |dlogprob| at each generated-token position.
-    `identical` holds the indexes (into pairs) of byte-identical pairs."""
+    per prompt, overall, and the largest |dlogprob| at each generated-token position;
+    distribution measures (same top-1 share, KL of the top-k distributions, percentiles of
+    |dlogprob|); and the prompts whose tokens are all equal while their logprobs differ.
+    `identical` holds the indexes (into pairs) of byte-identical pairs: they add zeros
+    without being walked."""
     identical = identical or set()
     per_prompt, by_position = [], []
-    overlap_sum, overlap_n = 0.0, 0
+    overlap_sum, overlap_n, kl_sum, kl_n, kl_max = 0.0, 0, 0.0, 0, 0.0
+    nonzero: list[float] = []
+    zeros = 0
+    equal_drift: list[tuple[dict[str, Any], list[float]]] = []  # tokens equal, logprobs differ
     for k, (a, b) in enumerate(pairs):
         got = _pair_drift(a, b, k in identical)
         if got is None:
             continue
-        p, per_step, counted = got
+        p, per_step, counted, kls = got
         per_prompt.append(p)
-        if len(by_position) < len(per_step):
-            by_position.extend([0.0] * (len(per_step) - len(by_position)))
+        n_steps = p["steps"] if k in identical else len(per_step)  # an identical pair's steps are all zeros
+        if len(by_position) < n_steps:
+            by_position.extend([0.0] * (n_steps - len(by_position)))
         if p["max_abs_logprob_diff"] > 0.0:  # else every step is 0.0 and changes no maximum
             for i, d in enumerate(per_step):
                 if d > by_position[i] and d != float("inf"):
                     by_position[i] = d
+            found = [d for d in per_step if d != 0.0 and d != float("inf")]
+            nonzero += found
+            zeros += len(per_step) - len(found)
+            if p["tokens_equal"]:
+                equal_drift.append((p, per_step))
+        else:
+            zeros += n_steps
         if counted:
             overlap_sum += p["mean_topk_overlap"] * counted
             overlap_n += counted
+            kl_n += counted if k in identical else len(kls)
+            kl_sum += sum(kls)
+            kl_max = max(kl_max, max(kls, default=0.0))
     if not per_prompt:
         return {"available": False}
+    nonzero.sort()
+    flips = sum(p["argmax_flips"] for p in per_prompt)
     return {
         "available": True,
         "steps": sum(p["steps"] for p in per_prompt),
         "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p in per_prompt),
         "mean_topk_overlap": overlap_sum / overlap_n if overlap_n else None,
-        "argmax_flips": sum(p["argmax_flips"] for p in per_prompt),
+        "argmax_flips": flips,
+        "same_top1_share": (overlap_n - flips) / overlap_n if overlap_n else None,
+        "kl_topk": {"mean": kl_sum / kl_n, "max": kl_max} if kl_n else None,
+        "abs_logprob_diff_percentiles": ({"p50": _percentile(nonzero, zeros, 50), "p90": _percentile(nonzero, zeros, 90),
+                                          "p99": _percentile(nonzero, zeros, 99)} if zeros + len(nonzero) else None),
         "per_prompt": per_prompt,
         "max_abs_logprob_diff_by_position": by_position,
+        "tokens_equal_logprobs_differ": _equal_drift(equal_drift),
     }
+
+
+def _equal_drift(found: list[tuple[dict[str, Any], list[float]]]) -> dict[str, Any] | None:
+    """"Tokens equal, logprobs differ": how many prompts, how large, where it starts, how it grows."""
+    if not found:
+        return None
+    starts = [(next(i for i, d in enumerate(steps) if d != 0.0), p["prompt_index"]) for p, steps in found]
+    first_step, first_prompt = min(starts)
+    width = max(len(steps) for _, steps in found)
+    by_pos = [max((steps[i] for _, steps in found if i < len(steps) and steps[i] != float("inf")), default=0.0)
+              for i in range(width)]
+    return {"prompts": len(found), "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p, _ in found),
+            "first": {"prompt_index": first_prompt, "token_index": first_step}, "growth": _quarters(by_pos)}
 
 
 # ------------------------------------------------------------------ comparison
@@ -138,9 +214,11 @@ def compare(
     atol: float = 0.0,
     noise_floor: float | None = None,
     dtype: str | None = None,
+    sampled: bool = False,
 ) -> dict[str, Any]:
     """A `comparison` object (schemas/report.schema.json#/$defs/comparison).
-    `dtype` is shorthand for noise_floor=divergence.noise_floor(dtype)."""
+    `dtype` is shorthand for noise_floor=divergence.noise_floor(dtype); `sampled`: the
+    tokens were sampled (temperature > 0), which changes how a flip is judged."""
     if noise_floor is None and dtype is not None:
         noise_floor = dtype_noise_floor(dtype)
     pairs, left_only, right_only = align(left, right)
@@ -151,11 +229,13 @@ def compare(
             identical.add(k)
             continue
         d = first_divergence(a, b, comparison=name, left_label=left_label, right_label=right_label,
-                             check_logprobs=check_logprobs, atol=atol, noise_floor=noise_floor)
+                             check_logprobs=check_logprobs, atol=atol, noise_floor=noise_floor, sampled=sampled)
         if d is not None:
             divs.append(d)
     divs.sort(key=lambda d: (d["prompt_index"], d["token_index"]))
     diverged = bool(divs) or bool(left_only) or bool(right_only)
+    moved = [(a, b) for a, b in pairs if a["prompt_index"] != b["prompt_index"]]
+    dr = drift(pairs, identical)
     return {
         "name": name,
         "kind": kind,
@@ -174,5 +254,39 @@ def compare(
             "left_only": [r["prompt_index"] for r in left_only],
             "right_only": [r["prompt_index"] for r in right_only],
         },
-        "drift": drift(pairs, identical),
+        # aligned prompts at different positions in the two prompt sets (alignment is by content)
+        "prompts_moved": {"count": len(moved), "examples": [
+            {"prompt_id": a["prompt_id"], "left_index": a["prompt_index"], "right_index": b["prompt_index"]} for a, b in moved[:5]]},
+        "magnitude": comparison_magnitude(divs, dr),
+        "drift": dr,
     }
+
+
+def comparison_magnitude(divs: list[dict[str, Any]], dr: dict[str, Any]) -> dict[str, Any]:
+    """The comparison's magnitude label (its first divergence's, or tokens_equal_logprobs_differ
+    when only the logprobs moved, or identical) and how many divergences carry each label."""
+    counts: dict[str, int] = defaultdict(int)
+    for d in divs:
+        counts[d["magnitude"]["label"]] += 1
+    if divs:
+        label = divs[0]["magnitude"]["label"]
+    elif dr.get("available") and (dr.get("tokens_equal_logprobs_differ") or dr.get("max_abs_logprob_diff")):
+        label = "tokens_equal_logprobs_differ"
+    else:
+        label = "identical"
+    return {"label": label, "counts": dict(counts)}
+
+
+def report_magnitude(comps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A report's magnitude: the label of its first failing comparison (else of the most severe
+    comparison), and the labels' counts over every comparison."""
+    counts: dict[str, int] = defaultdict(int)
+    for c in comps:
+        for k, n in c["magnitude"]["counts"].items():
+            counts[k] += n
+    failing = [c for c in comps if c["status"] == "FAIL"]
+    if failing:
+        label = failing[0]["magnitude"]["label"]
+    else:
+        label = min((c["magnitude"]["label"] for c in comps), key=LABELS.index, default="identical")
+    return {"label": label, "counts": dict(counts)}

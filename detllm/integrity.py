@@ -31,6 +31,7 @@ SEAL_FILES = (MANIFEST, SIG)  # never listed in the manifest itself
 CHAIN = "detllm-trace-chain/1"
 GENESIS_TAG = b"detllm-trace-chain/1 genesis\x00"  # 29 bytes
 RECORD_TAG = b"detllm-trace-chain/1 record\x00"  # 28 bytes
+UNHASHED = hashlib.sha256(b"detllm: not hashed (remote)").digest()  # genesis input for a null model digest
 LOCATOR_HEX = 16  # hex digits of each h_i kept in the manifest to name the first broken line
 _CHUNK = 1 << 20  # 1 MiB reads
 
@@ -39,10 +40,13 @@ _CHUNK = 1 << 20  # 1 MiB reads
 
 
 def genesis(run_config: bytes, env: bytes) -> bytes:
-    """h_0 = SHA256(GENESIS_TAG || SHA256(run_config.json) || SHA256(env.json) || weights || tokenizer)."""
+    """h_0 = SHA256(GENESIS_TAG || SHA256(run_config.json) || SHA256(env.json) || weights || tokenizer).
+    A digest recorded as null (a remote server's weights, "weights not hashed: remote") enters as
+    UNHASHED, 32 bytes that no sha256 of real files is known to produce."""
     try:
         model = json.loads(run_config)["model"]
-        ident = bytes.fromhex(model["weights_sha256"]) + bytes.fromhex(model["tokenizer_sha256"])
+        ident = b"".join(UNHASHED if model[k] is None and model.get("remote") else bytes.fromhex(model[k])
+                         for k in ("weights_sha256", "tokenizer_sha256"))
     except (ValueError, KeyError, TypeError) as exc:
         raise ArtifactError(f"{RUN_CONFIG}: cannot read the model identity the chain starts from") from exc
     if len(ident) != 64:

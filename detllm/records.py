@@ -17,6 +17,7 @@ from .schema_io import READABLE_SCHEMA_VERSIONS, load_schema
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TRACE_KEYS = frozenset(load_schema("trace_record")["required"])
+_OPTIONAL_KEYS = frozenset(load_schema("trace_record")["properties"]) - _TRACE_KEYS  # evidence (served backends)
 
 
 def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> str | None:
@@ -27,8 +28,11 @@ def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> st
     if type(rec) is not dict:
         return "expected a JSON object"
     if rec.keys() != _TRACE_KEYS:
-        missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS)
-        return f"missing {missing}" if missing else f"unexpected {extra}"
+        missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS - _OPTIONAL_KEYS)
+        if missing or extra:
+            return f"missing {missing}" if missing else f"unexpected {extra}"
+        if "evidence" in rec and type(rec["evidence"]) is not dict:
+            return "evidence is not an object"
     if type(rec["schema_version"]) is not str or rec["schema_version"] not in READABLE_SCHEMA_VERSIONS:
         return f"schema_version is not one of {list(READABLE_SCHEMA_VERSIONS)}"
     if rec["artifact_type"] != "trace_record" or type(rec["artifact_type"]) is not str:
@@ -47,8 +51,8 @@ def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> st
         return "finish_reason is not 'length' or 'stop'"
     for key, nullable in (("input_ids", True), ("token_ids", False)):
         v = rec[key]
-        if key not in prechecked and not ((nullable and v is None) or (type(v) is list and _ints(v))):
-            return f"{key} is not a list of integers >= 0" + (" or null" if nullable else "")
+        if key not in prechecked and not ((nullable and v is None) or (type(v) is list and (_ints(v) or (not nullable and _ids(v))))):
+            return f"{key} is not a list of integers >= 0" + (" or null" if nullable else " (or token strings)")
     texts = rec["token_texts"]
     if "token_texts" not in prechecked and (type(texts) is not list or not _types(texts) <= {str}):
         return "token_texts is not a list of strings"
@@ -57,7 +61,7 @@ def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> st
         return "logprobs is not a list of numbers or nulls, or null"
     tops = rec["top_logprobs"]
     if "top_logprobs" not in prechecked and tops is not None and not _tops(tops):
-        return "top_logprobs is not a list of [[token_id >= 0, logprob or null], ...] per step, or null"
+        return "top_logprobs is not a list of [[token_id >= 0 or token string, logprob or null], ...] per step, or null"
     return None
 
 
@@ -93,4 +97,11 @@ def _tops(tops: Any) -> bool:
     pairs = list(chain.from_iterable(tops))
     if not _types(pairs) <= {list} or not set(map(len, pairs)) <= {2}:
         return False
-    return _ints(list(map(itemgetter(0), pairs))) and _nums(list(map(itemgetter(1), pairs)))
+    return _ids(list(map(itemgetter(0), pairs))) and _nums(list(map(itemgetter(1), pairs)))
+
+
+def _ids(xs: list) -> bool:
+    """Token ids >= 0, or token strings where a served model gives no ids (each element either)."""
+    if _types(xs) <= {str}:
+        return True
+    return _ints(xs) or all(type(x) is str or _int(x, 0) for x in xs)

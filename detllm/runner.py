@@ -89,7 +89,7 @@ def plan_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
 
 def _record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[int], gen, run: int, batch: int, pos: int) -> dict[str, Any]:
     keep = config.record_prompt_text
-    return artifacts.stamp("trace_record", {
+    rec = artifacts.stamp("trace_record", {
         "run_index": run,
         "batch_size": batch,
         "batch_position": pos,
@@ -105,6 +105,9 @@ def _record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[int], g
         "top_logprobs": [[[t, lp] for t, lp in step] for step in gen.top_logprobs] if gen.top_logprobs is not None else None,
         "finish_reason": gen.finish_reason,
     })
+    if gen.evidence is not None:  # served backends: what the server reported about this request and its batch
+        rec["evidence"] = gen.evidence
+    return rec
 
 
 def execute(

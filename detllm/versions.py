@@ -40,6 +40,18 @@ REDEFINED: tuple[Change, ...] = (
 )
 
 
+# Fields that gained new values in a version while every old value keeps its meaning. Not a
+# redefinition (a version-1 value compares with a version-2 value as before), listed so readers
+# of old folders know what a new folder may hold.
+EXTENDED: tuple[Change, ...] = (
+    Change("run_config.model.weights_sha256", "may be null, with model.remote saying why (backend openai: weights not "
+           "hashed, remote); two nulls are unknown, never equal; the trace chain's genesis then takes integrity.UNHASHED "
+           "in place of the digest (tokenizer_sha256 likewise)", "2"),
+    Change("trace_record.token_ids", "may hold token strings (a served model that gives no ids; evidence.tokens_as says "
+           "which), top_logprobs pairs [token string, logprob]; a record may carry an evidence object", "2"),
+)
+
+
 def changes_between(left: str, right: str) -> list[Change]:
     """Every redefinition that lies between two schema versions (either order)."""
     lo, hi = sorted((int(left), int(right)))
@@ -56,4 +68,4 @@ def is_redefined(field: str, left: str, right: str) -> bool:
     return any(field == p or field.startswith(p + ".") or field.startswith(p + "[") for p in redefined_prefixes(left, right))
 
 
-__all__ = ["CURRENT", "Change", "READABLE", "REDEFINED", "changes_between", "is_redefined", "redefined_prefixes"]
+__all__ = ["CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "changes_between", "is_redefined", "redefined_prefixes"]

@@ -48,6 +48,7 @@ class Generation:
     finish_reason: str  # "length" or "stop"
     logprobs: list[float] | None = None  # log p(chosen token) from the raw (unscaled) logits
     top_logprobs: list[list[tuple[int, float]]] | None = None  # top-k (id, logprob), best first
+    evidence: dict[str, Any] | None = None  # what the engine reported about this request (served backends), traced as-is
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,17 @@ class ModelIdentity:
     revision: str | None
     format: str  # safetensors, pytorch, gguf, fake
     weights: tuple[WeightFile, ...]
-    weights_sha256: str  # sha256 over the sorted (file, sha256) list
-    tokenizer_sha256: str  # sha256 over the tokenizer files' contents, not their paths
+    weights_sha256: str | None  # sha256 over the sorted (file, sha256) list; None: not hashed (a remote server's weights)
+    tokenizer_sha256: str | None  # sha256 over the tokenizer files' contents, not their paths; None: not hashed (remote)
     quantization: str | None = None  # e.g. Q4_1 for a GGUF file
     config_sha256: str | None = None  # sha256 over config.json + generation_config.json (None: inside the weights file, as in GGUF)
+    remote: str | None = None  # why the digests are None ("weights not hashed: remote ..."); omitted from run_config when None
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["weights"] = [dataclasses.asdict(w) for w in self.weights]
+        if self.remote is None:
+            del d["remote"]
         return d
 
 

@@ -16,6 +16,7 @@ BACKENDS: dict[str, str] = {
     "hf": "detllm.backends.hf:HFBackend",
     "vllm": "detllm.backends.vllm:VLLMBackend",
     "llamacpp": "detllm.backends.llamacpp:LlamaCppBackend",
+    "openai": "detllm.backends.openai:OpenAIBackend",
     "fake": "detllm.backends.fake:FakeBackend",
 }
 

@@ -65,7 +65,14 @@ def cause_summary(cause: dict[str, Any]) -> str:
         what = f"batch size {sizes['left']} vs {sizes['right']}" if sizes else f"batch sizes {ev['batch_sizes']}"
         if ev.get("composition_changed"):
             what += f"; {ev['composition_changed']} prompt(s) sat in a different batch"
+        for side, sb in (ev.get("server_batching") or {}).items():  # backend openai: the server's own account
+            if sb:
+                what += (f"; {side}: {sb['in_flight']} request(s) in flight, the server computed up to "
+                         f"{sb['server_busy_max'] if sb['server_busy_max'] is not None else '?'} at once ({sb['source'] or 'not reported'})")
         return what + where
+    if code == "CACHE_VARIANCE":
+        sides = ", ".join(f"{k} {v.get('side')} ({v.get('cached_prompt_tokens', '?')} cached tokens)" for k, v in ev.get("sides", {}).items())
+        return f"prefix cache: {sides}" + where
     return "same model, tokenizer, prompts, config, engine, environment and batch" + where
 
 

@@ -1,0 +1,454 @@
+"""`openai`: drive any OpenAI-compatible server (vLLM serve, SGLang, llama-server, TGI, Ollama,
+a hosted endpoint) over HTTP, as a client. A batch of N requests is N requests in flight at once,
+so the server's own scheduler batches them; what it reports about that batch is recorded.
+
+Owns the request bodies (completions or chat, decoding knobs per server kind, the seed rule),
+reading logprobs and token ids out of the answers, server and model identity, the capability
+probe, and the cold/warm/after-prefix sequence of the cache probe. HTTP, concurrency, retries and
+error translation live in backends/openai_load.py; the cache probe's verdict in openai_cache.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ..config import Decoding, RunConfig
+from ..errors import UsageError
+from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
+from .openai_load import Endpoint, Reply
+
+KINDS = ("auto", "llamacpp", "vllm", "sglang", "generic")
+PROMPT_AS = ("auto", "text", "ids")
+REMOTE = "weights not hashed: remote"
+_TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids spelling
+_SECRET_URL = re.compile(r"://[^/@\s]+@")
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    base_url: str | None = None  # the server's OpenAI root, e.g. http://127.0.0.1:8080/v1 (--base-url)
+    api_key_env: str | None = None  # NAME of the environment variable holding the key (--api-key-env); the key is never recorded
+    chat: bool = False  # /v1/chat/completions with one user message (--chat); else /v1/completions
+    prompt_as: str = "auto"  # auto: token ids where the server has /tokenize, else text; or force text / ids
+    server: str = "auto"  # server kind for its extra knobs (top_k, ignore_eos, token ids, cache reset); auto: detected
+    request_timeout: float = 300.0  # seconds one request may take
+    connect_timeout: float = 10.0  # seconds to open a connection
+    retries: int = 2  # resends of a request the server did not take (connection refused, 429, 503), recorded
+    sample_interval: float = 0.02  # seconds between /slots or /metrics samples while a batch is in flight
+    cache_probe: bool = False  # each prompt cold, then warm, then after a shared-prefix prompt (check --cache-probe)
+
+
+@dataclass
+class _Step:
+    token: str
+    id: int | None
+    logprob: float | None
+    top: list[tuple[str, int | None, float | None]]
+
+
+class OpenAIBackend(Backend):
+    name = "openai"
+    uses_torch = False
+    Options = OpenAIOptions
+
+    def __init__(self, model: str, options: OpenAIOptions, *, threads: int | None = None) -> None:
+        _validate(options)
+        self.options = o = options
+        self.model = model
+        self.threads = threads
+        key = None
+        if o.api_key_env:
+            key = os.environ.get(o.api_key_env)
+            if not key:
+                raise UsageError(f"--api-key-env names {o.api_key_env!r}, which is not set or empty",
+                                 hint=f"export {o.api_key_env}=... before running")
+        self.endpoint = Endpoint(o.base_url or "", api_key=key, timeout=o.request_timeout,
+                                 connect_timeout=o.connect_timeout, retries=o.retries)
+        self.kind = o.server if o.server != "auto" else self._detect()
+        self.served = self._check_model()
+        self.path = "/chat/completions" if o.chat else "/completions"
+        self.prompt_as = "chat" if o.chat else self._prompt_as()
+        self.has_logprobs, self.ids_known, self.probe_note = self._probe()
+        self._stash: dict[tuple[str, int], list[Generation]] = {}  # cache probe: warm answers waiting for their run
+        self._sent_knobs: dict[str, Any] = {}
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "OpenAIBackend":
+        opts = parse_options(OpenAIOptions, config.options, "openai")
+        if config.decoding.top_k and opts.server == "generic":
+            raise UsageError("--top-k is not part of the OpenAI API and this server was declared generic",
+                             hint="drop --top-k, or pass --opt server=vllm|sglang|llamacpp")
+        return cls(config.model, opts, threads=config.threads)
+
+    # -- discovery, before anything is written --
+
+    def _detect(self) -> str:
+        status, props, _ = self.endpoint.get("/props", root=True)
+        if status == 200 and isinstance(props, dict) and ("build_info" in props or "total_slots" in props):
+            return "llamacpp"
+        status, info, _ = self.endpoint.get("/get_server_info", root=True)
+        if status == 200 and isinstance(info, dict):
+            return "sglang"
+        status, ver, _ = self.endpoint.get("/version", root=True)
+        if status == 200 and isinstance(ver, dict) and "version" in ver:
+            return "vllm"
+        return "generic"
+
+    def _check_model(self) -> list[str]:
+        """The names the server lists; a model it does not list is refused here (a server that
+        serves one model, like llama-server, would otherwise answer for any name)."""
+        status, doc, _ = self.endpoint.get("/models", timeout=self.options.connect_timeout + 5)
+        if status == 0:
+            raise self.endpoint.unreachable(_safe_url(self.endpoint.url("/models")), doc)
+        if status in (401, 403):
+            from .openai_load import http_error
+
+            raise http_error(self.endpoint.url("/models"), status, doc)
+        names = [str(m.get("id")) for m in (doc or {}).get("data", []) if isinstance(m, dict)] if status == 200 and isinstance(doc, dict) else []
+        aliases = set(names) | {n.rsplit("/", 1)[-1] for n in names}
+        if names and self.model not in aliases:
+            raise UsageError(f"the server at {_safe_url(self.endpoint.base_url)} does not serve model {self.model!r}",
+                             hint=f"it serves: {', '.join(names[:10])}")
+        self._models_doc = doc if status == 200 else None
+        return names
+
+    def _prompt_as(self) -> str:
+        if self.options.prompt_as == "text":
+            return "text"
+        ids = self._tokenize("probe") if self.kind in ("llamacpp", "vllm", "sglang") else None
+        if ids is None and self.options.prompt_as == "ids":
+            raise UsageError("--opt prompt_as=ids needs a server with a /tokenize endpoint (llama-server, vLLM, SGLang)")
+        return "ids" if ids is not None else "text"
+
+    def _probe(self) -> tuple[bool, bool, str]:
+        """One 1-token request with logprobs: does the server answer, and with logprobs and ids?"""
+        req = Request(0, tuple(self._tokenize("Hello") or ()) if self.prompt_as == "ids" else (), "Hello", "probe")
+        body = self._body(req, Decoding(max_new_tokens=1), seed=0, n_logprobs=1, logprobs=True)
+        from ..errors import UsageError as _Usage
+
+        try:
+            reply = self.endpoint.post(self.path, body, what="the capability probe")
+        except _Usage as exc:
+            if "logprob" not in exc.message.lower():
+                raise
+            self.endpoint.post(self.path, self._body(req, Decoding(max_new_tokens=1), seed=0, n_logprobs=1, logprobs=False),
+                               what="the capability probe")
+            return False, False, f"the server rejected logprobs: {exc.message}"
+        steps = _steps(_choice(reply.doc).get("logprobs"))
+        if not steps:
+            return False, False, "the server answered without logprobs"
+        ids = all(s.id is not None for s in steps) and all(t[1] is not None for s in steps for t in s.top)
+        return True, ids, ""
+
+    def _tokenize(self, text: str, *, special: bool = True) -> list[int] | None:
+        if self.kind == "llamacpp":
+            status, doc = self.endpoint.try_post("/tokenize", {"content": text, "add_special": special, "parse_special": special}, root=True)
+        elif self.kind in ("vllm", "sglang"):
+            status, doc = self.endpoint.try_post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": special}, root=True)
+        else:
+            return None
+        if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("tokens"), list):
+            return None
+        toks = doc["tokens"]
+        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in toks]
+
+    # -- Backend interface --
+
+    def capabilities(self) -> Capabilities:
+        notes = ["a served engine's batch invariance cannot be enforced by a client; --concurrency measures it"]
+        if not self.has_logprobs:
+            notes.insert(0, self.probe_note + ": tier 2 needs per-token logprobs")
+        return Capabilities(max_tier=2 if self.has_logprobs else 1, logprobs=self.has_logprobs, sampling=True,
+                            batch_invariant=False, notes=tuple(notes))
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.prompt_as != "ids":
+            return []  # the server tokenizes text (or renders chat messages) itself; nothing to record
+        ids = self._tokenize(text)
+        if ids is None:
+            raise UsageError(f"the server stopped tokenizing at {_safe_url(self.endpoint.root)}/tokenize", hint="pass --opt prompt_as=text")
+        return ids
+
+    def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
+        want = logprobs and self.has_logprobs
+        if self.options.cache_probe:
+            return [self._probe_one(r, decoding, seed, n_logprobs, want) for r in requests]
+        bodies = [self._body(r, decoding, seed=seed, n_logprobs=n_logprobs, logprobs=want and not r.is_filler, filler=r.is_filler)
+                  for r in requests]
+        replies, ev = self.endpoint.send_batch(self.path, bodies, sample=self._sample_source(), interval=self.options.sample_interval)
+        batch = ev.to_json(len(requests))
+        return [self._generation(r, rep, b, want, batch) for r, rep, b in zip(requests, replies, bodies)]
+
+    def model_identity(self) -> ModelIdentity:
+        path = None
+        if self.kind == "llamacpp":
+            _, props, _ = self.endpoint.get("/props", root=True)
+            path = props.get("model_path") if isinstance(props, dict) else None
+        elif isinstance(self._models_doc, dict):
+            for m in self._models_doc.get("data", []):
+                if isinstance(m, dict) and self.model in (m.get("id"), str(m.get("id", "")).rsplit("/", 1)[-1]):
+                    path = m.get("root") if isinstance(m.get("root"), str) else None
+        return ModelIdentity(id=self.model, path=path, revision=None, format="remote", weights=(), weights_sha256=None,
+                             tokenizer_sha256=None, quantization=None, config_sha256=None,
+                             remote=f"{REMOTE} (served by {self.kind} at {_safe_url(self.endpoint.base_url)})")
+
+    @contextmanager
+    def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
+        self.endpoint.running = True  # from here a refused connection means the server went away mid-run
+        knobs = self._knobs(Decoding(), filler=False)
+        yield [
+            Applied("seed", seed, True, "request_seed(seed, request) & 0x7FFFFFFF per request",
+                    "sent as `seed`; whether the server honours it shows only in repeats (a repeat that differs at temperature 0 "
+                    "and concurrency 1 is reported as RUN_VARIANCE)"),
+            Applied("threads", threads, threads is None, None, "a server's threads are set where it is started, not by its clients"),
+            Applied("server_knobs", None, True, knobs, f"sent with every request to this {self.kind} server"),
+            Applied("prompt_as", self.options.prompt_as, True, self.prompt_as,
+                    {"ids": "prompts posted as token ids from the server's /tokenize", "text": "prompts posted as text",
+                     "chat": "chat messages: the server renders the prompt; the rendered prompt is not visible"}[self.prompt_as]),
+            Applied("token_ids", None, self.ids_known, "ids" if self.ids_known else "strings",
+                    "token ids from the server" if self.ids_known else "the server gives token strings only: traces hold token strings"),
+            Applied("prefix_cache", None, True, self._cache_state(), "as the server is configured"
+                    + ("; cold side of --cache-probe: " + self._reset_how() if self.options.cache_probe else "")),
+            Applied("retries", self.options.retries, True, self.options.retries,
+                    "only for requests the server did not take (connect refused, 429, 503); each record's evidence counts them"),
+        ]
+
+    def env_info(self) -> dict[str, Any]:
+        e = self.endpoint
+        info: dict[str, Any] = {"name": self.name, "server": self.kind, "base_url": _safe_url(e.base_url),
+                                "api_key_env": self.options.api_key_env}
+        _, models, headers = e.get("/models")
+        info["models"] = [{k: m.get(k) for k in ("id", "root", "owned_by", "max_model_len") if k in m}
+                          for m in (models or {}).get("data", []) if isinstance(m, dict)] if isinstance(models, dict) else None
+        info["headers"] = {k: v for k, v in (headers or {}).items() if k.lower() in ("server", "x-powered-by", "openai-version")}
+        if self.kind == "llamacpp":
+            _, props, _ = e.get("/props", root=True)
+            if isinstance(props, dict):
+                tmpl = props.get("chat_template")
+                info["props"] = {"build_info": props.get("build_info"), "model_path": props.get("model_path"),
+                                 "total_slots": props.get("total_slots"),
+                                 "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
+                                 "chat_template_sha256": hashlib.sha256(tmpl.encode()).hexdigest() if isinstance(tmpl, str) else None}
+        for path in ("/version", "/get_server_info", "/info", "/api/version"):
+            status, doc, _ = e.get(path, root=True)
+            if status == 200 and isinstance(doc, dict):
+                info[path.strip("/").replace("/", "_")] = {k: v for k, v in doc.items() if isinstance(v, (str, int, float, bool))}
+        status, metrics, _ = e.get("/metrics", root=True)
+        if status == 200 and isinstance(metrics, str):
+            info["metrics_info"] = sorted({ln.split(" ")[0] for ln in metrics.splitlines() if "_info{" in ln and not ln.startswith("#")})[:20]
+        return info
+
+    # -- requests --
+
+    def _body(self, req: Request, decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool, filler: bool = False,
+              cache: bool | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": decoding.max_new_tokens, "temperature": decoding.temperature,
+                                "top_p": decoding.top_p, "seed": request_seed(seed, req) & 0x7FFFFFFF, "n": 1, "stream": False}
+        if self.options.chat:
+            body["messages"] = [{"role": "user", "content": req.text}]
+            if logprobs:
+                body["logprobs"], body["top_logprobs"] = True, n_logprobs
+        else:
+            body["prompt"] = list(req.input_ids) if self.prompt_as == "ids" and req.input_ids else req.text
+            if logprobs:
+                body["logprobs"] = n_logprobs
+        body.update(self._knobs(decoding, filler=filler, cache=cache))
+        return body
+
+    def _knobs(self, decoding: Decoding, *, filler: bool, cache: bool | None = None) -> dict[str, Any]:
+        """Server-specific settings sent explicitly, so that nothing runs on a hidden default
+        (llama-server samples with top_k 40, min_p 0.05 and repeat_penalty 1.1 unless told)."""
+        k: dict[str, Any] = {}
+        if self.kind == "llamacpp":
+            k = {"top_k": decoding.top_k, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "return_tokens": True}
+            if cache is not None:
+                k["cache_prompt"] = cache
+        elif self.kind in ("vllm", "sglang"):
+            k = {"top_k": decoding.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0}
+            if self.kind == "vllm":
+                k["return_tokens_as_token_ids"] = True
+        elif decoding.top_k:
+            k = {"top_k": decoding.top_k}
+        if filler and self.kind != "generic":
+            k["ignore_eos"] = True  # a filler keeps its slot busy for the whole generation
+        return k
+
+    def _sample_source(self) -> str | None:
+        return {"llamacpp": "/slots", "vllm": "/metrics", "sglang": "/metrics"}.get(self.kind)
+
+    def _cache_state(self) -> Any:
+        if self.kind == "llamacpp":
+            _, props, _ = self.endpoint.get("/props", root=True)
+            dgs = (props or {}).get("default_generation_settings", {}) if isinstance(props, dict) else {}
+            params = dgs.get("params", dgs)
+            return {"cache_prompt": params.get("cache_prompt", "server default")}
+        return "server default (not visible to a client)"
+
+    def _reset_how(self) -> str:
+        return {"llamacpp": "cache_prompt:false on slot 0", "vllm": "POST /reset_prefix_cache (needs --enable-dev-mode... see docs)",
+                "sglang": "POST /flush_cache"}.get(self.kind, "no reset: the first request of each prompt is taken as cold")
+
+    # -- answers --
+
+    def _generation(self, req: Request, reply: Reply, body: dict[str, Any], want: bool, batch: dict[str, Any] | None,
+                    extra: dict[str, Any] | None = None) -> Generation:
+        choice = _choice(reply.doc)
+        text = (choice.get("message") or {}).get("content") or "" if self.options.chat else choice.get("text") or ""
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        steps = _steps(choice.get("logprobs")) if want else None
+        ev: dict[str, Any] = {"route": self.path, "prompt_as": self.prompt_as, "seed": body["seed"], "retries": reply.retries,
+                              "timing_ms": [round(reply.started_ms, 1), round(reply.finished_ms, 1)]}
+        if batch is not None:
+            ev["server_batch"] = batch
+        usage = reply.doc.get("usage") if isinstance(reply.doc, dict) else None
+        cached = _cached_tokens(reply.doc)
+        if cached is not None:
+            ev["cached_prompt_tokens"] = cached
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            ev["prompt_tokens"] = usage["prompt_tokens"]
+        if isinstance(reply.doc, dict) and reply.doc.get("system_fingerprint"):
+            ev["system_fingerprint"] = str(reply.doc["system_fingerprint"])
+        ev.update(extra or {})
+        if steps:
+            use_ids = all(s.id is not None for s in steps) and all(t[1] is not None for s in steps for t in s.top)
+            ev["tokens_as"] = "ids" if use_ids else "strings"
+            ids: list[Any] = [s.id if use_ids else s.token for s in steps]
+            tops = [[(t[1] if use_ids else t[0], t[2]) for t in s.top] for s in steps]
+            return Generation(ids, [s.token for s in steps], text, finish, [s.logprob for s in steps], tops, evidence=ev)
+        retok = self._tokenize(text, special=False) if text and self.kind != "generic" else None
+        ev["tokens_as"] = "retokenized text" if retok is not None else "whole text"
+        ids = retok if retok is not None else ([text] if text else [])
+        return Generation(ids, [] if retok is None else [""] * len(retok), text, finish, evidence=ev)
+
+    # -- cache probe: cold, warm, after a shared-prefix prompt, in a row --
+
+    def _probe_one(self, req: Request, decoding: Decoding, seed: int, n: int, want: bool) -> Generation:
+        key = (req.prompt_id, req.occurrence)
+        if self._stash.get(key):
+            return self._stash[key].pop(0)
+        if key in self._stash:  # runs past the third: warm again
+            return self._single(req, decoding, seed, n, want, cache=True, side="warm")
+        cold = self._single(req, decoding, seed, n, want, cache=False, side="cold")
+        warm = self._single(req, decoding, seed, n, want, cache=True, side="warm")
+        text = req.text + " and then, a little later, the story went on"
+        ids = tuple(self.tokenize(text)) if self.prompt_as == "ids" else ()
+        shared = Request(-1, ids, text, "prefix:" + req.prompt_id)
+        self._single(shared, decoding, seed, n, False, cache=True, side="shared_prefix")
+        after = self._single(req, decoding, seed, n, want, cache=True, side="after_shared_prefix")
+        self._stash[key] = [warm, after]
+        return cold
+
+    def _single(self, req: Request, decoding: Decoding, seed: int, n: int, want: bool, *, cache: bool, side: str) -> Generation:
+        extra: dict[str, Any] = {"cache": {"side": side}}
+        if not cache:
+            reset = {"vllm": "/reset_prefix_cache", "sglang": "/flush_cache"}.get(self.kind)
+            if reset:
+                status, _ = self.endpoint.try_post(reset, None, root=True)
+                extra["cache"]["reset"] = f"POST {reset}: HTTP {status}" if status else f"POST {reset}: unreachable"
+            elif self.kind == "llamacpp":
+                extra["cache"]["reset"] = "cache_prompt:false"
+            else:
+                extra["cache"]["reset"] = "none available: first request of the prompt"
+        body = self._body(req, decoding, seed=seed, n_logprobs=n, logprobs=want,
+                          cache=cache if self.kind == "llamacpp" else None)
+        if self.kind == "llamacpp":
+            body["id_slot"] = 0  # cold and warm on one slot: its KV cache is what warm reuses
+        replies, _ = self.endpoint.send_batch(self.path, [body], sample=None, interval=1.0)
+        return self._generation(req, replies[0], body, want, None, extra)
+
+
+# ------------------------------------------------------------------ parsing answers
+
+
+def _choice(doc: Any) -> dict[str, Any]:
+    try:
+        choice = doc["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        from ..errors import BackendError
+
+        raise BackendError(f"the server's answer has no choices: {str(doc)[:200]}") from None
+    return choice if isinstance(choice, dict) else {}
+
+
+def _tok(token: Any, ident: Any) -> tuple[str, int | None]:
+    """(text, id): an explicit id wins; vLLM's 'token_id:N' strings carry one."""
+    text = str(token) if token is not None else ""
+    if isinstance(ident, int) and ident >= 0:
+        return text, ident
+    m = _TOKEN_ID.match(text)
+    return (text, int(m.group(1))) if m else (text, None)
+
+
+def _steps(lp: Any) -> list[_Step] | None:
+    """Per-token steps from either OpenAI logprobs format: chat's {"content": [...]} (llama-server
+    uses it on /v1/completions too, with ids) or completions' {"tokens", "token_logprobs", "top_logprobs"}."""
+    if not isinstance(lp, dict):
+        return None
+    out: list[_Step] = []
+    if isinstance(lp.get("content"), list):
+        for e in lp["content"]:
+            tok, tid = _tok(e.get("token"), e.get("id"))
+            top = [(*_tok(t.get("token"), t.get("id")), _f(t.get("logprob"))) for t in e.get("top_logprobs") or []]
+            out.append(_Step(tok, tid, _f(e.get("logprob")), top))
+        return out
+    tokens = lp.get("tokens")
+    if isinstance(tokens, list):
+        lps = lp.get("token_logprobs") or [None] * len(tokens)
+        tops = lp.get("top_logprobs") or [None] * len(tokens)
+        for tok, l, top in zip(tokens, lps, tops):
+            t, tid = _tok(tok, None)
+            pairs = sorted(((*_tok(k, None), _f(v)) for k, v in (top or {}).items()), key=lambda x: -(x[2] if x[2] is not None else -1e30))
+            out.append(_Step(t, tid, _f(l), pairs))
+        return out
+    return None
+
+
+def _f(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def _cached_tokens(doc: Any) -> int | None:
+    """Prompt tokens the server reused from its cache: OpenAI usage.prompt_tokens_details.cached_tokens,
+    or llama-server's timings.cache_n."""
+    if not isinstance(doc, dict):
+        return None
+    details = (doc.get("usage") or {}).get("prompt_tokens_details") if isinstance(doc.get("usage"), dict) else None
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    timings = doc.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        return timings["cache_n"]
+    return None
+
+
+def _safe_url(url: str) -> str:
+    """A URL without user:password@ and without a query string (tokens travel there)."""
+    return _SECRET_URL.sub("://<redacted>@", url.split("?", 1)[0])
+
+
+def _validate(o: OpenAIOptions) -> None:
+    if not o.base_url:
+        raise UsageError("the openai backend needs --base-url, e.g. http://127.0.0.1:8080/v1")
+    if not re.match(r"^https?://[^/\s]+", o.base_url):
+        raise UsageError(f"--base-url must be an http:// or https:// URL, got {_safe_url(o.base_url)!r}")
+    if o.server not in KINDS:
+        raise UsageError(f"--opt server must be one of {', '.join(KINDS)}, got {o.server!r}")
+    if o.prompt_as not in PROMPT_AS:
+        raise UsageError(f"--opt prompt_as must be one of {', '.join(PROMPT_AS)}, got {o.prompt_as!r}")
+    if o.chat and o.prompt_as == "ids":
+        raise UsageError("--chat sends messages: --opt prompt_as=ids does not apply")
+    if o.request_timeout <= 0 or o.connect_timeout <= 0 or o.sample_interval <= 0:
+        raise UsageError("--opt request_timeout, connect_timeout and sample_interval must be positive seconds")
+    if o.retries < 0:
+        raise UsageError(f"--opt retries must be >= 0, got {o.retries}")
+    if o.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", o.api_key_env):
+        raise UsageError("--api-key-env takes the NAME of an environment variable, not the key itself")

@@ -1,0 +1,247 @@
+"""HTTP for the `openai` backend: one async client that starts N requests together, samples
+what the server says about its own batch while they are in flight, retries only where safe,
+and turns every transport or HTTP failure into one detllm error.
+
+Owns sockets, timeouts, retries, the /slots and /metrics samplers and error translation.
+Knows nothing of tokens, logprobs or runs: backends/openai.py builds the bodies and reads
+the answers. httpx is imported lazily (the `openai` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..errors import BackendError, BackendUnavailableError, UsageError
+
+RETRY_STATUS = (429, 503)  # the server says it did not take the request: resending is safe
+INSTALL_HINT = "install httpx: pip install 'detllm[openai]'"
+# /metrics gauges of requests the engine is computing right now (vLLM, SGLang, TGI)
+RUNNING_GAUGES = re.compile(r"^(vllm:num_requests_running|sglang:num_running_reqs|tgi_batch_current_size)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$",
+                            re.M)
+
+
+def _httpx():
+    try:
+        import httpx
+    except ImportError as exc:  # pragma: no cover - httpx ships with the openai extra
+        raise BackendUnavailableError("the openai backend needs httpx", hint=INSTALL_HINT) from exc
+    return httpx
+
+
+@dataclass
+class Reply:
+    """One request's answer: the JSON body and what happened on the way."""
+
+    doc: Any
+    headers: dict[str, str]
+    retries: int = 0
+    started_ms: float = 0.0  # offset from the batch start
+    finished_ms: float = 0.0
+
+
+@dataclass
+class BatchEvidence:
+    """What the server reported about its batch while one group of requests was in flight."""
+
+    source: str | None  # "/slots", "/metrics" or None (the server reveals nothing)
+    samples: int = 0
+    busy: list[int] = field(default_factory=list)  # requests the server was computing, per sample
+
+    def to_json(self, in_flight: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"in_flight": in_flight, "source": self.source, "samples": self.samples}
+        if self.busy:
+            out["server_busy_max"] = max(self.busy)
+            out["server_busy_mean"] = round(sum(self.busy) / len(self.busy), 3)
+        return out
+
+
+class Endpoint:
+    """A server's base URL (the /v1 root), its credentials and limits. `root` is the URL without
+    /v1, where llama-server, vLLM and SGLang keep /tokenize, /slots, /metrics, /props."""
+
+    def __init__(self, base_url: str, *, api_key: str | None, timeout: float, connect_timeout: float, retries: int) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"  # never logged: errors quote the URL, not the headers
+        self.timeout, self.connect_timeout, self.retries = timeout, connect_timeout, retries
+        self.running = False  # True once a run started: a refused connection then means the server went away
+
+    def _timeout(self, httpx, timeout: float | None = None):
+        return httpx.Timeout(timeout or self.timeout, connect=self.connect_timeout)
+
+    def url(self, path: str, *, root: bool = False) -> str:
+        return (self.root if root else self.base_url) + path
+
+    # -- one-off calls (probe, identity, tokenize) --
+
+    def get(self, path: str, *, root: bool = False, timeout: float = 10.0) -> tuple[int, Any, dict[str, str]]:
+        """(status, JSON or text, headers); a transport failure is (0, None, {})."""
+        httpx = _httpx()
+        try:
+            with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout)) as client:
+                resp = client.get(self.url(path, root=root))
+        except httpx.HTTPError as exc:
+            return 0, f"{type(exc).__name__}: {exc}", {}
+        return resp.status_code, _body(resp), dict(resp.headers)
+
+    def post(self, path: str, body: Any, *, root: bool = False, what: str = "") -> Reply:
+        """POST and raise a detllm error on failure (the same rules as a batch)."""
+        return asyncio.run(self._post_one(path, body, root=root, what=what))
+
+    async def _post_one(self, path: str, body: Any, *, root: bool, what: str) -> Reply:
+        httpx = _httpx()
+        async with httpx.AsyncClient(headers=self._headers, timeout=self._timeout(httpx)) as client:
+            return await self._send(client, path, body, root=root, what=what, t0=time.monotonic())
+
+    def try_post(self, path: str, body: Any, *, root: bool = False, timeout: float = 30.0) -> tuple[int, Any]:
+        """(status, body) of an optional endpoint (tokenize, cache reset); (0, None) when unreachable."""
+        httpx = _httpx()
+        try:
+            with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout)) as client:
+                resp = client.post(self.url(path, root=root), json=body)
+        except httpx.HTTPError:
+            return 0, None
+        return resp.status_code, _body(resp)
+
+    # -- a group of requests started together --
+
+    def send_batch(self, path: str, bodies: Sequence[Any], *, sample: str | None, interval: float) -> tuple[list[Reply], BatchEvidence]:
+        """POST every body at once (one connection each) and return the replies in order, with
+        the server's own view of its batch sampled from `sample` ("/slots" or "/metrics")."""
+        return asyncio.run(self._batch(path, list(bodies), sample, interval))
+
+    async def _batch(self, path: str, bodies: list[Any], sample: str | None, interval: float) -> tuple[list[Reply], BatchEvidence]:
+        httpx = _httpx()
+        n = len(bodies)
+        limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
+        evidence = BatchEvidence(sample)
+        async with httpx.AsyncClient(headers=self._headers, timeout=self._timeout(httpx), limits=limits) as client:
+            t0 = time.monotonic()
+            tasks = [asyncio.create_task(self._send(client, path, b, root=False, what=f"request {i}", t0=t0)) for i, b in enumerate(bodies)]
+            sampler = asyncio.create_task(self._sample(client, sample, interval, evidence)) if sample else None
+            try:
+                replies = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            finally:
+                if sampler is not None:
+                    sampler.cancel()
+                    await asyncio.gather(sampler, return_exceptions=True)
+        return list(replies), evidence
+
+    async def _sample(self, client, source: str, interval: float, evidence: BatchEvidence) -> None:
+        """Poll the server while the batch is in flight; a failed poll is skipped, never fatal."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                resp = await client.get(self.url(source, root=True), timeout=5.0)
+            except Exception:  # noqa: BLE001 - evidence is best effort; the requests themselves report failures
+                continue
+            if resp.status_code != 200:
+                continue
+            busy = busy_from(source, _body(resp))
+            if busy is not None:
+                evidence.samples += 1
+                evidence.busy.append(busy)
+
+    async def _send(self, client, path: str, body: Any, *, root: bool, what: str, t0: float) -> Reply:
+        httpx = _httpx()
+        url = self.url(path, root=root)
+        retries = 0
+        while True:
+            started = (time.monotonic() - t0) * 1000
+            try:
+                resp = await client.post(url, json=body)
+            except httpx.ConnectError as exc:  # nothing was sent: safe to retry
+                if retries < self.retries:
+                    retries += 1
+                    await asyncio.sleep(0.2 * retries)
+                    continue
+                raise self.unreachable(url, exc) from exc
+            except httpx.TimeoutException as exc:
+                raise BackendError(f"{url} did not answer {what or 'the request'} within {self.timeout:g} s",
+                                   hint="raise --opt request_timeout, or lower --concurrency") from exc
+            except httpx.HTTPError as exc:  # the connection dropped mid-request: the server may have computed it
+                raise BackendError(f"{url}: the connection dropped during {what or 'a request'} ({type(exc).__name__}: {exc or 'no detail'})",
+                                   hint="the server crashed or was restarted; nothing was retried") from exc
+            if resp.status_code in RETRY_STATUS and retries < self.retries:
+                retries += 1
+                after = resp.headers.get("retry-after")
+                await asyncio.sleep(min(float(after), 10.0) if _num(after) else 0.5 * retries)
+                continue
+            if resp.status_code != 200:
+                raise http_error(url, resp.status_code, _body(resp), retries)
+            return Reply(_body(resp), dict(resp.headers), retries, started, (time.monotonic() - t0) * 1000)
+
+    def unreachable(self, url: str, exc: object) -> Exception:
+        if self.running:
+            return BackendError(f"{url} stopped accepting connections mid-run ({exc or type(exc).__name__})",
+                                hint="the server went away; nothing of this run is complete")
+        return BackendUnavailableError(f"cannot connect to {url} ({exc or type(exc).__name__})",
+                                       hint="is the server running, and is --base-url its /v1 address?")
+
+
+def http_error(url: str, status: int, body: Any, retries: int = 0) -> Exception:
+    """One detllm error for a non-200 answer."""
+    msg = _message(body)
+    tried = f" after {retries} retr{'y' if retries == 1 else 'ies'}" if retries else ""
+    if status in (401, 403):
+        return UsageError(f"{url} refused the credentials (HTTP {status}: {msg})",
+                          hint="put the key in an environment variable and name it with --api-key-env")
+    if status == 404:
+        if "model" in msg.lower():
+            return UsageError(f"the server does not serve that model (HTTP 404: {msg})", hint="see GET /v1/models for the names it serves")
+        return BackendUnavailableError(f"{url} does not exist on this server (HTTP 404)",
+                                       hint="--base-url must be the OpenAI-compatible root, e.g. http://host:port/v1")
+    if 400 <= status < 500:
+        return UsageError(f"{url} rejected the request (HTTP {status}: {msg})")
+    return BackendError(f"{url} failed with HTTP {status}{tried}: {msg}", hint="a server error; nothing of this run is complete")
+
+
+def busy_from(source: str, body: Any) -> int | None:
+    """Requests the server is computing: /slots (llama-server) counts slots with is_processing,
+    /metrics sums the running-request gauges."""
+    if source == "/slots":
+        if isinstance(body, list):
+            return sum(1 for s in body if isinstance(s, dict) and (s.get("is_processing") or s.get("state") == 1))
+        return None
+    if isinstance(body, str):
+        found = RUNNING_GAUGES.findall(body)
+        return int(sum(float(v) for *_, v in found)) if found else None
+    return None
+
+
+def _message(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body.get("message", body)))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:300]
+    return str(body or "no body")[:300]
+
+
+def _body(resp) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+def _num(x: Any) -> bool:
+    try:
+        float(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+__all__ = ["BatchEvidence", "Endpoint", "Reply", "busy_from", "http_error"]

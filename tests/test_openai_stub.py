@@ -1,0 +1,244 @@
+"""The `openai` backend against a small real HTTP server on loopback that speaks the OpenAI
+completions API the way hosted endpoints do (token strings, no ids, no /tokenize). It produces
+the faults a real llama-server cannot be made to produce on demand: 401, 404 for an unknown
+model, no logprobs, a 500 mid-run, and a server that ignores the seed. The real servers are
+tested in tests/test_openai_llamacpp.py; this file is in addition, never instead."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_valid_run
+
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+
+
+class Stub:
+    """One stub server; `mode` switches its behaviour between requests."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.key = None  # when set, a request without "Bearer <key>" gets 401
+        self.completions = 0
+        self.seen_auth: list[str | None] = []
+        self.bodies: list[dict] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _send(self, status: int, doc) -> None:
+                raw = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def _authorised(self) -> bool:
+                auth = self.headers.get("Authorization")
+                stub.seen_auth.append(auth)
+                if stub.key is not None and auth != f"Bearer {stub.key}":
+                    self._send(401, {"error": {"message": "invalid api key"}})
+                    return False
+                return True
+
+            def do_GET(self):
+                if not self._authorised():
+                    return
+                if self.path == "/v1/models":
+                    return self._send(200, {"object": "list", "data": [{"id": "stub-model", "object": "model", "owned_by": "tests"}]})
+                self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                if not self._authorised():
+                    return
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path != "/v1/completions":
+                    return self._send(404, {"error": {"message": "not found"}})
+                stub.bodies.append(body)
+                if body.get("model") != "stub-model":
+                    return self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}})
+                stub.completions += 1
+                if stub.mode == "fail_after_probe" and stub.completions > 1:
+                    return self._send(500, {"error": {"message": "CUDA error: an illegal memory access was encountered"}})
+                if stub.mode == "drop_after_probe" and stub.completions > 1:
+                    self.connection.shutdown(2)  # the connection dies with no answer
+                    return
+                if stub.mode == "no_logprobs" and body.get("logprobs") is not None:
+                    return self._send(400, {"error": {"message": "logprobs is not supported by this server"}})
+                self._send(200, stub.answer(body))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def answer(self, body: dict) -> dict:
+        """A deterministic 'model': tokens from the prompt's hash (and the seed only if it is ignored on purpose)."""
+        salt = str(self.completions) if self.mode == "ignores_seed" else ""
+        h = hashlib.sha256((str(body["prompt"]) + salt).encode()).digest()
+        n = int(body.get("max_tokens", 16))
+        toks = [" " + WORDS[h[i % 32] % len(WORDS)] for i in range(n)]
+        doc = {"id": "cmpl-1", "object": "text_completion", "model": "stub-model",
+               "choices": [{"index": 0, "text": "".join(toks), "finish_reason": "length", "logprobs": None}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
+        if body.get("logprobs") is not None:
+            k = int(body["logprobs"])
+            lps = [-0.1 - (h[i % 32] / 255.0) for i in range(n)]
+            tops = [{t: lp, **{" " + w: lp - 1.0 - j for j, w in enumerate(WORDS[:k]) if " " + w != t}} for t, lp in zip(toks, lps)]
+            tops = [dict(sorted(d.items(), key=lambda kv: -kv[1])[:k]) for d in tops]
+            doc["choices"][0]["logprobs"] = {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops,
+                                             "text_offset": [0] * n}
+        return doc
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stub():
+    s = Stub()
+    yield s
+    s.close()
+
+
+def _check(cli, stub, out: Path, *extra: str, model: str = "stub-model", env: dict | None = None):
+    return cli("check", "--backend", "openai", "--base-url", stub.url, "--model", model, "--out", out, "--runs", "2",
+               "--max-new-tokens", "4", "--no-progress", *extra, env=env)
+
+
+def test_strings_only_server_passes_at_tier_2_with_token_strings(cli, stub, tmp_path):
+    out = tmp_path / "run"
+    res = _check(cli, stub, out, "--tier", "2")
+    assert res.exit_code == 0, res.output
+    report = assert_valid_run(out)
+    assert report["status"] == "PASS" and report["tier"]["effective"] == 2
+    recs = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    assert recs and all(isinstance(t, str) for r in recs for t in r["token_ids"])
+    assert recs[0]["evidence"]["tokens_as"] == "strings" and recs[0]["evidence"]["prompt_as"] == "text"
+    assert all(isinstance(p[0], str) for step in recs[0]["top_logprobs"] for p in step)
+    cfg = json.loads((out / "run_config.json").read_text())
+    assert cfg["model"]["weights_sha256"] is None and cfg["model"]["remote"].startswith("weights not hashed: remote")
+    assert cli("verify", out).exit_code == 0
+
+
+def test_server_ignoring_the_seed_is_reported_not_hidden(cli, stub, tmp_path):
+    stub.mode = "ignores_seed"
+    out = tmp_path / "run"
+    res = _check(cli, stub, out)
+    assert res.exit_code == 1, res.output
+    report = assert_valid_run(out, failed=True)
+    assert report["category"] == "RUN_VARIANCE"
+
+
+def test_api_key_comes_from_the_named_variable_and_is_never_written(cli, stub, tmp_path):
+    stub.key = "sk-test-0123456789abcdef0123"
+    out = tmp_path / "run"
+    res = _check(cli, stub, out, "--api-key-env", "STUB_KEY", env={"STUB_KEY": stub.key})
+    assert res.exit_code == 0, res.output
+    assert f"Bearer {stub.key}" in stub.seen_auth
+    for f in out.rglob("*"):
+        if f.is_file():
+            assert stub.key not in f.read_text(errors="replace"), f
+    assert stub.key not in res.output
+
+
+def test_401_is_one_line_and_nothing_written(cli, stub, tmp_path):
+    stub.key = "sk-right-0123456789abcdef0123"
+    out = tmp_path / "run"
+    res = _check(cli, stub, out, "--api-key-env", "STUB_KEY", env={"STUB_KEY": "sk-wrong-0123456789abcdef01"})
+    assert res.exit_code == 2, res.output
+    assert "refused the credentials (HTTP 401" in res.output and "Traceback" not in res.output
+    assert "sk-wrong" not in res.output
+    assert not out.exists()
+
+
+def test_unset_key_variable_is_a_usage_error(cli, stub, tmp_path):
+    res = _check(cli, stub, tmp_path / "run", "--api-key-env", "DETLLM_TEST_UNSET_KEY", env={"DETLLM_TEST_UNSET_KEY": ""})
+    assert res.exit_code == 2 and "DETLLM_TEST_UNSET_KEY" in res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_model_is_refused_with_the_served_names(cli, stub, tmp_path):
+    res = _check(cli, stub, tmp_path / "run", model="no-such-model")
+    assert res.exit_code == 2 and "does not serve model 'no-such-model'" in res.output and "stub-model" in res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_logprobs_caps_the_tier_and_says_why(cli, stub, tmp_path):
+    stub.mode = "no_logprobs"
+    out = tmp_path / "run"
+    res = _check(cli, stub, out, "--tier", "2")
+    assert res.exit_code == 0, res.output
+    report = assert_valid_run(out)
+    assert report["tier"] == {"requested": 2, "effective": 1}
+    applied = json.loads((out / "determinism_applied.json").read_text())
+    assert "rejected logprobs" in applied["downgrade_reason"]
+    rec = json.loads((out / "trace.jsonl").read_text().splitlines()[0])
+    assert rec["logprobs"] is None and rec["evidence"]["tokens_as"] == "whole text" and rec["token_ids"] == [rec["text"]]
+    res = _check(cli, stub, tmp_path / "strict", "--tier", "2", "--mode", "strict")
+    assert res.exit_code == 3 and not (tmp_path / "strict").exists()
+
+
+@pytest.mark.parametrize("mode", ["fail_after_probe", "drop_after_probe"])
+def test_server_failing_mid_run_is_exit_8_and_the_folder_is_not_complete(cli, stub, tmp_path, mode):
+    stub.mode = mode
+    out = tmp_path / "run"
+    res = _check(cli, stub, out)
+    assert res.exit_code == 8, res.output
+    line = [ln for ln in res.output.splitlines() if ln.startswith("detllm: error:")]
+    assert len(line) == 1 and "Traceback" not in res.output
+    assert ("HTTP 500" in line[0]) if mode == "fail_after_probe" else ("connection dropped" in line[0])
+    assert not (out / "manifest.json").exists() and not (out / "report.json").exists()
+    assert len(stub.bodies) == 2  # the probe and one request: a failed generation is never resent
+
+
+def test_refused_connection_before_the_run_is_exit_4(cli, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = cli("check", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "m", "--out", tmp_path / "r",
+              "--opt", "retries=0", "--no-progress")
+    assert res.exit_code == 4, res.output
+    assert "cannot connect to" in res.output and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--backend", "openai", "--model", "m"], "needs --base-url"),
+    (["--backend", "openai", "--model", "m", "--base-url", "ftp://x"], "http:// or https://"),
+    (["--backend", "hf", "--base-url", "http://127.0.0.1:1/v1"], "applies to --backend openai"),
+    (["--backend", "hf", "--concurrency", "1,8"], "applies to --backend openai"),
+    (["--backend", "openai", "--model", "m", "--base-url", "http://127.0.0.1:1/v1", "--api-key-env", "sk-abcdef"], "NAME of an environment"),
+    (["--backend", "openai", "--model", "m", "--base-url", "http://127.0.0.1:1/v1", "--concurrency", "1,8", "--vary-batch", "2"], "give one"),
+])
+def test_bad_flags_are_usage_errors(cli, tmp_path, args, needle):
+    res = cli("check", *args, "--out", tmp_path / "r", "--no-progress")
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and not (tmp_path / "r").exists()
+
+
+def test_step_parsing_of_both_logprob_formats():
+    from detllm.backends.openai import _steps
+
+    chat = _steps({"content": [{"id": 5, "token": "a", "logprob": -0.5, "top_logprobs": [{"id": 5, "token": "a", "logprob": -0.5}]}]})
+    assert chat[0].id == 5 and chat[0].top == [("a", 5, -0.5)]
+    vllm = _steps({"tokens": ["token_id:7"], "token_logprobs": [-1.0], "top_logprobs": [{"token_id:7": -1.0, "token_id:3": -2.0}]})
+    assert vllm[0].id == 7 and [t[1] for t in vllm[0].top] == [7, 3]
+    assert _steps(None) is None
+    assert math.isclose(vllm[0].logprob, -1.0)

@@ -10,6 +10,7 @@ generated b at a time, the last batch topped up with built-in fillers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -87,6 +88,12 @@ def plan_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
     return batches
 
 
+@lru_cache(maxsize=1 << 16)
+def _ids_sha256(ids: tuple[int, ...]) -> str:
+    """sha256 of input ids as canonical JSON, once per prompt (it is recorded per run and batch size)."""
+    return sha256_bytes(canonical_json(list(ids)))
+
+
 def _record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[int], gen, run: int, batch: int, pos: int) -> dict[str, Any]:
     keep = config.record_prompt_text
     rec = artifacts.stamp("trace_record", {
@@ -97,7 +104,7 @@ def _record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[int], g
         "prompt_id": prompts.ids[i],
         "prompt_text": prompts.texts[i] if keep else None,
         "input_ids": list(ids) if keep else None,
-        "input_ids_sha256": sha256_bytes(canonical_json(list(ids))),
+        "input_ids_sha256": _ids_sha256(tuple(ids)),
         "token_ids": list(gen.token_ids),
         "token_texts": list(gen.token_texts),
         "text": gen.text,

@@ -117,8 +117,11 @@ class FakeBackend(Backend):
         lps: list[float] = []
         tops: list[list[tuple[int, float]]] = []
         span = _LAST - _FIRST + 1
+        prefix = hashlib.sha256(f"({self.options.salt!r}, {tuple(req.input_ids)!r}, ".encode())  # repr of the (salt, ids, generated) key, up to the last part
         for pos in range(decoding.max_new_tokens):
-            base = self._score(tuple(req.input_ids), tuple(ids))
+            h = prefix.copy()  # == self._score(tuple(req.input_ids), tuple(ids)), without re-hashing the prompt per token
+            h.update(f"{tuple(ids)!r})".encode())
+            base = int.from_bytes(h.digest()[:8], "little")
             cands = [_FIRST + (base + 7 * j) % span for j in range(max(n_logprobs, 2))]
             cand_lp = [-0.05 - 0.7 * j - (base % 97) / 1000.0 for j in range(len(cands))]
             if not decoding.greedy:

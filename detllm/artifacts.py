@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .errors import ArtifactError, UsageError
+from .hashing import canonical_json
 from .records import check_trace_record  # the schema's fast equivalent: jsonschema is ~100x slower on traces
 # Schemas, stamping, JSON text and atomic writes live in schema_io (the bottom module); these
 # names stay importable from here for the code that has always used them.
@@ -55,18 +56,17 @@ class TraceWriter:
         self.digests: list[bytes] = []  # sha256(canonical JSON) of each record written, in order
 
     def write(self, record: dict[str, Any]) -> None:
-        # One serialisation per record: the line is written in canonical form (sorted keys, no
-        # whitespace: hashing.canonical_json), so its own bytes are what the chain digests.
         try:
-            line = json.dumps(record, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except ValueError:  # a NaN/inf logprob: rare, so the record is walked only then
             record = _finite(record)
-            line = json.dumps(record, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         problem = check_trace_record(record)
         if problem is not None:
             raise ArtifactError(f"{TRACE} line {self.count + 1}: schema violation: {problem}")
         self._f.write(line + "\n")
-        self.digests.append(hashlib.sha256(line.encode("utf-8")).digest())
+        # the line keeps the runner's field order (compare/trace.py reads payloads by it); the chain is over canonical JSON
+        self.digests.append(hashlib.sha256(canonical_json(record)).digest())
         self.count += 1
 
     def finish(self) -> Path:

@@ -1,0 +1,168 @@
+"""`detllm sweep`: run a grid of settings with repeats and put numbers on each cell.
+
+Owns the grid (axes batch_size, dtype, threads, or any backend option), running each cell as
+a real `run` in a probe worker (the model stays loaded between cells of one process; options
+that need a new engine get one from the backend), and the statistics: per cell a label
+(stable / fragile: tokens repeat, logprobs drift / unstable), unique outputs per prompt, the
+divergence rate against the reference cell (the first) with its Wilson 95% interval, and a
+table plus heatmap. Judging reads run folders only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import artifacts
+from ..config import RunConfig
+from ..env import detllm_version
+from ..errors import UsageError
+from .pool import Pool
+
+CONFIG_AXES = {"batch_size": int, "dtype": str, "threads": int}
+SWEEP = "sweep.json"
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval for k successes in n trials (95% by default)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def parse_axes(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """`name=v1,v2` strings to [(name, values)]; a malformed or repeated axis is a UsageError."""
+    axes: list[tuple[str, list[str]]] = []
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not name.strip() or not vals:
+            raise UsageError(f"--axis expects name=v1,v2 (e.g. batch_size=1,2,8), got {spec!r}")
+        name = name.strip()
+        if name in (a for a, _ in axes):
+            raise UsageError(f"--axis {name} is given twice")
+        if len(set(vals)) != len(vals):
+            raise UsageError(f"--axis {name} repeats a value: {values!r}")
+        if name in CONFIG_AXES and CONFIG_AXES[name] is int:
+            try:
+                [int(v) for v in vals]
+            except ValueError as exc:
+                raise UsageError(f"--axis {name} takes integers, got {values!r}") from exc
+        axes.append((name, vals))
+    if not axes:
+        raise UsageError("sweep needs at least one --axis", hint="e.g. --axis batch_size=1,2,8")
+    return axes
+
+
+def cell_config(base: RunConfig, cell: dict[str, str], repeats: int) -> RunConfig:
+    """The run config of one cell: config axes set directly, any other axis as a backend option."""
+    opts = dict(base.options)
+    fields: dict[str, Any] = {"runs": repeats, "vary_batch": (), "mode": "best-effort"}
+    for name, value in cell.items():
+        if name in CONFIG_AXES:
+            fields[name] = CONFIG_AXES[name](value)
+        else:
+            opts[name] = value
+    return dataclasses.replace(base, options=tuple(sorted(opts.items())), **fields)
+
+
+def _outputs(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in sorted(records, key=lambda r: (r["prompt_index"], r["run_index"])):
+        by.setdefault(r["prompt_index"], []).append(r)
+    return by
+
+
+def _lp_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    la, lb = a.get("logprobs") or [], b.get("logprobs") or []
+    n = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), min(len(a["token_ids"]), len(b["token_ids"])))
+    return max((abs(x - y) for x, y in zip(la[:n], lb[:n])), default=0.0)
+
+
+def judge_cell(records: list[dict[str, Any]], reference: list[dict[str, Any]] | None, *, atol: float = 0.0) -> dict[str, Any]:
+    """Label, unique outputs per prompt, and the divergence rate (tokens differing from the
+    reference cell's first repeat, over prompts x repeats) with its Wilson interval."""
+    mine = _outputs(records)
+    ref = _outputs(reference) if reference is not None else mine
+    unique, within_tokens, within_lp = {}, False, 0.0
+    k = n = 0
+    ref_lp = 0.0
+    for p, recs in mine.items():
+        seqs = {tuple(r["token_ids"]) for r in recs}
+        unique[p] = len(seqs)
+        within_tokens |= len(seqs) > 1
+        within_lp = max([within_lp] + [_lp_diff(recs[0], r) for r in recs[1:]])
+        anchor = ref.get(p, recs)[0]
+        for r in recs:
+            n += 1
+            k += r["token_ids"] != anchor["token_ids"]
+            ref_lp = max(ref_lp, _lp_diff(anchor, r))
+    label = "unstable" if within_tokens else ("fragile" if within_lp > atol else "stable")
+    lo, hi = wilson(k, n)
+    return {"label": label, "unique_outputs_per_prompt": unique, "max_unique_outputs": max(unique.values(), default=0),
+            "within_cell_max_abs_logprob_diff": within_lp, "diverged": k, "observations": n, "divergence_rate": k / n if n else 0.0,
+            "wilson_95": [lo, hi], "vs_reference_max_abs_logprob_diff": ref_lp}
+
+
+def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, repeats: int = 3, prompts: str | Path | None = None,
+          out: str | Path | None = None, force: bool = False, progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]]:
+    """Run every cell of the grid; write sweep.json, sweep.txt, sweep.md and heatmap.png (when
+    matplotlib is installed) under `out`; return (folder, document)."""
+    from ..prompts import load_prompts
+
+    grid = parse_axes(list(axes)) if axes and isinstance(list(axes)[0], str) else [(a, list(v)) for a, v in axes]  # type: ignore[misc]
+    if repeats < 2:
+        raise UsageError(f"--repeats must be at least 2, got {repeats}")
+    cells = [dict(zip([a for a, _ in grid], combo)) for combo in itertools.product(*[v for _, v in grid])]
+    for cell in cells:
+        cell_config(config, cell, repeats).validate(command="run")  # every bad value refused before anything runs
+    texts = load_prompts(prompts).texts
+    out = Path(out) if out is not None else artifacts.default_out_dir("sweep")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not ((out / SWEEP).is_file() and force))):
+        raise UsageError(f"--out {str(out)!r} is not an empty folder", hint="choose another --out (or --force over an earlier sweep)")
+    if out.is_dir():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    pfile = out / "prompts.jsonl"
+    artifacts.atomic_write_text(pfile, "".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    reference = None
+    with Pool(out / "logs") as pool:
+        for i, cell in enumerate(cells):
+            if progress:
+                progress(f"cell {i + 1}/{len(cells)}: " + ", ".join(f"{k}={v}" for k, v in cell.items()))
+            folder = out / "cells" / ("cell-%02d" % i)
+            cfg = cell_config(config, cell, repeats)
+            started = time.monotonic()
+            res = pool.shared().run({"kind": "run", "config": cfg.to_json(), "prompts": str(pfile), "tier": cfg.tier, "out": str(folder)})
+            if not res.get("ok"):
+                rows.append({"cell": cell, "status": "error", "error": res.get("error", ""), "folder": str(folder.relative_to(out))})
+                continue
+            records = artifacts.load_trace(folder / artifacts.TRACE, validate_records=False)
+            if reference is None:
+                reference = records
+            rows.append({"cell": cell, "status": "ran", "folder": str(folder.relative_to(out)),
+                         "seconds": round(time.monotonic() - started, 2), **judge_cell(records, reference, atol=config.atol)})
+    doc = artifacts.stamp("sweep", {
+        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "backend": config.backend, "model": config.model,
+        "config": config.to_json(), "axes": [{"name": a, "values": v} for a, v in grid], "repeats": repeats, "prompts": len(texts),
+        "reference_cell": cells[0], "cells": rows, "seconds": round(time.monotonic() - t0, 2), "heatmap": None,
+    })
+    from .sweep_render import heatmap, render_markdown, render_text
+
+    doc["heatmap"] = heatmap(doc, out / "heatmap.png")
+    artifacts.write_json(out, SWEEP, doc)
+    artifacts.atomic_write_text(out / "sweep.txt", render_text(doc))
+    artifacts.atomic_write_text(out / "sweep.md", render_markdown(doc))
+    return out, doc

@@ -1,0 +1,166 @@
+"""diagnose on the fake backend: divergences injected so that they follow a knob, and the
+diagnosis must name that knob (or say plainly that nothing isolates it). Every probe is a
+real child process running the real runner; only the engine is scripted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from detllm.api import make_config
+from detllm.artifacts import read_json
+from detllm.diagnose import Budget, diagnose
+from detllm.diagnose.evidence import outcome
+from detllm.diagnose.needle import trial_plan
+from detllm.diagnose.probes import plan
+from detllm.errors import UsageError
+
+BATCH8 = "prompt=0,pos=3,batch=8"
+
+
+def fake(**opts):
+    fields = {k: v for k, v in opts.items() if k in ("tier", "runs", "vary_batch", "threads")}
+    options = {k: str(v) for k, v in opts.items() if k not in fields}
+    fields.setdefault("tier", 2)
+    fields.setdefault("runs", 2)
+    return make_config(backend="fake", model="fake", max_new_tokens=6, options=options, **fields)
+
+
+def knob(doc, name):
+    return next(k for k in doc["knobs"] if k["knob"] == name)
+
+
+def test_batch_divergence_that_follows_threads_is_isolated_and_confirmed(tmp_path):
+    d = diagnose(fake(vary_batch=(1, 8), diverge=BATCH8, stable_threads=1), out=tmp_path / "d", budget=10)
+    doc = read_json(tmp_path / "d" / "diagnosis.json", "diagnosis")  # schema-validated
+    assert doc == d.doc
+    assert doc["baseline"]["kinds"] == ["batch"] and doc["baseline"]["first"]["token_index"] == 3
+    assert doc["knobs"][0]["knob"] == "batch composition" and doc["knobs"][0]["verdict"] == "follows"
+    assert "batch sizes 8 differ" in doc["knobs"][0]["summary"]
+    assert knob(doc, "threads")["verdict"] == "vanishes"
+    assert doc["isolated"] is True
+    ps = doc["passing_settings"]
+    assert ps["settings"] == {"threads": 1} and ps["fresh_process_passes"] == ps["fresh_process_runs"] == 3
+    assert "threads=1: PASS at tier 2 in 3/3 fresh-process checks" in doc["conclusion"]
+    ladder = next(p for p in doc["probes"] if p["kind"] == "ladder")
+    assert ladder["evidence"]["diverged_batch_sizes"] == [8]  # 2 and 4 hold: the injection is keyed on batch 8
+    assert any(n["name"].startswith("fresh-process") and "isolated" in n["reason"] for n in doc["not_run"])
+    text = (tmp_path / "d" / "diagnosis.txt").read_text()
+    assert text.startswith("DIAGNOSIS fake fake at tier 2: diverges (batch)") and "passing: threads=1" in text
+    assert "| batch composition | follows |" in (tmp_path / "d" / "diagnosis.md").read_text()
+
+
+def test_nothing_isolates_it_is_said_plainly(tmp_path):
+    doc = diagnose(fake(vary_batch=(1, 8), diverge=BATCH8), out=tmp_path / "d", budget=10).doc
+    assert doc["isolated"] is False and doc["passing_settings"] is None
+    assert knob(doc, "threads")["verdict"] == "not_followed"
+    assert "Nothing isolates it" in doc["conclusion"] and "batch size 1" in doc["conclusion"]
+    needle = next(p for p in doc["probes"] if p["kind"] == "needle")
+    sizes = {t["size"] for t in needle["evidence"]["trials"] if t["diverged"]}
+    assert sizes and sizes <= {8}  # only a batch of 8 changes the prompt: the needle found exactly that
+
+
+def test_tier3_downgraded_to_2_is_diagnosed_at_tier_3(tmp_path):
+    """The fake enforces tier 2; the batch logprob drift tier 3 would fail on is what is diagnosed."""
+    doc = diagnose(fake(tier=3, vary_batch=(1, 4), batch_drift=0.001, stable_threads=1), out=tmp_path / "d", budget=10).doc
+    assert doc["tier_requested"] == 3
+    assert doc["baseline"]["kinds"] == ["batch"] and doc["baseline"]["first"]["kind"] == "logprob"
+    assert doc["baseline"]["max_abs_logprob_diff"] == pytest.approx(0.003)
+    assert knob(doc, "threads")["verdict"] == "vanishes"
+
+
+def test_run_variance_in_one_process_is_not_a_fresh_process_effect(tmp_path):
+    doc = diagnose(fake(runs=2, diverge="prompt=1,pos=2,run=1"), out=tmp_path / "d", budget=10).doc
+    assert doc["baseline"]["kinds"] == ["run"]
+    fresh = next(p for p in doc["probes"] if p["kind"] == "fresh_process")
+    assert fresh["evidence"]["processes"] == 3 and fresh["outcome"] == "vanish"
+    assert knob(doc, "process")["verdict"] == "not_followed"
+    assert "Nothing isolates it" in doc["conclusion"] and "batch size 1" not in doc["conclusion"]
+
+
+def test_a_passing_check_has_nothing_to_diagnose(tmp_path):
+    doc = diagnose(fake(vary_batch=(1, 2)), out=tmp_path / "d").doc
+    assert doc["probes"] == [] and doc["baseline"]["diverged"] is False
+    assert doc["conclusion"].startswith("Nothing to diagnose")
+
+
+def test_budget_stops_the_plan(tmp_path):
+    doc = diagnose(fake(vary_batch=(1, 8), diverge=BATCH8), out=tmp_path / "d", budget=1).doc
+    assert len(doc["probes"]) == 1 and doc["budget"]["probes_used"] == 1
+    assert all("budget" in n["reason"] for n in doc["not_run"]) and doc["not_run"]
+
+
+@pytest.mark.parametrize("text,probes,seconds", [("7", 7, None), ("90s", None, 90.0), ("2m", None, 120.0)])
+def test_budget_parse(text, probes, seconds):
+    assert Budget.parse(text) == Budget(probes=probes, seconds=seconds)
+
+
+@pytest.mark.parametrize("bad", ["abc", "0", "-5s"])
+def test_bad_budget_is_a_usage_error_before_anything_runs(cli, tmp_path, bad):
+    r = cli("diagnose", "--budget", bad, "--out", tmp_path / "d", "--backend", "fake")
+    assert r.exit_code == 2 and "--budget" in r.output and not (tmp_path / "d").exists()
+    with pytest.raises(UsageError):
+        Budget.parse(bad)
+
+
+def test_cli_runs_the_check_then_diagnoses_its_folder(cli, tmp_path):
+    r = cli("diagnose", "--backend", "fake", "--model", "fake", "--tier", "2", "--vary-batch", "1,8", "--max-new-tokens", "6",
+            "--opt", f"diverge={BATCH8}", "--opt", "stable_threads=1", "--out", tmp_path / "d", "--budget", "4", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["source"]["kind"] == "check" and doc["source"]["status"] == "FAIL"
+    assert doc["source"]["recorded_causes"] == ["BATCH_VARIANCE"]
+    assert (tmp_path / "d" / "baseline" / "report.json").is_file()
+    # the folder form: the same failing check folder, diagnosed again
+    r2 = cli("diagnose", tmp_path / "d" / "baseline", "--out", tmp_path / "d2", "--budget", "2")
+    assert r2.exit_code == 0, r2.output
+    assert "DIAGNOSIS fake fake at tier 2: diverges (batch)" in r2.output
+
+
+def test_cli_bad_check_options_leave_nothing(cli, tmp_path):
+    r = cli("diagnose", "--backend", "nope", "--out", tmp_path / "d")
+    assert r.exit_code == 2 and "unknown backend 'nope'" in r.output and not (tmp_path / "d").exists()
+
+
+def test_cli_not_a_folder_is_exit_5(cli, tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = cli("diagnose", tmp_path / "empty", "--out", tmp_path / "d")
+    assert r.exit_code == 5 and "not a detllm run or diff folder" in r.output
+
+
+def test_a_diff_folder_is_diagnosed_from_its_left_side(cli, tmp_path):
+    run = tmp_path / "run"
+    assert cli("check", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--max-new-tokens", "6",
+               "--opt", f"diverge={BATCH8}", "--out", run).exit_code == 1
+    assert cli("diff", f"{run}::batch_1", f"{run}::batch_8", "--out", tmp_path / "diff").exit_code == 1
+    doc = diagnose(run_dir=tmp_path / "diff", out=tmp_path / "d", budget=2).doc
+    assert doc["source"]["kind"] == "diff" and doc["source"]["left"] == str(run)
+    assert doc["baseline"]["kinds"] == ["batch"]
+
+
+def test_plan_is_cheapest_first_and_says_what_it_skips():
+    probes, skipped = plan(make_config(backend="llamacpp", model="tiny", tier=3, vary_batch=(1, 4)), ["batch"], tier=3)
+    names = [p.name for p in probes]
+    assert names[:2] == ["batch-size ladder", "threads=1"]
+    assert {"kv_type=f32", "flash_attn=off", "ubatch=1"} <= set(names)
+    assert [p.cost for p in probes] == sorted(p.cost for p in probes)
+    assert {s["knob"] for s in skipped} >= {"dtype", "cache_prompt", "slots"}
+    hf, hf_skipped = plan(make_config(backend="hf", model="tiny", tier=2, runs=2, dtype="bfloat16"), ["run"], tier=2)
+    assert "dtype=float32" in [p.name for p in hf] and "attn_implementation=sdpa" in [p.name for p in hf]
+    assert "needle in a batch" not in [p.name for p in hf]  # a run divergence: no batch probes
+    assert any(s["knob"] == "torch.use_deterministic_algorithms" for s in hf_skipped)
+
+
+def test_outcome_rules():
+    base = {"kinds": ["batch"], "first": {"prompt_index": 0, "token_index": 3, "kind": "token"}, "max_abs_logprob_diff": 1e-3}
+    assert outcome({**base, "kinds": []}, base) == "vanish"
+    assert outcome(dict(base), base) == "persist"
+    assert outcome({**base, "max_abs_logprob_diff": 1e-5}, base) == "move"
+    assert outcome({**base, "first": {"prompt_index": 0, "token_index": 5, "kind": "token"}}, base) == "move"
+
+
+def test_needle_plan_is_seeded_and_in_range():
+    a = trial_plan(10, trials=20, max_size=8, seed=3)
+    assert a == trial_plan(10, trials=20, max_size=8, seed=3) != trial_plan(10, trials=20, max_size=8, seed=4)
+    assert all(2 <= t["size"] <= 8 and 0 <= t["position"] < t["size"] and len(t["others"]) == t["size"] - 1 for t in a)

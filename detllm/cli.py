@@ -504,7 +504,9 @@ def verify(
 ) -> None:
     def body() -> int:
         from .integrity import verify as verify_pack
+        from .tracefiles import refuse_seed_layout
 
+        refuse_seed_layout(pack)
         res = verify_pack(pack, pubkey=pubkey)
         typer.echo(json.dumps(res.to_json(), indent=2) if as_json else "\n".join(res.lines()))
         return 0
@@ -527,7 +529,9 @@ def replay(
 ) -> None:
     def body() -> int:
         from .replay import replay as replay_pack
+        from .tracefiles import refuse_seed_layout
 
+        refuse_seed_layout(pack)
         with _progress(progress and not as_json) as bar:
             outcome = replay_pack(pack, out=out, force=force, allow_model_change=allow_model_change, model=model,
                                   sign_key=sign_key, pubkey=pubkey, progress=bar)

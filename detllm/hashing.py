@@ -79,10 +79,56 @@ def weight_files(folder: Path) -> tuple[WeightFile, ...]:
     return tuple(WeightFile(str(p.relative_to(folder)), sha256_file(p), p.stat().st_size) for p in files)
 
 
+# config keys that never change what a model computes: version stamps, names, output switches
+COSMETIC_CONFIG_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset", "output_attentions",
+    "output_hidden_states", "return_dict", "torchscript", "use_cache", "id2label", "label2id", "finetuning_task",
+    "problem_type", "task_specific_params",
+})
+_CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def _json_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _semantic(path: Path, drop: frozenset[str]) -> str:
+    """sha256 of a JSON file's canonical form without the keys in `drop`; its bytes' sha256
+    when it is not a JSON object."""
+    doc = _json_file(path)
+    if not isinstance(doc, dict):
+        return sha256_file(path)
+    return sha256_bytes(canonical_json({k: v for k, v in doc.items() if k not in drop}))
+
+
 def tokenizer_sha256(folder: Path) -> str:
-    """Hash of the tokenizer files' contents (names relative, paths ignored)."""
-    found = [(n, sha256_file(folder / n)) for n in TOKENIZER_FILES if (folder / n).is_file()]
+    """Hash of the tokenizer files' contents (names relative, paths ignored), without the chat
+    template: prompts are tokenized as given, no template is applied (chat_template_sha256)."""
+    found = [(n, _semantic(folder / n, frozenset({"chat_template"})) if n == "tokenizer_config.json" else sha256_file(folder / n))
+             for n in TOKENIZER_FILES if n not in _CHAT_TEMPLATE_FILES and (folder / n).is_file()]
     return combine(found)
+
+
+def chat_template_sha256(folder: Path) -> str | None:
+    """The chat template's text wherever the folder keeps it; None when it has none."""
+    parts = [(n, sha256_file(folder / n)) for n in _CHAT_TEMPLATE_FILES if (folder / n).is_file()]
+    cfg = _json_file(folder / "tokenizer_config.json")
+    if isinstance(cfg, dict) and cfg.get("chat_template"):
+        parts.append(("tokenizer_config.json:chat_template", sha256_bytes(canonical_json(cfg["chat_template"]))))
+    return combine(parts) if parts else None
+
+
+def config_digests(folder: Path) -> tuple[str | None, str | None]:
+    """(config_sha256 over the fields that change the computation, config_files_sha256 over the
+    files' bytes) of config.json and generation_config.json; (None, None) without them."""
+    found = [n for n in CONFIG_FILES if (folder / n).is_file()]
+    if not found:
+        return None, None
+    return (combine((n, _semantic(folder / n, COSMETIC_CONFIG_KEYS)) for n in found),
+            combine((n, sha256_file(folder / n)) for n in found))
 
 
 def content_key(folder: Path) -> str:
@@ -95,6 +141,7 @@ def content_key(folder: Path) -> str:
 
 def folder_identity(model_id: str, folder: Path, *, revision: str | None = None, fmt: str | None = None) -> ModelIdentity:
     weights = weight_files(folder)
+    config, files = config_digests(folder)
     if fmt is None:
         fmt = "safetensors" if any(w.file.endswith(".safetensors") for w in weights) else "pytorch"
     return ModelIdentity(
@@ -105,5 +152,5 @@ def folder_identity(model_id: str, folder: Path, *, revision: str | None = None,
         weights=weights,
         weights_sha256=combine((w.file, w.sha256) for w in weights),
         tokenizer_sha256=tokenizer_sha256(folder),
-        config_sha256=combine((n, sha256_file(folder / n)) for n in CONFIG_FILES if (folder / n).is_file()),
+        config_sha256=config, config_files_sha256=files, chat_template_sha256=chat_template_sha256(folder),
     )

@@ -96,7 +96,9 @@ def recorded_prompts(run: artifacts.RunFolder, *, label: str) -> PromptSet:
 
 def check_model(recorded: dict[str, Any], local: dict[str, Any], *, allow: bool) -> None:
     """Refuse (ModelChangedError, exit 7) when the local weights are not the pack's."""
-    config_same = recorded.get("config_sha256") in (None, local.get("config_sha256"))
+    # a pack without config_files_sha256 hashed the config files byte for byte (versions.REDEFINED)
+    key = "config_sha256" if "config_files_sha256" in recorded else "config_files_sha256"
+    config_same = recorded.get("config_sha256") in (None, local.get(key))
     if (recorded["weights_sha256"] == local["weights_sha256"] and config_same) or allow:
         return
     if recorded["weights_sha256"] == local["weights_sha256"]:

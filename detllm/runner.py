@@ -14,10 +14,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import artifacts
+from . import artifacts, fresh
 from .backends.base import Backend, Capabilities, Request, options_json
 from .backends.registry import create_backend
 from .compare.divergence import run_noise_floor
+from .compare.causes import add_server_evidence
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
 from .env import Redaction, collect_env, detllm_version
@@ -173,7 +174,8 @@ def execute(
                                  "batch_invariant": caps.batch_invariant, "notes": list(caps.notes)},
                 "settings": settings,
             }))
-            records, digests = _generate(config, backend, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
+            with fresh.Dispatcher(config, backend, tier=tier, identity=identity.to_json(), settings=settings) as gen:
+                records, digests = _generate(config, gen, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
     finally:
         if owned:
             backend.close()
@@ -184,6 +186,7 @@ def execute(
 def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Generate every (batch size, run) and stream the trace; returns the records and their chain digests."""
     schedule = [(b, r) for b in config.batch_sizes for r in range(config.runs if b == config.batch_size else 1)]
+    schedule.sort(key=lambda br: backend.is_fresh(*br))  # fresh-process repeats last (fresh.py)
     total = len(schedule) * len(prompts.texts)
     done = tokens = 0
     ids = prompts.ids
@@ -202,11 +205,13 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
                         else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)],
                                      filler_keys[(-i - 1) % len(FILLERS)])
                         for i in batch]
-                gens = backend.generate(reqs, config.decoding, seed=config.seed, n_logprobs=config.logprobs, logprobs=want_logprobs)
+                gens = backend.generate(reqs, batch_size=batch_size, run=run, seed=config.seed, n_logprobs=config.logprobs, logprobs=want_logprobs)
                 for pos, (req, gen) in enumerate(zip(reqs, gens)):
                     if req.is_filler:
                         continue
                     rec = _record(config, prompts, req.prompt_index, req.input_ids, gen, run, batch_size, pos)
+                    if backend.is_fresh(batch_size, run):
+                        rec["fresh_process"] = True
                     writer.write(rec)
                     records.append(rec)
                     done += 1
@@ -242,8 +247,11 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
         })
     else:
         comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
-                                  tier=tier, atol=config.atol, floor=floor)
-        report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary)
+                                  tier=tier, atol=config.atol, floor=floor, fresh=fresh.fresh_runs(config),
+                                  sampled=not config.decoding.greedy)
+        report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary,
+                              scope=fresh.scope_text(config))
+        add_server_evidence(report, records)  # served backends: the server's own account of its batch and cache
     write_report(out, report, signer=signer, record_digests=digests)
     return Outcome(out, report)
 

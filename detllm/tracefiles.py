@@ -38,7 +38,7 @@ def seed_layout(path: Path) -> bool:
     if path.suffix == ".jsonl":
         row = _first_row(path)
         return isinstance(row, dict) and "artifact_type" not in row and ("scores" in row or "generated_token_ids" in row)
-    return _seed_json(path)
+    return path.suffix == ".json" and _seed_json(path)
 
 
 def refuse_seed_layout(path: Path) -> None:

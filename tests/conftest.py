@@ -33,3 +33,25 @@ def cli():
         return runner.invoke(app, [str(a) for a in args], env=env)
 
     return invoke
+
+
+CROSS_PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Numbers: 1 2 3"]
+
+
+@pytest.fixture(scope="session")
+def cross_prompt_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("cross-prompts") / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in CROSS_PROMPTS))
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_sides(tmp_path_factory, cross_prompt_file):
+    """A real cross-engine FAIL, made once per session and shared (test_cross_engine, test_html):
+    SmolLM2-135M through transformers (dequantised fp32) and through llama-server (Q4_1)."""
+    import detllm
+
+    tmp = tmp_path_factory.mktemp("smollm2")
+    return tuple(detllm.run(backend=b, model="smollm2-135m", prompts=cross_prompt_file, tier=2, max_new_tokens=12,
+                            out=tmp / f"{b}-smollm2-135m").out_dir for b in ("hf", "llamacpp"))
+

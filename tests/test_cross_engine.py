@@ -62,10 +62,9 @@ def test_hf_vs_llamacpp_tiny_logprobs_name_the_backend(tiny_sides, tmp_path):
     assert (tmp_path / "d" / "report.md").read_text().startswith("# detllm diff: FAIL: BACKEND_MISMATCH")
 
 
-def test_hf_vs_llamacpp_smollm2_q4_diverges(tmp_path, prompt_file):
+def test_hf_vs_llamacpp_smollm2_q4_diverges(tmp_path, smollm2_sides):
     """SmolLM2-135M: HF dequantised fp32 vs llama.cpp Q4_1 kernels — a real divergence."""
-    hf = run(tmp_path, "hf", "smollm2-135m", prompt_file)
-    ll = run(tmp_path, "llamacpp", "smollm2-135m", prompt_file)
+    hf, ll = smollm2_sides  # conftest: made once per session, shared with test_html
     tokens = detllm.diff(hf, ll, tier=1, out=tmp_path / "d1")
     assert tokens.exit_code == 1
     d = tokens.report["first_divergence"]

@@ -187,7 +187,7 @@ def test_report_renders_a_diff_folder_in_every_format(cli, tmp_path):
     js = cli("report", out, "--format", "json")
     assert json.loads(js.stdout) == json.loads((out / "report.json").read_text())
     assert (tmp_path / "r.xml").is_file()
-    assert cli("report", out, "--format", "html").exit_code == 2
+    assert cli("report", out, "--format", "xml").exit_code == 2, "an unknown format is a usage error"
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -69,9 +69,13 @@ class Applied:
     applied: bool  # False: not honoured (recorded, never silently dropped)
     value: Any = None  # the value in effect while generating
     note: str = ""
+    chosen_by: str = ""  # user | machine | batch: who chose `value` ("": inferred, requested None/"auto" is the machine)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.chosen_by:
+            del d["chosen_by"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,9 @@ class ModelIdentity:
     weights_sha256: str | None  # sha256 over the sorted (file, sha256) list; None: not hashed (a remote server's weights)
     tokenizer_sha256: str | None  # sha256 over the tokenizer files' contents, not their paths; None: not hashed (remote)
     quantization: str | None = None  # e.g. Q4_1 for a GGUF file
-    config_sha256: str | None = None  # sha256 over config.json + generation_config.json (None: inside the weights file, as in GGUF)
+    config_sha256: str | None = None  # sha256 over the computation-relevant fields of config.json + generation_config.json (None: inside the weights file, as in GGUF)
+    config_files_sha256: str | None = None  # sha256 over those files' bytes: a cosmetic re-save changes only this
+    chat_template_sha256: str | None = None  # the chat template's text, apart from tokenizer_sha256 (None: no template)
     remote: str | None = None  # why the digests are None ("weights not hashed: remote ..."); omitted from run_config when None
 
     def to_json(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ so every verdict can be produced. Usable from the CLI: `--backend fake --opt div
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Iterator, Sequence
 
 from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
-from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
+from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options, request_seed
 
 _FIRST, _LAST = 32, 126  # generated ids are printable ASCII so they decode to text
 
@@ -28,6 +29,7 @@ class Injection:
     run: int | None = None  # n-th generation of that prompt at that batch size; None: every run
     batch: int | None = None  # only at this batch size; None: any
     what: str = "token"  # token: a different token id; logprob: same token, logprob nudged
+    fresh: bool = False  # only in a process started for a fresh-process repeat (check --fresh-process)
 
     @classmethod
     def parse(cls, spec: str) -> "Injection":
@@ -38,9 +40,9 @@ class Injection:
                 raise UsageError(f"fake diverge spec parts are key=value, got {part!r} in {spec!r}")
             k, v = part.split("=", 1)
             fields[k.strip()] = v.strip()
-        unknown = set(fields) - {"prompt", "pos", "run", "batch", "what"}
+        unknown = set(fields) - {"prompt", "pos", "run", "batch", "what", "fresh"}
         if unknown or "prompt" not in fields or "pos" not in fields:
-            raise UsageError(f"fake diverge spec needs prompt= and pos= (optional run=, batch=, what=), got {spec!r}")
+            raise UsageError(f"fake diverge spec needs prompt= and pos= (optional run=, batch=, what=, fresh=), got {spec!r}")
         if fields.get("what", "token") not in ("token", "logprob"):
             raise UsageError(f"fake diverge what= must be token or logprob, got {fields['what']!r}")
         try:
@@ -50,6 +52,7 @@ class Injection:
                 run=int(fields["run"]) if "run" in fields else None,
                 batch=int(fields["batch"]) if "batch" in fields else None,
                 what=fields.get("what", "token"),
+                fresh=fields.get("fresh", "0") not in ("0", "false"),
             )
         except ValueError as exc:
             raise UsageError(f"fake diverge spec has a non-integer value: {spec!r}") from exc
@@ -70,7 +73,8 @@ class FakeBackend(Backend):
     uses_torch = False
     Options = FakeOptions
 
-    def __init__(self, options: FakeOptions | None = None, *, model: str = "fake") -> None:
+    def __init__(self, options: FakeOptions | None = None, *, model: str = "fake", dtype: str = "float32") -> None:
+        self.requested_dtype = dtype  # recorded like a real engine's: "auto" resolves to float32
         self.options = options or FakeOptions()
         self.model = model
         self.injections = tuple(Injection.parse(s) for s in self.options.diverge.split(";") if s.strip())
@@ -79,7 +83,7 @@ class FakeBackend(Backend):
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "FakeBackend":
-        return cls(parse_options(FakeOptions, config.options, "fake"), model=config.model)
+        return cls(parse_options(FakeOptions, config.options, "fake"), model=config.model, dtype=config.dtype)
 
     def capabilities(self) -> Capabilities:
         tier = 3 if self.options.batch_invariant else min(self.options.max_tier, 2)
@@ -98,16 +102,17 @@ class FakeBackend(Backend):
     ) -> list[Generation]:
         out = []
         size = len(requests)
+        in_fresh_child = os.environ.get("DETLLM_FRESH_CHILD") == "1"  # set by fresh.py in a fresh-process repeat
         stable = bool(self.options.stable_threads) and self._threads == self.options.stable_threads
         for req in requests:
             key = (req.prompt_index, size)
             run = self._seen.get(key, 0)
             self._seen[key] = run + 1
-            rng = random.Random(seed * 1_000_003 + req.prompt_index)
+            rng = random.Random(request_seed(seed, req))  # the prompt's content, not its position (base.request_seed)
             inj = [
                 i for i in self.injections
                 if i.prompt == req.prompt_index and (i.run is None or i.run == run) and (i.batch is None or i.batch == size)
-                and not (stable and i.batch is not None)
+                and not (stable and i.batch is not None) and (not i.fresh or in_fresh_child)
             ]
             out.append(self._one(req, decoding, rng, n_logprobs, logprobs, 1 if stable else size, inj))
         return out
@@ -167,8 +172,10 @@ class FakeBackend(Backend):
     def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
         self._threads = threads
         yield [
-            Applied("seed", seed, True, seed, "per-request random.Random(seed, prompt_index)"),
+            Applied("seed", seed, True, seed, "per-request random.Random(request_seed(seed, prompt id, occurrence))"),
             Applied("threads", threads, False, None, "the fake backend runs no threads"),
+            Applied("dtype", self.requested_dtype, True, "float32" if self.requested_dtype == "auto" else self.requested_dtype,
+                    "scripted numbers: recorded as a real engine would"),
         ]
 
     def env_info(self) -> dict:

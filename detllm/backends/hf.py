@@ -8,10 +8,11 @@ generated tokens are returned, never padding. Models are loaded once per process
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -20,6 +21,7 @@ from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import content_key, folder_identity
 from ..models import local_folder, resolve_model
 from . import tf32
+from . import hf_invariant
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
@@ -31,6 +33,7 @@ _LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, content key, revision, dt
 class HFOptions:
     attn_implementation: str = "eager"  # eager | sdpa: kernels differ, so it is recorded and fixed
     trust_remote_code: bool = False  # never run hub code unless asked
+    batch_invariant: bool = False  # tier 3: batch-invariant ops for the run (hf_invariant.py); slower
 
 
 def _torch():
@@ -62,6 +65,7 @@ class HFBackend(Backend):
             raise BackendUnavailableError("--device cuda was asked for but CUDA is not available", hint="use --device cpu")
         self.device = device
         self._cublas_note = self._set_cublas(torch) if (device == "cuda" and cublas_workspace) else None
+        self.requested_dtype = dtype  # recorded as requested; "auto" resolves to float32 here
         if dtype == "auto":
             dtype = "float32"
         self.dtype = dtype
@@ -122,10 +126,18 @@ class HFBackend(Backend):
     # ------------------------------------------------------------ interface
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(
-            max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
-            notes=("transformers kernels are not batch invariant: padding and batch shape change GEMM reductions",),
-        )
+        if not self.options.batch_invariant:
+            return Capabilities(
+                max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
+                notes=("transformers kernels are not batch invariant: padding and batch shape change GEMM reductions; "
+                       "pass --opt batch_invariant=true for tier 3",),
+            )
+        missing = hf_invariant.uncovered(self._invariant_ops())
+        notes = tuple(f"batch_invariant: op {op.name!r} {op.how}" for op in missing)
+        return Capabilities(max_tier=2 if missing else 3, logprobs=True, sampling=True, batch_invariant=not missing, notes=notes)
+
+    def _invariant_ops(self):
+        return hf_invariant.coverage(self.model, self.options.attn_implementation, self.device)
 
     def context_limit(self) -> int | None:
         # past its trained positions a model keeps generating, silently degraded: refuse instead
@@ -133,6 +145,11 @@ class HFBackend(Backend):
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
+
+    @property
+    def _last_logits_only(self) -> dict[str, int]:
+        # the prompt's lm_head on its last position only: the loop reads nothing else (a 49152-wide GEMM per token saved)
+        return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
 
     def _eos(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
@@ -170,7 +187,8 @@ class HFBackend(Backend):
         done = [False] * n
         past, cur, cur_pos = None, ids, pos
         for _ in range(decoding.max_new_tokens):
-            out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past, use_cache=True)
+            out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past, use_cache=True,
+                             **self._last_logits_only)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()  # (n, vocab) raw logits of the next token
             logp = torch.log_softmax(logits, dim=-1)
@@ -261,6 +279,7 @@ class HFBackend(Backend):
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
+        stack = ExitStack()
         try:
             if tier >= 1:
                 torch.use_deterministic_algorithms(True)
@@ -281,9 +300,17 @@ class HFBackend(Backend):
                 torch.set_num_threads(threads)
             applied.append(Applied("threads", threads, True, torch.get_num_threads(), "" if threads else "engine default kept"))
             applied.append(Applied("attn_implementation", self.options.attn_implementation, True, self.options.attn_implementation))
-            applied.append(Applied("dtype", self.dtype, True, str(self.model.dtype).replace("torch.", "")))
+            applied.append(Applied("dtype", self.requested_dtype, True, str(self.model.dtype).replace("torch.", ""),
+                                   "auto resolves to float32" if self.requested_dtype == "auto" else ""))
+            if self.options.batch_invariant:  # the invariant ops, swapped in for this run only
+                ops = self._invariant_ops()
+                complete = not hf_invariant.uncovered(ops)  # all or nothing: a partial swap proves nothing
+                applied.extend(hf_invariant.applied(ops, installed=complete))
+                if complete:
+                    stack.enter_context(hf_invariant.installed(self.model, self.options.attn_implementation))
             yield applied
         finally:
+            stack.close()
             torch.use_deterministic_algorithms(saved["det"], warn_only=saved["warn"])
             torch.set_num_threads(saved["threads"])
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved["cudnn_det"], saved["cudnn_bench"]

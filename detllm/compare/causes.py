@@ -179,6 +179,10 @@ def _cut(items: list[Any], cap: int = _CAP) -> list[Any]:
 
 def _model(left: Side, right: Side, notes: Notes) -> dict[str, Any] | None:
     lm, rm = left.run_config["model"], right.run_config["model"]
+    if lm["weights_sha256"] is None or rm["weights_sha256"] is None:  # a served model's weights: unknown, never equal or different
+        notes.skip("run_config.model.weights_sha256", "unknown, neither equal nor different: "
+                   + "; ".join(m.get("remote") or "not hashed" for m in (lm, rm) if m["weights_sha256"] is None))
+        return None
     lc, rc = lm.get("config_sha256"), rm.get("config_sha256")
     config_differs = lc is not None and rc is not None and lc != rc
     if config_differs and notes.screen([{"field": "model.config_sha256", "left": lc, "right": rc}], "run_config") == []:
@@ -235,6 +239,9 @@ def _tokenizer(left: Side, right: Side, pairs: list[tuple[dict, dict]], notes: N
         comparable = left.run_config["config"]["backend"] == right.run_config["config"]["backend"] and lm["format"] == rm["format"]
         hashes = notes.screen([{"field": "model.tokenizer_sha256", "left": lm["tokenizer_sha256"], "right": rm["tokenizer_sha256"]}],
                               "run_config")
+        if None in (lm["tokenizer_sha256"], rm["tokenizer_sha256"]):  # a served model's tokenizer: unknown
+            notes.skip("run_config.model.tokenizer_sha256", "unknown, neither equal nor different: not hashed (remote)")
+            hashes = []
         if hashes and hashes[0]["left"] != hashes[0]["right"] and (comparable or differ):
             ev["tokenizer_sha256"] = _lr(lm["tokenizer_sha256"], rm["tokenizer_sha256"])
             if not differ:
@@ -462,7 +469,52 @@ def _batch(left: Side, right: Side, routed: _Routed | None = None) -> dict[str, 
         ev["composition_changed"] = changed  # aligned prompts whose batch position or batch mates differ
     if derived:
         ev["derived"] = _cut(derived)  # settings that follow the batch sizes (slots, max_num_seqs)
+    served = {side: server_batching(s.records) for side, s in (("left", left), ("right", right))}
+    if any(served.values()):
+        ev["server_batching"] = served  # backend openai: what the server itself reported while the requests were in flight
     return ev
+
+
+def add_server_evidence(report: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """A check of a served backend (openai): a check's sides carry no records, so the server's own
+    account is added here from the trace's evidence: BATCH_VARIANCE gets what the server said about
+    its batch (server_batching), RUN_VARIANCE the prompt tokens it served from its prefix cache on
+    each side (server_cache: different counts point at CACHE_VARIANCE, see check --cache-probe)."""
+    from .engine import parse_label, select
+
+    if not records or not isinstance(records[0].get("evidence"), dict):
+        return
+    by_name = {c["name"]: c for c in report.get("comparisons", [])}
+    for cause in report.get("causes", []) + report.get("info", []):
+        comps = [by_name[n] for n in cause["evidence"].get("comparisons", []) if n in by_name]
+        if not comps or cause["code"] not in ("BATCH_VARIANCE", "RUN_VARIANCE"):
+            continue
+        sides = {}
+        for side in ("left", "right"):
+            run, batch = parse_label(comps[0][side])
+            sides[side] = select(records, run=run, batch=batch)
+        if cause["code"] == "BATCH_VARIANCE":
+            served = {side: server_batching(recs) for side, recs in sides.items()}
+            if any(served.values()):
+                cause["evidence"]["server_batching"] = served
+            continue
+        cached = {side: sum((r.get("evidence") or {}).get("cached_prompt_tokens") or 0 for r in recs) for side, recs in sides.items()}
+        if cached["left"] != cached["right"]:
+            cause["evidence"]["server_cache"] = {"cached_prompt_tokens": cached,
+                                                 "note": "the server reused cached prompt tokens on one side: likely CACHE_VARIANCE "
+                                                         "(detllm check --cache-probe tells)"}
+
+
+def server_batching(records: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A served backend's batching evidence over a selection (trace evidence.server_batch): requests
+    in flight and the most the server reported computing at once. None when nothing was recorded."""
+    batches = [r["evidence"]["server_batch"] for r in records or () if isinstance(r.get("evidence"), dict)
+               and isinstance(r["evidence"].get("server_batch"), dict)]
+    if not batches:
+        return None
+    busy = [b["server_busy_max"] for b in batches if "server_busy_max" in b]
+    return {"in_flight": max(b["in_flight"] for b in batches), "source": batches[0].get("source"),
+            "samples": sum(b.get("samples", 0) for b in batches), "server_busy_max": max(busy) if busy else None}
 
 
 def differences(left: Side, right: Side, comp: dict[str, Any], notes: Notes | None = None) -> list[dict[str, Any]]:
@@ -476,7 +528,8 @@ def differences(left: Side, right: Side, comp: dict[str, Any], notes: Notes | No
         notes.versions = schema_versions(left, right)
         if notes.versions[0] != notes.versions[1]:
             for c in versions.changes_between(*notes.versions):
-                notes.skip(c.field, f"redefined in version {c.since}: {c.what}")
+                if not c.field.startswith("report."):  # a diff reads run folders, never their reports
+                    notes.skip(c.field, f"redefined in version {c.since}: {c.what}")
     model = _model(left, right, notes) if full else None
     tokenizer = _tokenizer(left, right, pairs, notes)
     config = _config(left, right, notes, routed) if full else None  # routes machine and batch values first

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from .divergence import LABELS, finite, first_divergence, first_token_difference
 from .divergence import _abs as abs_diff
 from .divergence import noise_floor as dtype_noise_floor
-from .trace import payload_shape, same_output
+from .trace import fast_path, payload_shape, same_output
 
 
 def label(run_index: int, batch_size: int) -> str:
@@ -86,6 +86,10 @@ def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[
             return ({"prompt_index": a["prompt_index"], "steps": n, "max_abs_logprob_diff": 0.0,
                      "mean_topk_overlap": 1.0 if has_top and n else None, "argmax_flips": 0, "tokens_equal": True},
                     [], n if has_top else 0, [])
+    if hasattr(a, "payload") and hasattr(b, "payload"):  # compare/fast.py Views: the same on arrays
+        from .fast import pair_drift
+
+        return pair_drift(a, b)  # type: ignore[arg-type]
     la, lb = a.get("logprobs"), b.get("logprobs")
     if la is None or lb is None or a["input_ids_sha256"] != b["input_ids_sha256"]:
         return None
@@ -228,6 +232,10 @@ def compare(
         if same_output(a, b) and a["input_ids_sha256"] == b["input_ids_sha256"]:
             identical.add(k)
             continue
+        if fast_path(a, b):  # large payloads read from disk: as arrays (compare/fast.py)
+            from .fast import views
+
+            a, b = pairs[k] = views(a, b)
         d = first_divergence(a, b, comparison=name, left_label=left_label, right_label=right_label,
                              check_logprobs=check_logprobs, atol=atol, noise_floor=noise_floor, sampled=sampled)
         if d is not None:

@@ -78,6 +78,17 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return n == b._end - b._start and b._src.startswith(a._src[a._start:a._end], b._start)
 
 
+# payloads below this many bytes on both sides stay on the reference path: numpy's import
+# (~0.1 s) costs more than the fast path saves (a 1,000-token top-5 payload is ~180 KB)
+FAST_PATH_MIN_BYTES = 16_384
+
+
+def fast_path(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether a differing pair goes through compare/fast.py (read from disk, large payloads)."""
+    return (isinstance(a, TraceRecord) and isinstance(b, TraceRecord) and a._src is not None and b._src is not None
+            and max(a._end - a._start, b._end - b._start) >= FAST_PATH_MIN_BYTES)
+
+
 def payload_shape(rec: TraceRecord) -> tuple[int, bool, bool] | None:
     """(generated tokens, has logprobs, has top-k) counted from the raw payload without
     parsing or copying it; None when the bytes are not laid out as the runner writes

@@ -12,18 +12,23 @@ from typing import Any
 
 from ..artifacts import stamp
 from .causes import Side, explain, merge
-from .engine import compare, label, parse_label, select
+from .engine import compare, label, parse_label, report_magnitude, select
 
 
 def check_comparisons(records: list[dict[str, Any]], *, base_batch: int, runs: int, batch_sizes: tuple[int, ...],
-                      tier: int, atol: float, floor: float | None) -> list[dict[str, Any]]:
-    """Each repeat against run 0 at the base batch size; each other batch size against batch size 1."""
+                      tier: int, atol: float, floor: float | None, fresh: frozenset[int] = frozenset(),
+                      sampled: bool = False) -> list[dict[str, Any]]:
+    """Each repeat against run 0 at the base batch size; each other batch size against batch size 1.
+    `fresh`: the repeats that ran in a new process (fresh.py); each comparison says which kind it is."""
     comps = []
     ref = select(records, run=0, batch=base_batch)
     for r in range(1, runs):
-        comps.append(compare(ref, select(records, run=r, batch=base_batch), name=f"run_{r} vs run_0 @ batch {base_batch}",
-                             kind="run", left_label=label(0, base_batch), right_label=label(r, base_batch),
-                             required=tier >= 1, check_logprobs=tier >= 2, atol=atol, noise_floor=floor))
+        where = " (fresh process)" if r in fresh else ""
+        comp = compare(ref, select(records, run=r, batch=base_batch), name=f"run_{r}{where} vs run_0 @ batch {base_batch}",
+                       kind="run", left_label=label(0, base_batch), right_label=label(r, base_batch),
+                       required=tier >= 1, check_logprobs=tier >= 2, atol=atol, noise_floor=floor, sampled=sampled)
+        comp["repeat"] = "fresh-process" if r in fresh else "in-process"
+        comps.append(comp)
     if 1 not in batch_sizes:
         return comps  # no --vary-batch: only repeats were run, at one batch size
     one = select(records, run=0, batch=1)
@@ -33,11 +38,11 @@ def check_comparisons(records: list[dict[str, Any]], *, base_batch: int, runs: i
         # tokens must agree across batch sizes from tier 1; logprobs only where tier 3 promises invariance
         comps.append(compare(one, select(records, run=0, batch=b), name=f"batch {b} vs batch 1",
                              kind="batch", left_label=label(0, 1), right_label=label(0, b),
-                             required=tier >= 1, check_logprobs=tier >= 3, atol=atol, noise_floor=floor))
+                             required=tier >= 1, check_logprobs=tier >= 3, atol=atol, noise_floor=floor, sampled=sampled))
         if tier == 2:
             info = compare(one, select(records, run=0, batch=b), name=f"batch {b} vs batch 1 (logprobs)",
                            kind="batch", left_label=label(0, 1), right_label=label(0, b),
-                           required=False, check_logprobs=True, atol=atol, noise_floor=floor)
+                           required=False, check_logprobs=True, atol=atol, noise_floor=floor, sampled=sampled)
             if info["status"] != "PASS":
                 comps.append(info)
     return comps
@@ -62,9 +67,27 @@ def causes_for(comps: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
     return merge(causes), merge(info)
 
 
-def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effective: int, summary: dict[str, Any]) -> dict[str, Any]:
+def _repeat_kinds(causes: list[dict[str, Any]], comps: list[dict[str, Any]]) -> None:
+    """Say which kind of repeat diverged (RUN_VARIANCE), and that a vary-batch size ran once
+    (BATCH_VARIANCE: run variance at that size is not ruled out)."""
+    by_name = {c["name"]: c for c in comps}
+    for cause in causes:
+        ev, named = cause["evidence"], [by_name[n] for n in cause["evidence"].get("comparisons", []) if n in by_name]
+        if cause["code"] == "RUN_VARIANCE":
+            kinds = sorted({c["repeat"] for c in named if "repeat" in c})
+            if kinds:
+                ev["repeats"] = kinds
+        elif cause["code"] == "BATCH_VARIANCE":
+            sizes = sorted({parse_label(c["right"])[1] for c in named if c["kind"] == "batch"})
+            if sizes:
+                ev["not_repeated"] = f"batch or run variance at batch {', '.join(map(str, sizes))} (not repeated)"
+
+
+def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effective: int, summary: dict[str, Any],
+                 scope: str | None = None) -> dict[str, Any]:
     failing = [c for c in comps if c["status"] == "FAIL"]
     causes, info = causes_for(comps)
+    _repeat_kinds(causes, comps)
     if tier_effective == 0:
         status, category = "RECORDED", "RECORDED"
     elif failing:
@@ -82,4 +105,6 @@ def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effec
         "first_divergence": first,
         "comparisons": comps,
         "summary": summary,
+        "magnitude": report_magnitude(comps),
+        **({"scope": scope} if scope else {}),
     })

@@ -156,7 +156,7 @@ def drift_svg(series: list[float | None], mark: int | None, *, width: int = 560,
         lv = math.log10(v) if v > 0 else lo
         return pad_l + w * i / n, pad_t + h * (1 - (lv - lo) / (hi - lo))
 
-    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img' aria-label='drift by position'>",
+    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='drift by position'>",
              f"<rect x='{pad_l}' y='{pad_t}' width='{w}' height='{h}' fill='#f6f8fa' stroke='#d0d7de'/>"]
     for e in range(lo, hi + 1):
         y = xy(0, 10.0 ** e)[1]

@@ -1,6 +1,7 @@
 """JUnit XML from report.json: one testsuite per comparison, one testcase per prompt.
 
-A diverged prompt in a required comparison is a <failure> typed with the top cause;
+A diverged prompt in a required comparison is a <failure> typed with the cause of its own
+comparison (a check's causes name the comparisons they explain) and its magnitude label;
 a prompt present on one side only fails as PROMPT_MISMATCH; a divergence the tier
 does not require passes with the difference in <system-out>. CI systems read this.
 """
@@ -19,8 +20,15 @@ def _case(suite: ET.Element, classname: str, name: str) -> ET.Element:
     return ET.SubElement(suite, "testcase", {"classname": classname, "name": name, "time": "0"})
 
 
+def cause_of(report: dict[str, Any], comp: dict[str, Any]) -> dict[str, Any] | None:
+    """The most likely cause of this comparison: the first ranked cause whose evidence names
+    it (a check's causes are merged over comparisons), else the report's top cause."""
+    mine = [c for c in report["causes"] if comp["name"] in c["evidence"].get("comparisons", ())]
+    return mine[0] if mine else (report["causes"][0] if report["causes"] else None)
+
+
 def _suite(report: dict[str, Any], comp: dict[str, Any]) -> ET.Element:
-    top = report["causes"][0] if report["causes"] else None
+    top = cause_of(report, comp)
     classname = f"detllm.{report['command']}"
     suite = ET.Element("testsuite", {"name": comp["name"]})
     by_prompt = {d["prompt_index"]: d for d in comp["divergences"]}
@@ -35,7 +43,8 @@ def _suite(report: dict[str, Any], comp: dict[str, Any]) -> ET.Element:
         if comp["required"]:
             failures += 1
             code = top["code"] if top else "DIVERGED"
-            msg = f"{code}: generated token {d['token_index']} differs ({d['kind']})" + (" - near tie" if d["near_tie"] else "")
+            label = (d.get("magnitude") or {}).get("label")
+            msg = f"{code}: generated token {d['token_index']} differs ({d['kind']})" + (f" - {label.replace('_', ' ')}" if label else "")
             why = f"\n{code}: {cause_summary(top)}" if top else ""
             ET.SubElement(case, "failure", {"type": code, "message": msg}).text = detail + why
         else:

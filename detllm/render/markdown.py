@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
-from .text import cause_summary
+from .text import MAGNITUDE_TITLES, cause_summary, drift_summary, equal_drift_line, magnitude_line
 
 
 def _cell(value: Any) -> str:
@@ -48,12 +48,16 @@ def _top(side: dict[str, Any], texts: dict[int, str]) -> str:
 def _divergence(d: dict[str, Any]) -> list[str]:
     left, right = d["left"], d["right"]
     texts = {s["token_id"]: s["token_text"] for s in (left, right) if s["token_id"] is not None}
-    tie = (f"**yes**: a margin is below the noise floor {d['noise_floor']:g}, so a numeric tie flipped"
-           if d["near_tie"] else f"no (noise floor {_num(d['noise_floor'], 'g')})")
+    label = (d.get("magnitude") or {}).get("label")
+    if label:
+        tie = f"**{MAGNITUDE_TITLES.get(label, label)}**: {magnitude_line(d).partition(': ')[2] or 'noise floor ' + _num(d['noise_floor'], 'g')}"
+    else:  # a report written before magnitudes existed
+        tie = (f"**yes**: a margin is below the noise floor {d['noise_floor']:g}, so a numeric tie flipped"
+               if d["near_tie"] else f"no (noise floor {_num(d['noise_floor'], 'g')})")
     lines = [
         "## First divergence", "",
         f"Prompt {d['prompt_index']} (`{d['prompt_id'][:12]}`), generated token **{d['token_index']}**, kind `{d['kind']}`, "
-        f"in *{d['comparison']}*. Near tie: {tie}.", "",
+        f"in *{d['comparison']}*. {'Magnitude' if label else 'Near tie'}: {tie}.", "",
         "Common prefix (the generated text both sides agree on):", "", *_fenced(d["common_prefix_text"][-400:] or "(empty)"), "",
         f"| | left: {_cell(left['label'])} | right: {_cell(right['label'])} |", "|---|---|---|",
         f"| token | {_tok(left)} | {_tok(right)} |",
@@ -128,7 +132,38 @@ def _drift(comps: list[dict[str, Any]]) -> list[str]:
         d = c["drift"]
         lines.append(f"| {_cell(c['name'])} | {d['steps']} | {_num(d['max_abs_logprob_diff'], '.3g')} | "
                      f"{_num(d['mean_topk_overlap'], '.4f')} | {d['argmax_flips']} |")
+    lines.append("")
+    for c in rows:
+        d = c["drift"]
+        dist = drift_summary(d)
+        if dist and (d.get("max_abs_logprob_diff") or d.get("argmax_flips")):
+            lines.append(f"- *{c['name']}*: {dist}")
+        if d.get("tokens_equal_logprobs_differ"):
+            lines.append(f"- *{c['name']}*: **{equal_drift_line(d['tokens_equal_logprobs_differ'])}**")
     return lines + [""]
+
+
+def _magnitude(report: dict[str, Any]) -> list[str]:
+    m = report.get("magnitude")
+    if not m:
+        return []
+    counts = ", ".join(f"{MAGNITUDE_TITLES.get(k, k)} {n}" for k, n in sorted(m["counts"].items()))
+    return [f"Magnitude: **{MAGNITUDE_TITLES.get(m['label'], m['label'])}**" + (f" ({counts})." if counts else "."), ""]
+
+
+def _not_causes(report: dict[str, Any]) -> list[str]:
+    lines = []
+    inert = report.get("inert_differences") or []
+    if inert:
+        lines += ["## Differences that never change the computation", "", "| field | left | right | why not a cause |", "|---|---|---|---|"]
+        lines += [f"| {_cell(d['field'])} | {_cell(d['left'])} | {_cell(d['right'])} | {_cell(d['why'])} |" for d in inert[:20]]
+        lines.append("")
+    skipped = report.get("not_compared") or []
+    if skipped:
+        lines += ["## Not compared across schema versions", "", "| field | reason |", "|---|---|"]
+        lines += [f"| {_cell(d['field'])} | {_cell(d['reason'])} |" for d in skipped[:20]]
+        lines.append("")
+    return lines
 
 
 def _environment(report: dict[str, Any]) -> list[str]:
@@ -147,7 +182,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
     lines = [f"# detllm {report['command']}: {verdict}", "",
              f"Tier {tier['effective']}{tier_note}." + (f" Most likely: {TITLES[report['category']]}." if report["category"] in TITLES else ""), ""]
+    if report.get("scope"):
+        lines += [f"Scope: {report['scope']}.", ""]
     lines += _sides(report)
+    lines += _magnitude(report)
     if report["causes"]:
         lines += _causes("Causes, most likely first", report["causes"], advice=True)
     if report["first_divergence"] is not None:
@@ -163,4 +201,5 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += _environment(report)
     if report.get("info"):
         lines += _causes("Recorded differences that did not fail the verdict", report["info"], advice=False)
+    lines += _not_causes(report)
     return "\n".join(lines).rstrip() + "\n"

@@ -48,11 +48,14 @@ def cause_summary(cause: dict[str, Any]) -> str:
         lo, ro = ev.get("left_only_count", len(ev["left_only"])), ev.get("right_only_count", len(ev["right_only"]))
         return f"{lo} prompt(s) only on the left, {ro} only on the right{text}"
     if code == "CONFIG_MISMATCH":
-        return _pairs(ev["fields"] + ev["applied"], 4)
+        dt = ev.get("dtype_in_effect")
+        return _pairs(ev["fields"] + ev["applied"], 4) + (f"; computed in {dt['left']} vs {dt['right']}" if dt else "")
     if code == "BACKEND_MISMATCH":
         b = ev["backend"]
         name = f"{b['left']} vs {b['right']}" if b["left"] != b["right"] else f"{b['left']} on both sides"
-        return name + (f"; {_pairs(ev['engine'], 3)}" if ev["engine"] else "")
+        dt = ev.get("dtype_in_effect")
+        return (name + (f"; computed in {dt['left']} vs {dt['right']}" if dt else "")
+                + (f"; {_pairs(ev['engine'], 3)}" if ev["engine"] else ""))
     if code == "ENV_MISMATCH":
         return _pairs(ev["differences"], 3) + (f" ({ev['count']} fields in all)" if ev.get("count", 0) > 3 else "")
     first = ev.get("first")
@@ -65,6 +68,10 @@ def cause_summary(cause: dict[str, Any]) -> str:
         what = f"batch size {sizes['left']} vs {sizes['right']}" if sizes else f"batch sizes {ev['batch_sizes']}"
         if ev.get("composition_changed"):
             what += f"; {ev['composition_changed']} prompt(s) sat in a different batch"
+        if ev.get("derived"):
+            what += f"; settings that follow the batch size: {_pairs(ev['derived'], 2)}"
+        if ev.get("not_repeated"):
+            what += f"; {ev['not_repeated']}"
         for side, sb in (ev.get("server_batching") or {}).items():  # backend openai: the server's own account
             if sb:
                 what += (f"; {side}: {sb['in_flight']} request(s) in flight, the server computed up to "
@@ -73,7 +80,9 @@ def cause_summary(cause: dict[str, Any]) -> str:
     if code == "CACHE_VARIANCE":
         sides = ", ".join(f"{k} {v.get('side')} ({v.get('cached_prompt_tokens', '?')} cached tokens)" for k, v in ev.get("sides", {}).items())
         return f"prefix cache: {sides}" + where
-    return "same model, tokenizer, prompts, config, engine, environment and batch" + where
+    kinds = ev.get("repeats")
+    which = f"; diverged in {' and '.join(k + ' repeats' for k in kinds)}" if kinds else ""
+    return "same model, tokenizer, prompts, config, engine, environment and batch" + which + where
 
 
 def _tok(side: dict[str, Any], same_token: bool) -> str:
@@ -100,9 +109,79 @@ def divergence_lines(d: dict[str, Any]) -> list[str]:
         lines.append(f"  the prompt was tokenized differently on the two sides{at}")
     if d.get("logprob_abs_diff") is not None:
         lines.append(f"  |logprob difference| {d['logprob_abs_diff']:.3g}")
-    if d.get("near_tie"):
-        lines.append(f"  near tie: a margin is below the noise floor {d['noise_floor']:g} (a numeric tie flipped)")
+    m = magnitude_line(d)
+    if m:
+        lines.append("  " + m)
     return lines
+
+
+MAGNITUDE_TITLES = {
+    "tie_flip": "tie flip",
+    "confident_flip": "confident flip",
+    "sampled_step": "sampled step",
+    "tokens_equal_logprobs_differ": "tokens equal, logprobs differ",
+    "input_ids": "different input ids",
+    "length": "one side stopped",
+    "unclassified": "unclassified",
+    "identical": "identical",
+}
+
+
+def _g(x: Any) -> str:
+    return "?" if x is None else f"{x:.3g}"
+
+
+def magnitude_line(d: dict[str, Any]) -> str:
+    """One line saying how big a divergence is (docs/causes.md#magnitude)."""
+    m = d.get("magnitude")
+    if not m:  # a report written before magnitudes existed
+        return f"near tie: a margin is below the noise floor {d['noise_floor']:g} (a numeric tie flipped)" if d.get("near_tie") else ""
+    label, floor = m["label"], m.get("noise_floor")
+    gap = m.get("gap") or {}
+    bound = m.get("gap_is_lower_bound") or {}
+    gaps = (f"gap between the two tokens {'>=' if bound.get('left') else ''}{_g(gap.get('left'))} on the left, "
+            f"{'>=' if bound.get('right') else ''}{_g(gap.get('right'))} on the right")
+    at = f" at token {m['token_index']}" if m.get("token_index") not in (None, d["token_index"]) else ""
+    if label == "tie_flip":
+        return f"tie flip{at}: {gaps}, both below the noise floor {_g(floor)} (any reordering of a sum can flip it)"
+    if label == "confident_flip":
+        return f"confident flip{at}: {gaps}; noise floor {_g(floor)}: a real computational difference"
+    if label == "sampled_step":
+        pr = m.get("probabilities") or {}
+        lp, rp = pr.get("left") or {}, pr.get("right") or {}
+        moved = m.get("distribution_moved")
+        how = "" if moved is None else ("; the two tokens' odds moved beyond the noise floor" if moved
+                                        else "; the two tokens' odds did not move: the samplers drew differently")
+        return (f"sampled step{at}: p(own token) {_g(lp.get('own'))}, p(other's token) {_g(lp.get('other'))} on the left; "
+                f"{_g(rp.get('own'))}, {_g(rp.get('other'))} on the right{how}")
+    if label == "tokens_equal_logprobs_differ":
+        noise = "" if floor is None else (" (within the noise floor)" if m.get("within_noise") else f" (beyond the noise floor {_g(floor)})")
+        return f"tokens equal, logprobs differ: |difference| {_g(m.get('abs_diff'))}{noise}"
+    if label == "unclassified":
+        return f"magnitude unclassified: {m.get('why', 'not enough recorded')}"
+    return ""
+
+
+def drift_summary(drift: dict[str, Any]) -> str:
+    """Distribution measures of one comparison, in one line ("" without logprobs)."""
+    if not drift.get("available"):
+        return ""
+    parts = []
+    if drift.get("same_top1_share") is not None:
+        parts.append(f"same top-1 {drift['same_top1_share']:.1%}")
+    if drift.get("kl_topk"):
+        parts.append(f"KL(top-k) mean {drift['kl_topk']['mean']:.3g} max {drift['kl_topk']['max']:.3g}")
+    pc = drift.get("abs_logprob_diff_percentiles")
+    if pc and drift.get("max_abs_logprob_diff"):
+        parts.append(f"|dlogprob| p50 {pc['p50']:.3g} p90 {pc['p90']:.3g} p99 {pc['p99']:.3g} max {drift['max_abs_logprob_diff']:.3g}")
+    return ", ".join(parts)
+
+
+def equal_drift_line(e: dict[str, Any]) -> str:
+    """The "tokens equal, logprobs differ" finding of a comparison."""
+    growth = " -> ".join(_g(q["max_abs_logprob_diff"]) for q in e["growth"])
+    return (f"tokens equal, logprobs differ in {e['prompts']} prompt(s): max |dlogprob| {_g(e['max_abs_logprob_diff'])}, "
+            f"from prompt {e['first']['prompt_index']} token {e['first']['token_index']}; by quarter of the positions {growth}")
 
 
 def _header(report: dict[str, Any]) -> list[str]:
@@ -123,6 +202,8 @@ def _header(report: dict[str, Any]) -> list[str]:
     if "prompts" in s:
         lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  batch sizes {s.get('batch_sizes', '-')}  "
                      f"tokens {s.get('generated_tokens', '-')}")
+    if report.get("scope"):
+        lines.append(f"scope: {report['scope']}")
     return lines
 
 
@@ -138,7 +219,22 @@ def render_text(report: dict[str, Any]) -> str:
         unmatched = len(c["unmatched"]["left_only"]) + len(c["unmatched"]["right_only"])
         extra += f"  {unmatched} prompt(s) unmatched" if unmatched else ""
         need = "" if c["required"] else " (not required)"
+        mag = (c.get("magnitude") or {}).get("label")
+        extra += f"  [{MAGNITUDE_TITLES.get(mag, mag)}]" if mag and mag != "identical" else ""
         lines.append(f"  {c['status']:<4} {c['name']}: {c['prompts_diverged']}/{c['prompts_compared']} prompts diverged{need}{extra}")
+        dist = drift_summary(drift)
+        if dist and (drift.get("max_abs_logprob_diff") or drift.get("argmax_flips")):
+            lines.append(f"       {dist}")
+        if drift.get("tokens_equal_logprobs_differ"):
+            lines.append("       " + equal_drift_line(drift["tokens_equal_logprobs_differ"]))
+        moved = c.get("prompts_moved") or {}
+        if moved.get("count"):
+            ex = moved["examples"][0]
+            lines.append(f"       {moved['count']} aligned prompt(s) sit at other positions (e.g. {ex['left_index']} -> {ex['right_index']})")
+    if report.get("magnitude"):
+        m = report["magnitude"]
+        counts = ", ".join(f"{MAGNITUDE_TITLES.get(k, k)} {n}" for k, n in sorted(m["counts"].items()))
+        lines.append(f"magnitude: {MAGNITUDE_TITLES.get(m['label'], m['label'])}" + (f" ({counts})" if counts else ""))
     if report["causes"]:
         lines.append("causes, most likely first:")
     for n, cause in enumerate(report["causes"], 1):
@@ -147,6 +243,14 @@ def render_text(report: dict[str, Any]) -> str:
     if info:
         lines.append("recorded differences that did not fail the verdict:")
         lines += [f"  - {c['code']}: {cause_summary(c)}"[:300] for c in info]
+    inert = report.get("inert_differences") or []
+    if inert:
+        lines.append("differences that never change the computation (not causes):")
+        lines += [f"  - {d['field']} {short(d['left'])} vs {short(d['right'])}: {d['why']}"[:300] for d in inert[:8]]
+    skipped = report.get("not_compared") or []
+    if skipped:
+        lines.append("not compared (recorded with different meanings by the two schema versions):")
+        lines += [f"  - {d['field']}: {d['reason']}"[:300] for d in skipped[:8]]
     if report["first_divergence"] is not None:
         lines += divergence_lines(report["first_divergence"])
     if report["causes"]:

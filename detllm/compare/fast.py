@@ -1,0 +1,248 @@
+"""The fast path of a comparison: payloads that differ are parsed straight into arrays.
+
+compare/trace.py keeps every payload as the bytes the runner wrote; a byte-identical
+pair is settled there. A pair that differs is parsed here: msgspec for the typed lists,
+one flat decode of the top-k section checked against its expected bracket layout, numpy
+for the per-step work. Owns no meaning: `pair_drift` mirrors engine._pair_drift step
+for step (same floats, same summation order) and first divergences still come from
+divergence.first_divergence, run on a `View` of the arrays. A record not laid out as
+the runner writes it (nulls, token strings, ragged or duplicated top-k, whitespace) gets
+no view and takes the reference path. tests/test_fast_diff.py holds both paths to the
+same report.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgspec
+import numpy as np
+
+from .trace import TraceRecord
+
+_INTS = msgspec.json.Decoder(list[int])
+_FLOATS = msgspec.json.Decoder(list[float])
+_STRS = msgspec.json.Decoder(list[str])
+_STR = msgspec.json.Decoder(str)
+_MARKS = (b',"token_ids":', b',"token_texts":', b',"text":', b',"logprobs":', b',"top_logprobs":')
+_FINISH = b',"finish_reason":'
+_NUMBER_BYTES = b"0123456789.-+eE"
+_MAX_ID = 2**53  # ids read as float64 are exact below this
+
+
+class Payload:
+    """A record's generated steps as arrays. ids (n,) int64; lps (n,) float64 or None;
+    top_ids (n, k) int64 and top_lps (n, k) float64, or None; texts and text as raw JSON."""
+
+    __slots__ = ("ids", "lps", "top_ids", "top_lps", "texts_raw", "text_raw", "finish_reason")
+
+    def __init__(self, ids, lps, top_ids, top_lps, texts_raw: bytes, text_raw: bytes, finish_reason: str) -> None:
+        self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
+        self.texts_raw, self.text_raw, self.finish_reason = texts_raw, text_raw, finish_reason
+
+
+def _sections(rec: TraceRecord) -> list[bytes] | None:
+    """The payload's values as bytes, in the order the runner writes them (ids, texts, text,
+    logprobs, top-k, finish_reason); None when the layout differs."""
+    src, start, end = rec._src, rec._start, rec._end
+    if src is None:
+        return None
+    at = []
+    pos = start
+    for mark in _MARKS:
+        p = src.find(mark, pos, end)
+        if p < 0 or (at and p < at[-1][1]):
+            return None
+        at.append((p, p + len(mark)))
+        pos = p + len(mark)
+    fin = src.rfind(_FINISH, pos, end)  # the last field: found from the end
+    if fin < 0:
+        return None
+    bounds = [*(a for _, a in at), fin + len(_FINISH)]
+    stops = [p for p, _ in at[1:]] + [fin, end - 1]  # end - 1: the closing brace
+    return [src[a:b] for a, b in zip(bounds, stops)]
+
+
+def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids, lps) of a top-k section written as n steps of k [id, logprob] pairs each."""
+    if n == 0 or not raw.startswith(b"[[["):
+        return None
+    skeleton = raw.translate(None, _NUMBER_BYTES)  # the brackets and commas alone
+    first = skeleton.find(b"]]")
+    if first < 0:
+        return None
+    k = skeleton.count(b"[,]", 0, first + 1)
+    step = b"[" + b",".join([b"[,]"] * k) + b"]"
+    if k == 0 or len(skeleton) != n * len(step) + (n - 1) + 2 or skeleton != b"[" + b",".join([step] * n) + b"]":
+        return None  # ragged, nested otherwise, nulls or whitespace
+    try:
+        flat = np.array(_FLOATS.decode(b"[" + raw.translate(None, b"[]") + b"]"), dtype=np.float64)
+    except msgspec.DecodeError:
+        return None
+    pairs = flat.reshape(n, k, 2)
+    ids, lps = pairs[:, :, 0], pairs[:, :, 1]
+    if not (np.isfinite(lps).all() and (ids >= 0).all() and (ids < _MAX_ID).all() and (ids == np.floor(ids)).all()):
+        return None
+    ids = ids.astype(np.int64)
+    if k > 1:
+        s = np.sort(ids, axis=1)
+        if (s[:, 1:] == s[:, :-1]).any():
+            return None  # an id twice in one step: the reference path's dicts decide
+    return ids, np.ascontiguousarray(lps)
+
+
+def payload(rec: TraceRecord) -> Payload | None:
+    """The record's payload as arrays, validated as records.check_trace_record would; None
+    when it is not laid out as the runner writes it (the reference path then reads it)."""
+    parts = _sections(rec)
+    if parts is None:
+        return None
+    ids_raw, texts_raw, text_raw, lps_raw, tops_raw, fin_raw = parts
+    fin = {b'"length"': "length", b'"stop"': "stop"}.get(fin_raw)
+    if fin is None:
+        return None
+    try:
+        ids = np.array(_INTS.decode(ids_raw), dtype=np.int64)
+        lps = None if lps_raw == b"null" else np.array(_FLOATS.decode(lps_raw), dtype=np.float64)
+    except (msgspec.DecodeError, OverflowError):
+        return None
+    n = len(ids)
+    if (n and ids.min() < 0) or (lps is not None and (len(lps) != n or not np.isfinite(lps).all())):
+        return None
+    if tops_raw == b"null":
+        top_ids = top_lps = None
+    else:
+        got = _tops(tops_raw, n)
+        if got is None:
+            return None
+        top_ids, top_lps = got
+    try:  # validated here as check_trace_record would; used only on a divergence
+        _STRS.decode(texts_raw), _STR.decode(text_raw)
+    except msgspec.DecodeError:
+        return None
+    return Payload(ids, lps, top_ids, top_lps, texts_raw, text_raw, fin)
+
+
+class _Tops(Sequence):
+    """top_logprobs of a View: step i as [[id, logprob], ...], built on access."""
+
+    def __init__(self, ids: np.ndarray, lps: np.ndarray) -> None:
+        self._ids, self._lps = ids, lps
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return [[t, lp] for t, lp in zip(self._ids[i].tolist(), self._lps[i].tolist())]
+
+
+class View(dict):
+    """A trace record whose payload lives in a Payload: the header as keys, the generated
+    fields built on access, as the reference code reads them."""
+
+    def __init__(self, rec: TraceRecord, p: Payload) -> None:
+        super().__init__({k: dict.__getitem__(rec, k) for k in rec.keys()})
+        self.payload, self.where = p, rec.where
+
+    def __missing__(self, key: str) -> Any:
+        p = self.payload
+        if key == "token_ids":
+            value: Any = p.ids.tolist()
+        elif key == "logprobs":
+            value = None if p.lps is None else p.lps.tolist()
+        elif key == "top_logprobs":
+            value = None if p.top_ids is None else _Tops(p.top_ids, p.top_lps)
+        elif key == "token_texts":
+            value = _STRS.decode(p.texts_raw)
+        elif key == "text":
+            value = _STR.decode(p.text_raw)
+        elif key == "finish_reason":
+            value = p.finish_reason
+        else:
+            raise KeyError(key)
+        self[key] = value
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+
+def views(a: Any, b: Any) -> tuple[Any, Any]:
+    """Both records as Views when both payloads read as arrays, else both unchanged."""
+    if not (isinstance(a, TraceRecord) and isinstance(b, TraceRecord)) or "token_ids" in a.keys() or "token_ids" in b.keys():
+        return a, b
+    pa = payload(a)
+    pb = payload(b) if pa is not None else None
+    if pa is None or pb is None:
+        return a, b
+    return View(a, pa), View(b, pb)
+
+
+def first_token_difference(a: np.ndarray, b: np.ndarray) -> int | None:
+    n = min(len(a), len(b))
+    neq = np.flatnonzero(a[:n] != b[:n])
+    if neq.size:
+        return int(neq[0])
+    return None if len(a) == len(b) else n
+
+
+def kl_rows(pa_ids: np.ndarray, pa_lps: np.ndarray, pb_ids: np.ndarray, pb_lps: np.ndarray) -> np.ndarray:
+    """engine._kl_topk for m steps at once: KL(left || right) of each step's top-k, the left's
+    ids, each side renormalised over them; an id below the right's top-k takes the right's
+    k-th (smallest) logprob. Sums run left to right over the k columns, as Python's sum."""
+    match = pa_ids[:, :, None] == pb_ids[:, None, :]  # (m, ka, kb)
+    kth = pb_lps.min(axis=1)
+    q = np.where(match.any(axis=2), (match * pb_lps[:, None, :]).sum(axis=2), kth[:, None])
+    p = pa_lps
+    ka = p.shape[1]
+
+    def seqsum(cols):  # left to right, as sum() over a generator
+        s = cols(0)
+        for j in range(1, ka):
+            s = s + cols(j)
+        return s
+
+    zp = np.log(seqsum(lambda j: np.exp(p[:, j])))
+    zq = np.log(seqsum(lambda j: np.exp(q[:, j])))
+    s = seqsum(lambda j: np.exp(p[:, j] - zp) * ((p[:, j] - zp) - (q[:, j] - zq)))
+    return np.where(s > 0.0, s, 0.0)
+
+
+def pair_drift(a: View, b: View) -> tuple[dict[str, Any], list[float], int, list[float]] | None:
+    """engine._pair_drift on arrays (same result, same floats)."""
+    pa, pb = a.payload, b.payload
+    if pa.lps is None or pb.lps is None or a["input_ids_sha256"] != b["input_ids_sha256"]:
+        return None
+    ia, ib = pa.ids, pb.ids
+    tok = first_token_difference(ia, ib)
+    same = min(len(pa.lps), len(pb.lps), len(ia) if tok is None else tok)
+    shared = same + 1 if tok is not None and tok < min(len(ia), len(ib)) else same
+    per = np.abs(pa.lps[:same] - pb.lps[:same])
+    overlap, counted, flips, kls = 0.0, 0, 0, []
+    if pa.top_ids is not None and pb.top_ids is not None:
+        m = min(shared, len(pa.top_ids), len(pb.top_ids))
+        if m:
+            A, B = pa.top_ids[:m], pb.top_ids[:m]
+            ka, kb = A.shape[1], B.shape[1]
+            inter = (A[:, :, None] == B[:, None, :]).any(axis=2).sum(axis=1)  # ids are distinct within a step
+            overlap = float(np.cumsum(inter / max(ka, kb))[-1])  # left to right, as the reference's +=
+            counted = m
+            flips = int((A[:, 0] != B[:, 0]).sum())
+            la, lb = pa.top_lps[:m], pb.top_lps[:m]
+            kl = kl_rows(A, la, B, lb)
+            if ka == kb:  # a step whose top-k lists are equal is 0.0 without computing
+                kl = np.where((A == B).all(axis=1) & (la == lb).all(axis=1), 0.0, kl)
+            kls = kl.tolist()
+    return ({"prompt_index": a["prompt_index"], "steps": shared,
+             "max_abs_logprob_diff": float(per.max()) if same else 0.0,
+             "mean_topk_overlap": overlap / counted if counted else None, "argmax_flips": flips,
+             "tokens_equal": tok is None},
+            per.tolist(), counted, kls)
+
+
+__all__ = ["Payload", "View", "kl_rows", "pair_drift", "payload", "views"]

@@ -138,6 +138,7 @@ class RunConfig:
     runs: int = ranged(1, ints(1, 1000))  # repeats at batch_size (check needs >= 2)
     logprobs: int = ranged(5, ints(1, 100))  # (id, logprob) pairs recorded per step, best first (OpenAI: top_logprobs); not a sampling filter
     record_prompt_text: bool = True  # False keeps only the sha256 of each prompt
+    fresh_process: int = 0  # check: this many repeats each run in a new process (fresh.py); 0: all share one process
     threads: int | None = ranged(None, ints(1, 1024))  # intra-op threads; None keeps the backend default
     atol: float = ranged(0.0, floats(0, 1000))  # logprob tolerance at tier 2; 0 means bitwise
     options: tuple[tuple[str, str], ...] = ()  # backend-specific key=value, typed by the backend
@@ -161,6 +162,13 @@ class RunConfig:
                              hint="add --vary-batch, e.g. 1,2,8")
         if command == "check" and self.runs < 2:
             raise UsageError(f"check needs --runs of at least 2 to compare runs, got {self.runs}")
+        if self.fresh_process < 0:
+            raise UsageError(f"--fresh-process must be >= 0, got {self.fresh_process}")
+        if self.fresh_process and command == "run":
+            raise UsageError("--fresh-process applies to check, which repeats runs; run generates each batch size once")
+        if self.fresh_process > self.runs - 1:
+            raise UsageError(f"--fresh-process {self.fresh_process} needs --runs of at least {self.fresh_process + 1}: run 0, the "
+                             f"reference, runs in the check's own process", hint=f"use --runs {self.fresh_process + 1}")
         self.decoding.validate()
 
     @property

@@ -281,17 +281,18 @@ class Verification:
     signature: str  # "verified", "not checked" (manifest.sig present, no --pubkey) or "absent"
     key_sha256: str | None = None  # sha256 of the raw Ed25519 public key that verified it
     notes: list[str] = field(default_factory=list)
+    verdict: str = ""  # whether report.json's verdict was re-derived from the trace (rederive.py), in words
 
     def lines(self) -> list[str]:
         """What `detllm verify` prints."""
         chain = f", {self.records} trace records chained (head {self.head[:16]}…)" if self.head else ", no trace"
         key = f" by key sha256 {self.key_sha256[:16]}…" if self.key_sha256 else ""
         return [f"verified {self.path}: {self.files} files unchanged{chain}; signature {self.signature}{key}"] + \
-            [f"note: {n}" for n in self.notes]
+            ([self.verdict] if self.verdict else []) + [f"note: {n}" for n in self.notes]
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": True, "path": str(self.path), "files": self.files, "records": self.records, "head": self.head,
-                "signature": self.signature, "key_sha256": self.key_sha256, "notes": self.notes}
+                "signature": self.signature, "key_sha256": self.key_sha256, "verdict": self.verdict, "notes": self.notes}
 
 
 def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verification:
@@ -337,9 +338,21 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verifica
     _raise_first([p for p in problems if not p.schema], IntegrityError, "the pack changed after it was sealed")
     problems += [Problem(rel, msg, schema=True) for rel, msg in _schema_problems(folder, files)]
     _raise_first(problems, ArtifactError, "the pack was sealed with invalid content")
-    notes = [] if signature == "verified" else ["unsigned check: it catches accidents, not a forger who rewrites the manifest"]
+    verdict = check_verdict(folder)
+    notes = [] if signature == "verified" else [UNSIGNED_NOTE]
     return Verification(folder, len(listed), trace["records"] if trace else None, trace["head"] if trace else None,
-                        signature, key_sha, notes)
+                        signature, key_sha, notes, verdict)
+
+
+UNSIGNED_NOTE = ("unsigned: this shows the files are unchanged since sealing and consistent with each other, "
+                 "not who wrote them; anyone can write such a folder, only a signature (--pubkey) says who")
+
+
+def check_verdict(folder: Path) -> str:
+    """report.json's verdict against the sealed trace (rederive.py); IntegrityError names the field."""
+    from .rederive import rederive_verdict  # lazy: it loads the compare engine
+
+    return rederive_verdict(folder)
 
 
 def _raise_first(problems: list[Problem], cls: type, why: str) -> None:

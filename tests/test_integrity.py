@@ -115,7 +115,8 @@ def test_verify_passes_on_an_untouched_run(cli, run):
     assert r.exit_code == 0, r.output
     assert f"{TRACE_LINES} trace records chained" in r.stdout
     assert "signature absent" in r.stdout
-    assert "catches accidents, not a forger" in r.stdout
+    assert "verdict re-derived from the trace: PASS" in r.stdout
+    assert "note: unsigned: this shows the files are unchanged since sealing" in r.stdout
 
 
 def test_verify_json_output(cli, run):
@@ -351,3 +352,77 @@ def test_seal_from_the_writers_digests_equals_sealing_from_disk(tmp_path):
     wrong = [b"\0" * 32] * len(lines)
     assert build_manifest(out, wrong)["trace"]["head"] != written["trace"]["head"]  # the digests are used ...
     assert build_manifest(out, wrong[:-1]) == written  # ... only when they cover every line
+
+
+# ---------------------------------------------------------------- verify: the verdict follows from the trace (rederive.py)
+
+
+@pytest.fixture(scope="module")
+def failed_check(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("forge") / "fail"
+    outcome = detllm.check(backend="fake", options={"diverge": "prompt=2,pos=5,run=1"}, out=out)
+    assert outcome.status == "FAIL"
+    return out
+
+
+def forge(src: Path, dest: Path, **fields) -> Path:
+    """Copy `src`, edit report.json's fields, re-seal unsigned: what a forger without a key can do."""
+    shutil.copytree(src, dest)
+    rep = json.loads((dest / "report.json").read_text())
+    rep.update(fields)
+    (dest / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    seal(dest)
+    return dest
+
+
+def test_an_untouched_fail_verifies_and_its_verdict_is_re_derived(cli, failed_check):
+    r = cli("verify", failed_check)
+    assert r.exit_code == 0, r.output
+    assert "verdict re-derived from the trace: FAIL (RUN_VARIANCE)" in r.stdout
+    assert json.loads(cli("verify", failed_check, "--json").stdout)["verdict"].startswith("verdict re-derived")
+
+
+def test_a_fail_edited_to_pass_and_resealed_is_refused(cli, failed_check, tmp_path):
+    forged = forge(failed_check, tmp_path / "forged", status="PASS", category="PASS", first_divergence=None, causes=[])
+    r = cli("verify", forged)
+    assert r.exit_code == 6, r.output
+    assert r.stderr.startswith("detllm: error: report.json: status is 'PASS', but the sealed trace gives 'FAIL'")
+    assert len(r.stderr.strip().splitlines()) == 1
+    pack = tmp_path / "forged.tar.gz"
+    from detllm.pack import create_pack
+
+    with pytest.raises(IntegrityError, match="report.json: status"):
+        create_pack(forged, pack)  # pack verifies first: a forged folder is never packed
+    assert not pack.exists()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("category", "BATCH_VARIANCE", "report.json: category is 'BATCH_VARIANCE', but the sealed trace gives 'RUN_VARIANCE'"),
+    ("first_divergence", None, "report.json: first_divergence is None, but the sealed trace gives a divergence"),
+    ("command", "replay", "report.json: command is 'replay', but run_config.json records 'check'"),
+])
+def test_each_forged_verdict_field_is_named(cli, failed_check, tmp_path, field, value, needle):
+    r = cli("verify", forge(failed_check, tmp_path / "forged", **{field: value}))
+    assert r.exit_code == 6 and needle in r.stderr, r.output
+
+
+def test_a_moved_first_divergence_is_named(cli, failed_check, tmp_path):
+    first = json.loads((failed_check / "report.json").read_text())["first_divergence"]
+    r = cli("verify", forge(failed_check, tmp_path / "forged", first_divergence={**first, "token_index": first["token_index"] + 1}))
+    assert r.exit_code == 6 and "report.json: first_divergence is a divergence at" in r.stderr, r.output
+
+
+def test_a_run_report_edited_to_pass_is_refused(cli, tmp_path):
+    out = detllm.run(backend="fake", out=tmp_path / "run").out_dir
+    r = cli("verify", forge(out, tmp_path / "forged", status="PASS", category="PASS"))
+    assert r.exit_code == 6 and "report.json: status is 'PASS', but the sealed trace gives 'RECORDED'" in r.stderr
+
+
+def test_folders_whose_verdict_cannot_be_re_derived_say_so(cli, failed_check, tmp_path):
+    v1 = Path(__file__).parent / "fixtures" / "v1" / "check_fail.tar.gz"
+    r = cli("verify", v1)
+    assert r.exit_code == 0, r.output
+    assert "verdict not re-derived: written under schema_version 1" in r.stdout
+    assert cli("diff", failed_check, failed_check, "--out", tmp_path / "d").exit_code == 0
+    r = cli("verify", tmp_path / "d")
+    assert r.exit_code == 0 and "verdict not re-derived: the folder holds no trace" in r.stdout, r.output

@@ -1,0 +1,96 @@
+"""Re-derive a sealed folder's verdict from its own trace, so a report cannot be forged.
+
+Owns one question `verify` asks after the bytes check out: does report.json's status,
+category and first divergence follow from the sealed trace under the recorded settings
+(run_config.json: batch sizes, runs, atol, dtype; determinism_applied.json: the effective
+tier and what was applied)? It runs the same comparison code `check` ran (compare/), and
+never an engine. Folders without a trace (diff --out), replays (their verdict is a diff
+against the pack, which is not in the folder) and folders written under an earlier
+schema_version are reported as not re-derived, in plain words.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .artifacts import APPLIED, REPORT, RUN_CONFIG, TRACE
+from .errors import IntegrityError
+from .hashing import canonical_json
+from .schema_io import SCHEMA_VERSION, finite
+
+CHECKED_FIELDS = ("status", "category", "first_divergence")
+
+
+def rederive_verdict(folder: Path) -> str:
+    """Raise IntegrityError naming report.json's first field that does not follow from the
+    trace; return what was done, in words, for `verify` to print."""
+    if not (folder / REPORT).is_file():
+        return "no report.json: no verdict to re-derive"
+    report = _read(folder / REPORT)
+    if not (folder / TRACE).is_file() or not (folder / RUN_CONFIG).is_file():
+        return "verdict not re-derived: the folder holds no trace (a diff folder); its report is as sealed"
+    run_config, applied = _read(folder / RUN_CONFIG), _read(folder / APPLIED)
+    versions = {d.get("schema_version") for d in (report, run_config, applied)}
+    if versions != {SCHEMA_VERSION}:
+        old = sorted(v for v in versions if v != SCHEMA_VERSION)
+        return (f"verdict not re-derived: written under schema_version {', '.join(map(str, old))}; "
+                f"only the bytes and the hash chain were checked")
+    command = run_config.get("command")
+    if report.get("command") != command:
+        raise IntegrityError(f"{REPORT}: command is {report.get('command')!r}, but {RUN_CONFIG} records {command!r}",
+                             hint="the report does not belong to this run")
+    if command == "replay":
+        return "verdict not re-derived: a replay's verdict is a diff against the pack it replayed, which is not in the folder"
+    expected = expected_verdict(folder, run_config, applied, command)
+    for name in CHECKED_FIELDS:
+        if _canon(report.get(name)) != _canon(expected[name]):
+            raise IntegrityError(
+                f"{REPORT}: {name} is {_show(report.get(name))}, but the sealed trace gives {_show(expected[name])}",
+                hint="the verdict was edited after the run; re-run the check")
+    return f"verdict re-derived from the trace: {expected['status']}" + \
+        (f" ({expected['category']})" if expected["status"] == "FAIL" else "")
+
+
+def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str, Any], command: str) -> dict[str, Any]:
+    """{status, category, first_divergence} as `run`/`check` computes them from this trace."""
+    if command == "run":
+        return {"status": "RECORDED", "category": "RECORDED", "first_divergence": None}
+    from .compare.divergence import run_noise_floor
+    from .compare.trace import load_records
+    from .compare.verdict import check_comparisons, check_report
+    from .config import RunConfig
+
+    config = RunConfig.from_json(run_config["config"])
+    tier = applied["tier_effective"]
+    floor = run_noise_floor(config.dtype, applied["settings"], run_config["model"].get("quantization"))
+    records, _ = load_records(folder / TRACE)
+    comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
+                              tier=tier, atol=config.atol, floor=floor, **_fresh(config))
+    report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={})
+    return {name: report[name] for name in CHECKED_FIELDS}
+
+
+def _fresh(config: Any) -> dict[str, Any]:
+    """The fresh-process repeats (fresh.py), where this detllm has them."""
+    try:
+        from .fresh import fresh_runs
+    except ImportError:
+        return {}
+    return {"fresh": fresh_runs(config)} if getattr(config, "fresh_process", 0) else {}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_bytes())  # verify has validated every file against its schema already
+
+
+def _canon(value: Any) -> bytes:
+    return canonical_json(finite(value))  # as written to disk: NaN/inf are null
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        where = {k: value[k] for k in ("comparison", "prompt_index", "token_index") if k in value}
+        return f"a divergence at {where}" if where else "a divergence"
+    return repr(value)

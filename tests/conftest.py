@@ -55,3 +55,28 @@ def smollm2_sides(tmp_path_factory, cross_prompt_file):
     return tuple(detllm.run(backend=b, model="smollm2-135m", prompts=cross_prompt_file, tier=2, max_new_tokens=12,
                             out=tmp / f"{b}-smollm2-135m").out_dir for b in ("hf", "llamacpp"))
 
+
+
+@pytest.fixture(scope="session")
+def llama_served():
+    """One real llama-server per session for the served-endpoint (openai backend) tests: the tiny
+    GGUF, 8 slots, prompt caching as llama-server ships it (on), alias "tiny". Started through
+    llamacpp_server.Server, so it dies with the test process on every exit path."""
+    from detllm.backends.llamacpp_server import Server, find_server, free_port
+    from detllm.errors import BackendUnavailableError
+    from detllm.models import builtin_path
+
+    try:
+        binary = find_server()
+    except BackendUnavailableError as exc:
+        pytest.fail(f"llama-server is required for the openai backend tests: {exc.one_line()}")
+    gguf = builtin_path("tiny", "gguf") / "model.gguf"
+    port = free_port()
+    srv = Server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "8", "-c", "4096",
+                  "--alias", "tiny", "--no-webui", "-t", "2"], port, 120.0)
+    try:
+        srv.wait_ready(120.0)
+        srv.url = f"http://127.0.0.1:{port}/v1"
+        yield srv
+    finally:
+        srv.stop()

@@ -311,6 +311,8 @@ class OpenAIBackend(Backend):
             ev["cached_prompt_tokens"] = cached
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             ev["prompt_tokens"] = usage["prompt_tokens"]
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            ev["completion_tokens"] = usage["completion_tokens"]  # more than len(token_ids): the server left steps out
         if isinstance(reply.doc, dict) and reply.doc.get("system_fingerprint"):
             ev["system_fingerprint"] = str(reply.doc["system_fingerprint"])
         ev.update(extra or {})

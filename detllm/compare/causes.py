@@ -391,7 +391,12 @@ def _backend(left: Side, right: Side, notes: Notes, routed: _Routed) -> dict[str
     lb, rb = left.env.get("backend") or {}, right.env.get("backend") or {}
     # settings the run config already records, paths whose content hash agrees, hardware (ENV)
     skip = {"device", "dtype"} | set(left.run_config["backend_options"]) | set(right.run_config["backend_options"])
-    skip |= {k for k in lb if f"{k}_sha256" in lb and lb.get(f"{k}_sha256") == rb.get(f"{k}_sha256")}
+    same_content = {k for k in lb if f"{k}_sha256" in lb and lb.get(f"{k}_sha256") == rb.get(f"{k}_sha256")}
+    for k in sorted(same_content):
+        if lb.get(k) != rb.get(k):
+            notes.note({"field": f"env.backend.{k}", "left": lb.get(k), "right": rb.get(k)},
+                       f"another path, the same content (backend.{k}_sha256 agrees)")
+    skip |= same_content
     skip |= set(_ENGINE_MIRRORED) | set(HARDWARE_KEYS)
     engine = flat_diff({k: v for k, v in lb.items() if k not in skip}, {k: v for k, v in rb.items() if k not in skip}, "backend")
     if ln == rn:
@@ -429,7 +434,8 @@ def _env(left: Side, right: Side, notes: Notes, routed: _Routed) -> dict[str, An
     fields = flat_diff({k: v for k, v in left.env.items() if k not in ignore},
                        {k: v for k, v in right.env.items() if k not in ignore})
     if "torch" in ignore:
-        fields = [f for f in fields if not f["field"].startswith(("threads.torch_", "kernels.torch_"))]
+        fields = [f for f in fields if not f["field"].startswith("threads.torch_")
+                  and not (f["field"].startswith("kernels.torch_") and _ABSENT in (f["left"], f["right"]))]
     fields = notes.screen(fields, "env")
     same_backend = left.run_config["config"]["backend"] == right.run_config["config"]["backend"]
     if routed.dtype is not None and same_backend and routed.dtype["requested"]["left"] == routed.dtype["requested"]["right"]:

@@ -41,6 +41,27 @@ JSON_FILES = {ENV: "env", RUN_CONFIG: "run_config", APPLIED: "determinism_applie
               MANIFEST: "manifest"}
 # Names detllm writes into a run folder; a re-used --out loses all of them first.
 OWNED_NAMES = (ENV, RUN_CONFIG, APPLIED, TRACE, REPORT, REPORT_TXT, REPORT_MD, MANIFEST, "manifest.sig", "diffs", "plots")
+# Present from the first write into a folder until it is sealed: a run that fails or is killed
+# part-way leaves it behind, and report, diff, verify, replay and pack refuse the folder.
+PARTIAL = "detllm.partial"
+
+
+def mark_incomplete(out: Path) -> None:
+    """The first write into `out`: the marker that says it is not finished."""
+    atomic_write_text(out / PARTIAL, f"incomplete: detllm (pid {os.getpid()}) began writing this folder at {utc_now()}; "
+                                     f"this file is removed once the folder is sealed\n")
+
+
+def mark_complete(out: Path) -> None:
+    """The last step of a run (after manifest.json is written): remove the marker."""
+    (out / PARTIAL).unlink(missing_ok=True)
+
+
+def check_complete(folder: Path) -> None:
+    """ArtifactError (exit 5) for a folder a run left incomplete."""
+    if (Path(folder) / PARTIAL).exists():
+        raise ArtifactError(f"{str(folder)!r} is incomplete: the run that wrote it failed, was interrupted or is still "
+                            f"running ({PARTIAL} is there)", hint="re-run it; a partial folder is never compared, reported or packed")
 
 
 class TraceWriter:
@@ -125,6 +146,8 @@ def check_out_dir(out: Path, *, force: bool, kind: str = "run") -> None:
     _check_writable_parent(out, "--out")
     if not out.is_dir() or not any(out.iterdir()):
         return
+    if {p.name for p in out.iterdir()} <= {PARTIAL, TRACE + ".partial"}:
+        return  # a run was killed right after its first write: nothing else is there
     ours = is_diff_folder(out) if kind == "diff" else is_detllm_folder(out)
     theirs = is_detllm_folder(out) if kind == "diff" else is_diff_folder(out)
     if ours:
@@ -164,9 +187,12 @@ def prepare_out_dir(out: Path, *, force: bool, kind: str = "run") -> Path:
     check_out_dir(out, force=force, kind=kind)
     ours = is_diff_folder(out) if kind == "diff" else is_detllm_folder(out)
     out.mkdir(parents=True, exist_ok=True)
+    mark_incomplete(out)  # before anything is cleared: a failure from here on leaves the folder marked
     if not ours:
         return out
-    for name in OWNED_NAMES + (TRACE + ".partial",):
+    for name in (MANIFEST, "manifest.sig") + OWNED_NAMES + (TRACE + ".partial",):  # the seal first: no stale manifest
+        if name == PARTIAL:
+            continue
         p = out / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -236,6 +262,7 @@ def load_run(path: Path, *, validate_records: bool = True) -> RunFolder:
         from .pack import load_run as load_pack  # lazy: pack builds on this module
 
         return load_pack(path, validate_records=validate_records)
+    check_complete(path)
     if not path.is_dir():
         raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
     if not (path / RUN_CONFIG).is_file():

@@ -25,6 +25,7 @@ from .compare.engine import compare, label, report_magnitude
 from .compare.trace import load_records
 from .config import check_atol
 from .errors import ArtifactError, UsageError
+from .folderlock import exclusive_writer
 from .runner import Outcome, write_report
 
 _SELECTION = re.compile(r"run_(\d+)(?:@batch_(\d+))?|batch_(\d+)")
@@ -85,8 +86,9 @@ def diff(
     left, right = load_sides(left_sel, right_sel)
     report = diff_report(left, right, atol=atol, tier=tier)
     if out_dir is not None:
-        artifacts.prepare_out_dir(out_dir, force=force, kind="diff")  # checked above, before anything was read
-        write_report(out_dir, report)
+        with exclusive_writer(out_dir):  # one writer per --out (folderlock.py)
+            artifacts.prepare_out_dir(out_dir, force=force, kind="diff")  # checked above, before anything was read
+            write_report(out_dir, report)
     if junit is not None:
         from .render.junit import write_junit
 
@@ -116,6 +118,7 @@ def _read_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     """(env, run_config, determinism_applied), each validated; ArtifactError otherwise."""
     if not path.is_dir():
         raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
+    artifacts.check_complete(path)
     if not (path / artifacts.RUN_CONFIG).is_file():
         hint = ("a diff folder holds no trace: pass the run folders it compared" if artifacts.is_diff_folder(path)
                 else "pass a folder written by detllm run or check")

@@ -190,7 +190,7 @@ def walk(folder: Path) -> tuple[dict[str, Path], list[str]]:
                 continue
             if not stat.S_ISREG(mode):
                 odd.append(rel)
-            elif rel not in SEAL_FILES:
+            elif rel not in SEAL_FILES and rel != artifacts.PARTIAL:  # the marker goes once the seal is written
                 files[rel] = p
     return files, sorted(odd)
 
@@ -309,6 +309,7 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verifica
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"{str(folder)!r} is not a folder or a .tar.gz pack")
+    artifacts.check_complete(folder)
     raw = _read_manifest_bytes(folder)
     manifest = _parse_manifest(raw)
     signature, key_sha = check_signature(folder / SIG, raw, pubkey)

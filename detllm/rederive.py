@@ -61,24 +61,18 @@ def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str
     from .compare.trace import load_records
     from .compare.verdict import check_comparisons, check_report
     from .config import RunConfig
+    from .fresh import fresh_runs
 
     config = RunConfig.from_json(run_config["config"])
     tier = applied["tier_effective"]
     floor = run_noise_floor(config.dtype, applied["settings"], run_config["model"].get("quantization"))
     records, _ = load_records(folder / TRACE)
+    # the same call as runner._finish makes for a check (keep the two in step; tests verify untouched checks)
     comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
-                              tier=tier, atol=config.atol, floor=floor, **_fresh(config))
+                              tier=tier, atol=config.atol, floor=floor, fresh=fresh_runs(config),
+                              sampled=not config.decoding.greedy)
     report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={})
     return {name: report[name] for name in CHECKED_FIELDS}
-
-
-def _fresh(config: Any) -> dict[str, Any]:
-    """The fresh-process repeats (fresh.py), where this detllm has them."""
-    try:
-        from .fresh import fresh_runs
-    except ImportError:
-        return {}
-    return {"fresh": fresh_runs(config)} if getattr(config, "fresh_process", 0) else {}
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -58,10 +58,12 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
         raise UsageError(f"{str(path)!r} does not exist", hint="pass a run folder, a .tar.gz pack or a report.json")
     refuse_seed_layout(path)
     if path.is_file() and path.suffix == ".json":
+        artifacts.check_complete(path.parent)
         report = artifacts.read_json(path, "report")
         text = render(report, path.parent)
     else:
         with artifacts.open_run_path(path) as folder:
+            artifacts.check_complete(folder)
             if not (folder / artifacts.REPORT).is_file():
                 raise ArtifactError(f"{str(path)!r} has no {artifacts.REPORT}", hint="pass a detllm run folder or pack")
             report = artifacts.read_json(folder / artifacts.REPORT, "report")

@@ -23,6 +23,7 @@ from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
 from .env import Redaction, collect_env, detllm_version
 from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError, UsageError
+from .folderlock import exclusive_writer
 from .hashing import canonical_json, sha256_bytes
 from .integrity import seal
 from .prompts import FILLERS, PromptSet, load_prompts
@@ -118,7 +119,16 @@ def _record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[int], g
     return rec
 
 
-def execute(
+def execute(config: RunConfig, *, command: str, out: Path | None = None, **kwargs: Any) -> Outcome:
+    """Run `config` into `out` (default: a new folder under artifacts/) holding the folder's
+    exclusive lock (folderlock.py) from before anything in it is cleared until it is sealed:
+    a second run into the same --out at the same time is refused. See _execute."""
+    out = Path(out) if out is not None else artifacts.default_out_dir(command)
+    with exclusive_writer(out):
+        return _execute(config, command=command, out=out, **kwargs)
+
+
+def _execute(
     config: RunConfig,
     *,
     command: str,
@@ -270,6 +280,7 @@ def write_report(out: Path, report: dict[str, Any], *, signer: Signer | None = N
     artifacts.atomic_write_text(out / artifacts.REPORT_TXT, render_text(report))
     artifacts.atomic_write_text(out / artifacts.REPORT_MD, render_markdown(report))
     seal(out, signer, record_digests)
+    artifacts.mark_complete(out)  # last: until here the folder carries artifacts.PARTIAL
 
 
 __all__ = ["Outcome", "execute", "gate_tier", "plan_batches", "write_report", "load_prompts"]

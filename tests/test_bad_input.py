@@ -274,3 +274,96 @@ def test_api_refuses_non_finite_and_huge_numbers(tmp_path):
         with pytest.raises(UsageError):
             detllm.check(backend="fake", out=tmp_path / "x", **bad)
         assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------ a failure after the first write; two writers (issue 11)
+
+@pytest.fixture
+def failing_seal(monkeypatch):
+    """The disk fills up while the folder is sealed: the last write of a run fails."""
+    import errno
+
+    from detllm import runner
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "manifest.json")
+
+    monkeypatch.setattr(runner, "seal", no_space)
+
+
+def test_a_run_that_fails_late_leaves_a_folder_every_reader_refuses(cli, tmp_path, failing_seal, monkeypatch):
+    out = tmp_path / "run"
+    r = cli("check", "--backend", "fake", "--out", out)
+    assert r.exit_code == 2 and "No space left on device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert (out / "detllm.partial").is_file() and (out / "report.json").is_file(), "everything but the seal was written"
+    monkeypatch.undo()
+    good = tmp_path / "good"
+    import detllm
+
+    detllm.check(backend="fake", out=good)
+    for args in (["report", out], ["report", out / "report.json"], ["verify", out], ["diff", out, good], ["diff", good, out],
+                 ["pack", out, "-o", tmp_path / "p.tar.gz"], ["replay", out, "--out", tmp_path / "rp"]):
+        r = cli(*args)
+        assert r.exit_code == 5, (args, r.output)
+        assert "is incomplete: the run that wrote it failed" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "p.tar.gz").exists() and not (tmp_path / "rp").exists()
+
+
+def test_a_rerun_into_an_incomplete_folder_completes_it(cli, tmp_path, failing_seal, monkeypatch):
+    out = tmp_path / "run"
+    assert cli("check", "--backend", "fake", "--out", out).exit_code == 2
+    monkeypatch.undo()
+    assert cli("check", "--backend", "fake", "--out", out).exit_code == 0
+    assert not (out / "detllm.partial").exists()
+    assert cli("verify", out).exit_code == 0
+
+
+def test_a_run_killed_right_after_its_first_write_can_be_rerun(cli, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "detllm.partial").write_text("incomplete")
+    assert cli("check", "--backend", "fake", "--out", out).exit_code == 0
+    assert not (out / "detllm.partial").exists()
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from detllm.folderlock import exclusive_writer
+with exclusive_writer(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_two_writers_into_one_out_the_second_is_refused(cli, tmp_path):
+    out = tmp_path / "run"
+    import detllm
+
+    detllm.check(backend="fake", out=out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for args in (["check", "--backend", "fake", "--out", out], ["run", "--backend", "fake", "--out", out]):
+            r = cli(*args)
+            assert r.exit_code == 2, r.output
+            assert "is being written by another detllm run (pid" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        r = cli("diff", out, out, "--out", tmp_path / "run")
+        assert r.exit_code == 2
+        after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        assert after == before, "the refused run cleared or wrote nothing"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli("check", "--backend", "fake", "--out", out).exit_code == 0, "the lock dies with its holder (SIGKILL)"
+
+
+def test_the_lock_is_never_written_into_the_folder(tmp_path):
+    from detllm.folderlock import exclusive_writer, lock_path
+
+    out = tmp_path / "run"
+    with exclusive_writer(out):
+        assert lock_path(out).exists() and not lock_path(out).is_relative_to(tmp_path)
+        assert not out.exists()
+    assert not lock_path(out).exists()

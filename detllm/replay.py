@@ -34,6 +34,8 @@ def replay(
     sign_key: str | Path | None = None,
     pubkey: str | Path | None = None,
     progress: Progress | None = None,
+    base_url: str | None = None,
+    api_key_env: str | None = None,
 ) -> Outcome:
     """Re-run `pack` (a sealed run folder or .tar.gz) on this machine into `out`; the outcome's
     report is the diff of the replay against the pack (PASS: the pack reproduced). With `pubkey`,
@@ -44,6 +46,7 @@ def replay(
         config = untrusted_options_dropped(RunConfig.from_json(recorded.run_config["config"]))
         if model is not None:
             config = dataclasses.replace(config, model=model)
+        config = served_options_given(config, base_url, api_key_env)
         prompts = recorded_prompts(recorded, label=str(pack))
         out = Path(out) if out is not None else artifacts.default_out_dir("replay")
         if out.exists() and out.resolve() == folder.resolve():
@@ -66,11 +69,27 @@ def replay(
 # Options through which a pack could make replay run code of its choosing: hub code
 # (trust_remote_code) or a binary path (llamacpp bin). Replay never takes them from a pack;
 # the local defaults apply (DETLLM_LLAMA_BIN, PATH and the build cache find llama-server).
-UNTRUSTED_OPTIONS = frozenset({"trust_remote_code", "bin"})
+# Where a served backend (openai) sends requests and which variable's key it sends (base_url,
+# api_key_env) are dropped too: a pack must not send your key to its author's server. They come
+# only from replay's own --base-url / --api-key-env.
+UNTRUSTED_OPTIONS = frozenset({"trust_remote_code", "bin", "base_url", "api_key_env"})
 
 
 def untrusted_options_dropped(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, options=tuple((k, v) for k, v in config.options if k not in UNTRUSTED_OPTIONS))
+
+
+def served_options_given(config: RunConfig, base_url: str | None, api_key_env: str | None) -> RunConfig:
+    """replay --base-url / --api-key-env: the only way a served pack's endpoint and key reach a replay."""
+    given = {k: v for k, v in (("base_url", base_url), ("api_key_env", api_key_env)) if v}
+    if not given:
+        if config.backend == "openai":
+            raise UsageError("this pack was recorded against a served endpoint; replay never takes its URL from the pack",
+                             hint="pass --base-url (and --api-key-env NAME if the server needs a key)")
+        return config
+    if config.backend != "openai":
+        raise UsageError(f"--base-url/--api-key-env apply to packs of backend openai, this one is {config.backend!r}")
+    return dataclasses.replace(config, options=tuple(sorted(dict(config.options, **given).items())))
 
 
 def recorded_prompts(run: artifacts.RunFolder, *, label: str) -> PromptSet:
@@ -99,6 +118,11 @@ def check_model(recorded: dict[str, Any], local: dict[str, Any], *, allow: bool)
     # a pack without config_files_sha256 hashed the config files byte for byte (versions.REDEFINED)
     key = "config_sha256" if "config_files_sha256" in recorded else "config_files_sha256"
     config_same = recorded.get("config_sha256") in (None, local.get(key))
+    if recorded["weights_sha256"] is None or local["weights_sha256"] is None:  # a served model: unknown, never "the same"
+        if allow:
+            return
+        raise ModelChangedError(f"the model {local['id']!r} is served remotely: its weights were never hashed, so replay cannot "
+                                "check they are the pack's", hint="pass --allow-model-change to replay against the server anyway")
     if (recorded["weights_sha256"] == local["weights_sha256"] and config_same) or allow:
         return
     if recorded["weights_sha256"] == local["weights_sha256"]:

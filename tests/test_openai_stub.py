@@ -242,3 +242,22 @@ def test_step_parsing_of_both_logprob_formats():
     assert vllm[0].id == 7 and [t[1] for t in vllm[0].top] == [7, 3]
     assert _steps(None) is None
     assert math.isclose(vllm[0].logprob, -1.0)
+
+
+def test_replay_never_takes_the_url_or_key_variable_from_a_pack(cli, stub, tmp_path):
+    stub.key = "sk-pack-0123456789abcdef0123"
+    env = {"STUB_KEY": stub.key}
+    pack = tmp_path / "pack"
+    assert _check(cli, stub, pack, "--api-key-env", "STUB_KEY", env=env).exit_code == 0
+    res = cli("replay", pack, "--out", tmp_path / "r0", "--no-progress", env=env)
+    assert res.exit_code == 2 and "never takes its URL from the pack" in res.output and not (tmp_path / "r0").exists()
+    n = len(stub.seen_auth)
+    res = cli("replay", pack, "--base-url", stub.url, "--allow-model-change", "--out", tmp_path / "r1", "--no-progress", env=env)
+    assert res.exit_code == 2 and "HTTP 401" in res.output  # the pack's api_key_env was dropped: no key was sent
+    assert all(a is None for a in stub.seen_auth[n:]) and not (tmp_path / "r1").exists()
+    res = cli("replay", pack, "--base-url", stub.url, "--api-key-env", "STUB_KEY", "--out", tmp_path / "r2", "--no-progress", env=env)
+    assert res.exit_code == 7 and "never hashed" in res.output and not (tmp_path / "r2").exists()
+    res = cli("replay", pack, "--base-url", stub.url, "--api-key-env", "STUB_KEY", "--allow-model-change", "--out", tmp_path / "r3",
+              "--no-progress", env=env)
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "r3" / "report.json").read_text())["status"] == "PASS"

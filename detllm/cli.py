@@ -105,6 +105,8 @@ Model = Annotated[str, typer.Option("--model", "-m", help="Built-in model (tiny,
 JUnit = Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here (one testcase per prompt) for CI.")]
 FreshProcess = Annotated[int, typer.Option("--fresh-process", help="check: run this many of the repeats each in a new process (new import, load and settings); the others share run 0's process.")]
 FreshProcessHidden = Annotated[int, typer.Option("--fresh-process", hidden=True)]  # run: not offered (RunConfig.validate refuses it)
+NegativeControl = Annotated[bool, typer.Option("--negative-control", help="check: also generate each prompt in a batch of fillers (a deliberately non-invariant setting); it must differ, else the verdict says the prompts were too few to expose variance.")]
+NegativeControlHidden = Annotated[bool, typer.Option("--negative-control", hidden=True)]  # run: not offered
 SignKey = Annotated[Optional[Path], typer.Option("--sign-key", help="Ed25519 PEM private key: sign manifest.json into manifest.sig (needs the cryptography package).")]
 
 
@@ -121,6 +123,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         mode: Annotated[str, typer.Option(help="strict: refuse a tier the backend cannot enforce; best-effort: downgrade and record.")] = "best-effort",
         runs: Annotated[int, typer.Option(help="Repeats at --batch-size (check needs >= 2).")] = default_runs,
         fresh_process: FreshProcess = 0,
+        negative_control: NegativeControl = False,
         batch_size: Annotated[int, typer.Option(help="Batch size of the repeated runs.")] = 1,
         vary_batch: Annotated[Optional[str], typer.Option(help="Extra batch sizes, e.g. 1,2,8; each is compared to batch size 1.")] = None,
         max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
@@ -163,7 +166,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 dtype=dtype, device=device,
                 decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k if sample_top_k is None else sample_top_k),
                 seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=concurrency_levels(vary_batch, concurrency, backend),
-                runs=runs, fresh_process=fresh_process, logprobs=logprobs, record_prompt_text=prompt_text, threads=threads, atol=atol,
+                runs=runs, fresh_process=fresh_process, negative_control=negative_control, logprobs=logprobs, record_prompt_text=prompt_text, threads=threads, atol=atol,
                 options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)
                                       + served_options(backend, base_url, api_key_env, chat, cache_probe, command)),
             )
@@ -181,6 +184,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
 
     if command != "check":
         cmd.__annotations__["fresh_process"] = "FreshProcessHidden"
+        cmd.__annotations__["negative_control"] = "NegativeControlHidden"
     return cmd
 
 

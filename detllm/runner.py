@@ -186,11 +186,16 @@ def _execute(
             }))
             with fresh.Dispatcher(config, backend, tier=tier, identity=identity.to_json(), settings=settings) as gen:
                 records, digests = _generate(config, gen, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
+            control = None
+            if config.negative_control and command == "check":  # in-process, after the check's own runs
+                from .diagnose.control import negative_control
+
+                control = negative_control(config, backend, caps, prompts, input_ids, filler_ids, records)
     finally:
         if owned:
             backend.close()
     floor = run_noise_floor(config.dtype, settings, identity.quantization)
-    return _finish(config, command, out, records, digests, tier, floor, signer, make_report)
+    return _finish(config, command, out, records, digests, tier, floor, signer, make_report, control)
 
 
 def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> tuple[list[dict[str, Any]], list[bytes]]:
@@ -236,7 +241,8 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
 
 
 def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, Any]], digests: list[bytes], tier: int,
-            floor: float | None, signer: Signer | None = None, make_report: MakeReport | None = None) -> Outcome:
+            floor: float | None, signer: Signer | None = None, make_report: MakeReport | None = None,
+            control: dict[str, Any] | None = None) -> Outcome:
     summary = {
         "backend": config.backend,
         "model": config.model,
@@ -260,7 +266,7 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
                                   tier=tier, atol=config.atol, floor=floor, fresh=fresh.fresh_runs(config),
                                   sampled=not config.decoding.greedy)
         report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary,
-                              scope=fresh.scope_text(config))
+                              scope=fresh.scope_text(config), control=control)
         add_server_evidence(report, records)  # served backends: the server's own account of its batch and cache
     write_report(out, report, signer=signer, record_digests=digests)
     return Outcome(out, report)

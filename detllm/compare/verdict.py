@@ -84,7 +84,11 @@ def _repeat_kinds(causes: list[dict[str, Any]], comps: list[dict[str, Any]]) -> 
 
 
 def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effective: int, summary: dict[str, Any],
-                 scope: str | None = None) -> dict[str, Any]:
+                 scope: str | None = None, control: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`control`: the --negative-control result (diagnose/control.py); every check report says
+    whether any drift was observed anywhere (`sensitivity`), so a PASS shows whether it could have failed."""
+    from ..diagnose.control import sensitivity
+
     failing = [c for c in comps if c["status"] == "FAIL"]
     causes, info = causes_for(comps)
     _repeat_kinds(causes, comps)
@@ -107,4 +111,6 @@ def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effec
         "summary": summary,
         "magnitude": report_magnitude(comps),
         **({"scope": scope} if scope else {}),
+        "sensitivity": sensitivity(comps, control),
+        **({"negative_control": control} if control is not None else {}),
     })

@@ -224,7 +224,10 @@ class _Runner:
         if not res.get("ok"):
             raise _ProbeFailed(res.get("error", "the probe failed"))
         entry["setting"] = {"prompt_index": target, "trials": len(trials), "max_batch": max_size, "seed": self.base.seed}
-        entry["evidence"] = {k: res[k] for k in ("target", "trials", "diverged", "total")}
+        lps = [t["max_abs_logprob_diff"] for t in res["trials"] if t["max_abs_logprob_diff"] is not None]
+        entry["evidence"] = {**{k: res[k] for k in ("target", "trials", "diverged", "total")},
+                             "max_abs_logprob_diff": max(lps) if lps else None,
+                             "argmax_flips": sum(t["argmax_flips"] for t in res["trials"])}
         entry["outcome"] = "follows" if res["diverged"] else "vanish"
 
     def _fresh_process(self, probe: Probe, entry: dict[str, Any], config: RunConfig | None = None, n: int = 3) -> None:

@@ -184,6 +184,10 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"Tier {tier['effective']}{tier_note}." + (f" Most likely: {TITLES[report['category']]}." if report["category"] in TITLES else ""), ""]
     if report.get("scope"):
         lines += [f"Scope: {report['scope']}.", ""]
+    if report.get("sensitivity"):
+        from ..diagnose.control import sensitivity_line
+
+        lines += [line[0].upper() + line[1:] + "." for line in sensitivity_line(report["sensitivity"], report.get("negative_control"))] + [""]
     lines += _sides(report)
     lines += _magnitude(report)
     if report["causes"]:

@@ -204,6 +204,10 @@ def _header(report: dict[str, Any]) -> list[str]:
                      f"tokens {s.get('generated_tokens', '-')}")
     if report.get("scope"):
         lines.append(f"scope: {report['scope']}")
+    if report.get("sensitivity"):
+        from ..diagnose.control import sensitivity_line
+
+        lines += sensitivity_line(report["sensitivity"], report.get("negative_control"))
     return lines
 
 

@@ -33,12 +33,15 @@ _DRIVE = re.compile(r"^[A-Za-z]:")
 
 @dataclass(frozen=True)
 class Limits:
-    """Extraction ceilings; a 1M-step trace (1,000 prompts x 1,000 tokens, top-5) is ~120 MB."""
+    """Extraction ceilings (docs/integrity.md). A run folder holds about ten files; a 1M-step
+    trace (1,000 prompts x 1,000 tokens, top-5) is ~120 MB. Checked on the raw tar headers
+    before `tarfile` reads anything, so no header or gzip stream can make it read more."""
 
-    max_members: int = 10_000  # files and folders
-    max_member_bytes: int = 4 << 30  # 4 GiB per file
-    max_total_bytes: int = 8 << 30  # 8 GiB in all
+    max_members: int = 1_000  # files and folders
+    max_member_bytes: int = 1 << 30  # 1 GiB per file
+    max_total_bytes: int = 2 << 30  # 2 GiB of member data in all
     max_depth: int = 8  # path components
+    max_header_bytes: int = 4 << 10  # a PAX extended header or GNU long name/link: 4 KiB (tarfile reads them whole)
 
 
 def is_archive(path: str | Path) -> bool:
@@ -143,6 +146,7 @@ def extract(archive: str | Path, dest: Path, limits: Limits = Limits()) -> Path:
     """Safely extract into the empty folder `dest`; returns the run folder (dest or its one subfolder)."""
     archive = Path(archive)
     try:
+        scan_headers(archive, limits)  # bounds what tarfile will read, before it reads anything
         with tarfile.open(archive, mode="r:gz") as tar:
             _extract_members(tar, dest, limits, archive.name)
     except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
@@ -153,6 +157,50 @@ def extract(archive: str | Path, dest: Path, limits: Limits = Limits()) -> Path:
     if len(entries) == 1 and entries[0].is_dir():
         return entries[0]
     return dest
+
+
+_META_TYPES = {b"x": "a PAX extended header", b"g": "a PAX global header", b"L": "a GNU long name", b"K": "a GNU long link name"}
+_BLOCK = 512
+
+
+def scan_headers(archive: Path, limits: Limits) -> None:
+    """Walk the raw 512-byte tar headers of the decompressed stream without tarfile: refuse
+    (IntegrityError) a PAX/GNU metadata member over max_header_bytes, a member over
+    max_member_bytes, more than max_members headers, or a stream that decompresses to more
+    than the member limits allow (a gzip bomb). Reads the stream once, in 1 MiB chunks."""
+    label = archive.name
+    cap = limits.max_total_bytes + (2 * limits.max_members + 2) * _BLOCK + limits.max_members * limits.max_header_bytes
+    read = headers = 0
+    with gzip.open(archive, "rb") as gz:
+        while True:
+            block = gz.read(_BLOCK)
+            if len(block) < _BLOCK or block == b"\0" * _BLOCK:
+                return  # end of archive (or a truncated one: tarfile names it)
+            headers += 1
+            if headers > 2 * limits.max_members + 1:  # every member may carry one metadata header
+                raise IntegrityError(f"{label}: more than {limits.max_members} members; refusing to extract")
+            try:
+                size = tarfile.nti(block[124:136])
+            except tarfile.TarError as exc:
+                raise ArtifactError(f"{label}: header {headers} is not a tar header ({exc})") from exc
+            kind = block[156:157]
+            if size < 0:
+                raise IntegrityError(f"{label}: header {headers} declares a negative size")
+            if kind in _META_TYPES and size > limits.max_header_bytes:
+                raise IntegrityError(f"{label}: {_META_TYPES[kind]} of {size} bytes (over the {limits.max_header_bytes}-byte "
+                                     f"limit); refusing to extract")
+            if size > limits.max_member_bytes and kind not in _META_TYPES:
+                name = block[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
+                raise IntegrityError(f"{label}: member {name!r} is {size} bytes, over the {limits.max_member_bytes}-byte limit")
+            padded = -(-size // _BLOCK) * _BLOCK
+            read += _BLOCK + padded
+            if read > cap:
+                raise IntegrityError(f"{label}: decompresses to more than {cap} bytes; refusing to extract")
+            while padded > 0:  # skip the data, in bounded chunks
+                chunk = gz.read(min(_CHUNK, padded))
+                if not chunk:
+                    return
+                padded -= len(chunk)
 
 
 def _extract_members(tar: tarfile.TarFile, dest: Path, limits: Limits, label: str) -> None:

@@ -193,3 +193,54 @@ def test_a_pickle_in_a_pack_or_folder_is_never_loaded(cli, sealed_run, tmp_path)
         assert r.exit_code == 6 and "not a detllm artifact" in r.stderr, r.output
     assert not boom.marker.exists()
     assert not (tmp_path / "replayed").exists()
+
+
+# ---------------------------------------------------------------- bounded reading (issue 11)
+
+
+def test_a_huge_pax_header_is_refused_before_tarfile_reads_it(cli, tmp_path):
+    archive = tmp_path / "pax.tar.gz"
+    with tarfile.open(archive, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        info, data = member("run/a.json")
+        info.size = len(data)
+        info.pax_headers = {"comment": "x" * (64 << 20)}  # 64 MiB of header that compresses to ~64 KiB
+        tar.addfile(info, io.BytesIO(data))
+    assert archive.stat().st_size < 1 << 20
+    r = cli("verify", archive)
+    assert r.exit_code == 6, r.output
+    assert "a PAX extended header of" in r.stderr and "over the 4096-byte limit" in r.stderr
+
+
+def test_a_huge_gnu_long_name_is_refused(cli, tmp_path):
+    archive = tmp_path / "gnu.tar.gz"
+    with tarfile.open(archive, "w:gz", format=tarfile.GNU_FORMAT) as tar:
+        info, data = member("run/" + "n" * 100_000 + ".json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    r = cli("verify", archive)
+    assert r.exit_code == 6 and "a GNU long name of" in r.stderr, r.output
+
+
+def test_a_gzip_bomb_is_cut_off_at_the_decompressed_cap(tmp_path):
+    import gzip
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("run/a.json")
+        info.size = 50 << 20
+        tar.addfile(info, io.BytesIO(b"\0" * info.size))
+    bomb = tmp_path / "bomb.tar.gz"
+    bomb.write_bytes(gzip.compress(raw.getvalue(), 9))
+    assert bomb.stat().st_size < 1 << 20  # 50 MiB of zeros compress ~1000:1
+    with pytest.raises(IntegrityError, match="over the 1048576-byte limit"):
+        extract(bomb, tmp_path / "x", Limits(max_member_bytes=1 << 20))
+    # a member declaring less than it holds: the stream past the declared end is never decompressed in full
+    with pytest.raises(IntegrityError, match="decompresses to more than|add up to more than"):
+        extract(bomb, tmp_path / "y", Limits(max_member_bytes=64 << 20, max_total_bytes=10 << 20))
+    assert not (tmp_path / "y" / "run" / "a.json").exists()
+
+
+def test_default_limits_fit_a_real_bug_report_pack():
+    limits = Limits()
+    assert limits.max_members == 1_000 and limits.max_member_bytes == 1 << 30 and limits.max_total_bytes == 2 << 30
+    assert limits.max_header_bytes == 4096

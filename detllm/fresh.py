@@ -46,8 +46,9 @@ def scope_text(config: RunConfig) -> str:
                 "--fresh-process N varies it")
     runs = ", ".join(f"run_{r}" for r in sorted(fresh_runs(config)))
     rest = "" if n == config.runs - 1 else "; the other repeats shared the process of run_0, the reference"
+    once = "; each --vary-batch size ran once, in run_0's process" if len(config.batch_sizes) > 1 else ""
     return (f"repeatable across processes: {n} of {config.runs - 1} repeats ({runs}) each ran in a new process "
-            f"(new import, model load and determinism settings){rest}; each --vary-batch size ran once, in run_0's process")
+            f"(new import, model load and determinism settings){rest}{once}")
 
 
 def _child_env() -> dict[str, str]:

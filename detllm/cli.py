@@ -535,6 +535,7 @@ def replay(
     pubkey: Annotated[Optional[Path], typer.Option("--pubkey", help="Replay only a pack whose manifest.sig verifies with this Ed25519 public key.")] = None,
     base_url: Annotated[Optional[str], typer.Option("--base-url", help="openai packs: the server to replay against (never taken from the pack).")] = None,
     api_key_env: Annotated[Optional[str], typer.Option("--api-key-env", metavar="NAME", help="openai packs: the variable holding the key (never taken from the pack).")] = None,
+    allow_pack_option: Annotated[Optional[list[str]], typer.Option("--allow-pack-option", metavar="NAME", help="Take this code-loading option from the pack (trust_remote_code, attn_implementation, bin); refused or dropped otherwise.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
@@ -545,7 +546,8 @@ def replay(
         refuse_seed_layout(pack)
         with _progress(progress and not as_json) as bar:
             outcome = replay_pack(pack, out=out, force=force, allow_model_change=allow_model_change, model=model,
-                                  sign_key=sign_key, pubkey=pubkey, progress=bar, base_url=base_url, api_key_env=api_key_env)
+                                  sign_key=sign_key, pubkey=pubkey, progress=bar, base_url=base_url, api_key_env=api_key_env,
+                                  allow_pack_options=tuple(allow_pack_option or ()))
         return emit(outcome, as_json=as_json)
 
     guarded(body)

@@ -15,7 +15,7 @@ from typing import Any
 from . import artifacts
 from .backends.registry import create_backend
 from .config import RunConfig
-from .errors import IntegrityError, ModelChangedError, UsageError
+from .errors import DetllmError, IntegrityError, ModelChangedError, UsageError
 from .hashing import sha256_text
 from .integrity import verify_folder
 from .pack import open_run_path
@@ -36,14 +36,16 @@ def replay(
     progress: Progress | None = None,
     base_url: str | None = None,
     api_key_env: str | None = None,
+    allow_pack_options: tuple[str, ...] = (),
 ) -> Outcome:
     """Re-run `pack` (a sealed run folder or .tar.gz) on this machine into `out`; the outcome's
     report is the diff of the replay against the pack (PASS: the pack reproduced). With `pubkey`,
-    only a pack whose manifest.sig verifies with that key is replayed."""
+    only a pack whose manifest.sig verifies with that key is replayed. `allow_pack_options`
+    names the code-loading options (RISKY_OPTIONS) the pack may set for this replay."""
     with open_run_path(Path(pack)) as folder:
         verify_folder(folder, pubkey=pubkey)  # a changed (or, with pubkey, unsigned) pack is refused before anything runs
         recorded = artifacts.load_run(folder, validate_records=False)  # verify already checked every record
-        config = untrusted_options_dropped(RunConfig.from_json(recorded.run_config["config"]))
+        config = pack_options(RunConfig.from_json(recorded.run_config["config"]), allow=allow_pack_options)
         if model is not None:
             config = dataclasses.replace(config, model=model)
         config = served_options_given(config, base_url, api_key_env)
@@ -54,6 +56,9 @@ def replay(
         artifacts.check_out_dir(out, force=force)
         if sign_key is not None:
             load_signing_key(sign_key)  # refuse a bad key before the model loads
+        before = local_identity(config)
+        if before is not None:  # the weights on disk, hashed before any loader opens them
+            check_model(recorded.run_config["model"], before, allow=allow_model_change)
         backend = create_backend(config)
         try:
             check_model(recorded.run_config["model"], backend.model_identity().to_json(), allow=allow_model_change)
@@ -66,17 +71,66 @@ def replay(
             backend.close()
 
 
-# Options through which a pack could make replay run code of its choosing: hub code
-# (trust_remote_code) or a binary path (llamacpp bin). Replay never takes them from a pack;
-# the local defaults apply (DETLLM_LLAMA_BIN, PATH and the build cache find llama-server).
+# Options through which a pack could make replay run code of its choosing. Replay takes none of
+# them from a pack unless the user names it (--allow-pack-option NAME): trust_remote_code=true
+# and an attention implementation outside SAFE_ATTENTION are refused (replaying without them
+# would compute something else); a binary path (llamacpp bin) is dropped, so the local
+# llama-server is found as always (DETLLM_LLAMA_BIN, PATH, the build cache).
+RISKY_OPTIONS = {
+    "trust_remote_code": "runs Python code from the model's repository",
+    "attn_implementation": "loads attention code outside the built-in kernels",
+    "bin": "is a program replay would execute",
+}
+SAFE_ATTENTION = ("eager", "sdpa")  # kernels inside torch/transformers: no code comes with the model
 # Where a served backend (openai) sends requests and which variable's key it sends (base_url,
-# api_key_env) are dropped too: a pack must not send your key to its author's server. They come
-# only from replay's own --base-url / --api-key-env.
-UNTRUSTED_OPTIONS = frozenset({"trust_remote_code", "bin", "base_url", "api_key_env"})
+# api_key_env) are never taken from a pack: it must not send your key to its author's server.
+# They come only from replay's own --base-url / --api-key-env.
+SERVED_OPTIONS = frozenset({"base_url", "api_key_env"})
 
 
-def untrusted_options_dropped(config: RunConfig) -> RunConfig:
-    return dataclasses.replace(config, options=tuple((k, v) for k, v in config.options if k not in UNTRUSTED_OPTIONS))
+def is_risky(key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if key == "trust_remote_code":
+        return v in ("1", "true", "yes", "on")
+    if key == "attn_implementation":
+        return v not in SAFE_ATTENTION
+    return key in RISKY_OPTIONS and v not in ("", "none", "null")
+
+
+def pack_options(config: RunConfig, *, allow: tuple[str, ...] = ()) -> RunConfig:
+    """The pack's --opt settings this replay may use: served endpoints dropped, a risky option
+    refused (UsageError) or, for a binary path, dropped, unless named in `allow`."""
+    unknown = sorted(set(allow) - set(RISKY_OPTIONS))
+    if unknown:
+        raise UsageError(f"--allow-pack-option {unknown[0]!r} is not an option replay guards",
+                         hint=f"guarded: {', '.join(sorted(RISKY_OPTIONS))}")
+    kept = []
+    for key, value in config.options:
+        if key in SERVED_OPTIONS:
+            continue
+        if is_risky(key, value) and key not in allow:
+            if key == "bin":
+                continue  # the local llama-server is found as always
+            raise UsageError(f"the pack sets --opt {key}={value[:80]!r}, which {RISKY_OPTIONS[key]}; replay never takes it "
+                             f"from a pack unasked", hint=f"pass --allow-pack-option {key} if you trust the pack's author")
+        kept.append((key, value))
+    return dataclasses.replace(config, options=tuple(kept))
+
+
+def local_identity(config: RunConfig) -> dict[str, Any] | None:
+    """The local model's identity from its files, before any engine loads it (hf and vllm read a
+    local or cached folder); None where it is only known once the backend is up."""
+    if config.backend not in ("hf", "vllm"):
+        return None
+    from .hashing import folder_identity
+    from .models import local_folder, resolve_model
+
+    try:
+        resolved = resolve_model(config.model)
+        folder = local_folder(resolved, config.revision)
+    except DetllmError:  # not local, not cached: the backend reports it in its own words
+        return None
+    return folder_identity(resolved.id, folder, revision=config.revision).to_json()
 
 
 def served_options_given(config: RunConfig, base_url: str | None, api_key_env: str | None) -> RunConfig:

@@ -146,7 +146,7 @@ def test_model_change_is_refused_before_generating(cli, tmp_path, spy):
 
 
 @pytest.mark.engine
-def test_weights_substituted_under_the_same_path(cli, tmp_path):
+def test_weights_substituted_under_the_same_path(cli, tmp_path, monkeypatch):
     pytest.importorskip("torch")
     st = pytest.importorskip("safetensors.numpy")
     np = pytest.importorskip("numpy")
@@ -162,8 +162,12 @@ def test_weights_substituted_under_the_same_path(cli, tmp_path):
     rng = np.random.default_rng(0)
     tensors = {k: (v + rng.normal(0, 0.5, v.shape)).astype(v.dtype) for k, v in tensors.items()}
     st.save_file(tensors, str(weights), metadata={"format": "pt"})
+    created = []
+    real_create = replay_mod.create_backend
+    monkeypatch.setattr(replay_mod, "create_backend", lambda config: (created.append(config), real_create(config))[1])
     r = cli("replay", pack, "--out", tmp_path / "r")
     assert r.exit_code == 7 and weights.name in r.stderr, r.output
+    assert created == [], "the local weights are checked from their files, before any engine loads them"
     assert not (tmp_path / "r").exists()
     r = cli("replay", pack, "--out", tmp_path / "r", "--allow-model-change", "--no-progress")
     assert r.exit_code == 1, r.output
@@ -173,7 +177,38 @@ def test_weights_substituted_under_the_same_path(cli, tmp_path):
 
 def test_replay_never_takes_code_executing_options_from_a_pack():
     from detllm.config import RunConfig
-    from detllm.replay import untrusted_options_dropped
+    from detllm.errors import UsageError
+    from detllm.replay import pack_options
 
-    cfg = RunConfig(backend="llamacpp", options=(("bin", "/tmp/evil"), ("slots", "4"), ("trust_remote_code", "true")))
-    assert untrusted_options_dropped(cfg).options == (("slots", "4"),)
+    cfg = RunConfig(backend="llamacpp", options=(("bin", "/tmp/evil"), ("slots", "4")))
+    assert pack_options(cfg).options == (("slots", "4"),), "a binary path is dropped: the local llama-server runs"
+    assert pack_options(cfg, allow=("bin",)).options == cfg.options
+    served = RunConfig(backend="openai", options=(("api_key_env", "AWS_SECRET"), ("base_url", "http://evil.example/v1")))
+    assert pack_options(served, allow=()).options == ()
+    for key, value in (("trust_remote_code", "true"), ("attn_implementation", "flash_attention_2"),
+                       ("attn_implementation", "my_kernels.attn")):
+        hf = RunConfig(backend="hf", options=((key, value),))
+        with pytest.raises(UsageError, match=f"the pack sets --opt {key}="):
+            pack_options(hf)
+        assert pack_options(hf, allow=(key,)).options == ((key, value),)
+    for safe in (("trust_remote_code", "false"), ("attn_implementation", "sdpa"), ("attn_implementation", "eager")):
+        assert pack_options(RunConfig(backend="hf", options=(safe,))).options == (safe,)
+    with pytest.raises(UsageError, match="is not an option replay guards"):
+        pack_options(cfg, allow=("slots",))
+
+
+def test_replay_of_a_pack_asking_for_remote_code_is_refused_before_anything_runs(cli, fake_pack, tmp_path, spy):
+    from detllm.pack import extract
+
+    folder = extract(fake_pack, tmp_path / "x")
+    rc = json.loads((folder / "run_config.json").read_text())
+    rc["config"]["options"] = {"trust_remote_code": "true"}
+    (folder / "run_config.json").write_text(json.dumps(rc, indent=2) + "\n")
+    seal(folder)  # a pack its author sealed this way: verify passes
+    assert cli("verify", folder).exit_code == 0
+    r = cli("replay", folder, "--out", tmp_path / "r")
+    assert r.exit_code == 2 and "the pack sets --opt trust_remote_code='true'" in r.stderr, r.output
+    assert "--allow-pack-option trust_remote_code" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert spy["create"] == 0 and not (tmp_path / "r").exists()
+    r = cli("replay", folder, "--out", tmp_path / "r", "--allow-pack-option", "trust_remote_code")
+    assert r.exit_code == 2 and "unknown --opt 'trust_remote_code' for backend 'fake'" in r.stderr, "taken, then judged by the backend"

@@ -180,3 +180,18 @@ def test_junit_testcase_carries_its_own_comparisons_cause(tmp_path):
 def test_renderers_read_reports_without_magnitude():
     report = json.loads((Path(__file__).parent / "fixtures" / "v1" / "check_fail" / "report.json").read_text())
     assert "RUN_VARIANCE" in render_text(report) and "RUN_VARIANCE" in render_markdown(report)
+
+
+# ------------------------------------------------------------------ noise floors of what ran
+
+@pytest.mark.parametrize("settings, quant, want", [
+    ([{"name": "dtype", "value": "F32"}], "F32", 1e-4),
+    ([{"name": "dtype", "value": "F32"}, {"name": "kv_type", "value": "f16"}], "F32", 2.0**-7),  # llama.cpp's default KV cache
+    ([{"name": "dtype", "value": "F32"}, {"name": "kv_type", "value": "q8_0"}], "F32", 2.0**-4),
+    ([{"name": "dtype", "value": "F32"}, {"name": "kv_type", "value": "f32"}, {"name": "flash_attn", "value": "on"}], "F32", 2.0**-7),
+    ([{"name": "dtype", "value": "bfloat16"}, {"name": "kv_type", "value": "f16"}], None, 2.0**-4),
+])
+def test_noise_floor_follows_kv_cache_type_and_flash_attention(settings, quant, want):
+    from detllm.compare.divergence import run_noise_floor
+
+    assert run_noise_floor("auto", settings, quant) == pytest.approx(want)

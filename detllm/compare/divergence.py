@@ -43,11 +43,23 @@ def noise_floor(dtype: str | None, quantization: str | None = None) -> float | N
 
 def run_noise_floor(asked_dtype: str, applied_settings: list[dict[str, Any]], quantization: str | None) -> float | None:
     """The one rule `check` and `diff` share: the dtype in effect (determinism_applied's `dtype`
-    value where the backend recorded one, e.g. a GGUF's Q4_1; else the dtype asked for) and the
-    weights' quantization."""
+    value where the backend recorded one, e.g. a GGUF's Q4_1; else the dtype asked for), the
+    weights' quantization, and what else rounds activations on the way: llama.cpp's KV cache
+    type (f16 by default, q8_0...) and flash attention switched on (half-precision accumulation
+    on GPUs). The noisiest of them decides."""
     applied = applied_dtype(applied_settings)
     dtype = applied if applied in NOISE_FLOORS else asked_dtype
-    return noise_floor(dtype, quantization)
+    floor = noise_floor(dtype, quantization)
+    values = {s["name"]: s.get("value") for s in applied_settings}
+    extra = []
+    kv = values.get("kv_type")
+    if isinstance(kv, str) and kv:
+        extra.append(NOISE_FLOORS[_FLOAT_GGUF.get(kv.upper(), "quantized")])
+    if values.get("flash_attn") in ("on", True):
+        extra.append(NOISE_FLOORS["float16"])
+    if floor is None or not extra:
+        return floor
+    return max([floor, *extra])
 
 
 def applied_dtype(applied_settings: list[dict[str, Any]]) -> str | None:

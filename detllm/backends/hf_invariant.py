@@ -1,0 +1,296 @@
+"""Batch-invariant inference for the `hf` backend (`--opt batch_invariant=true`, tier 3).
+
+Owns the invariant versions of every op whose result for one sequence could depend on the
+other sequences of a batch or on its padding, their installation on a loaded model for the
+duration of a run (module swaps and a registered attention function, all undone afterwards),
+and the probe that checks, on this machine, that each op really is invariant. Knows nothing
+of runs, tiers or artifacts: hf.py asks `coverage()` and enters `installed()`.
+
+How each op is made invariant (docs/backends/hf.md, "Batch-invariant mode"):
+- linear (every nn.Linear, lm_head included): the rows are padded to a multiple of a fixed
+  block and each block goes through the same GEMM call, so the BLAS sees one shape whatever the
+  batch; one block size for prefill, one for decode (the loop tells which phase it is in).
+- attention: per sequence, on its own unpadded keys, so the reduction lengths are the ones a
+  batch of one would use.
+- RMSNorm, activation, rotary embedding, log_softmax: row-wise ATen kernels, kept, and probed.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .base import Applied
+
+DECODE_BLOCK = 8  # rows per GEMM call while decoding (one token per sequence): measured best at batch 8
+PREFILL_BLOCK = 64  # rows per GEMM call for the prompt: fewer calls, the block is filled by long prompts
+ATTENTION_NAME = "detllm_batch_invariant"  # registered with transformers' AttentionInterface during a run
+MODEL_TYPES = ("llama",)  # architectures whose forward code we have read and whose every op is covered
+ATTENTIONS = ("eager", "sdpa")  # the attention kernels our per-sequence attention reproduces
+_LEAVES = ("Linear", "Embedding", "RMSNorm", "RotaryEmbedding", "SiLU", "SiLUActivation", "Dropout", "Identity")
+_PROBE_SIZES = (1, 2, 3, 5, 8, 9, 16, 17, 33)  # batch sizes the probe compares (odd ones cross block edges)
+_PROBED: dict[tuple, tuple[Op, ...]] = {}  # (model id, device) -> probe results, once per process
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of the model and how the mode makes it batch invariant."""
+
+    name: str
+    covered: bool
+    how: str  # what replaces it, or why it is invariant as it is; for an uncovered op: why not
+
+    def applied(self, installed: bool) -> Applied:
+        note = self.how if installed or not self.covered else f"{self.how} (not installed: another op is not covered)"
+        return Applied(f"batch_invariant.{self.name}", True, installed and self.covered, self.how.split(":")[0], note)
+
+
+# ------------------------------------------------------------------ the invariant ops
+
+
+def block_linear(torch, x, weight, bias, block: int):
+    """x @ weight.T (+ bias) with every GEMM call on exactly `block` rows: row i's result depends
+    on row i only, never on how many rows the batch has (zero rows pad the last block)."""
+    shape = x.shape
+    k = shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    padded = -(-m // block) * block
+    buf = x.new_zeros((padded, k))  # a fresh, aligned allocation whatever x's layout
+    buf[:m] = rows
+    out = x.new_empty((padded, weight.shape[0]))
+    wt = weight.t()
+    for start in range(0, padded, block):
+        if bias is None:
+            torch.mm(buf[start:start + block], wt, out=out[start:start + block])
+        else:
+            torch.addmm(bias, buf[start:start + block], wt, out=out[start:start + block])
+    return out[:m].reshape(*shape[:-1], weight.shape[0])
+
+
+def _module_classes(torch):
+    class BlockLinear(torch.nn.Module):
+        """Stands in for one nn.Linear during a run; shares its parameters."""
+
+        def __init__(self, inner, state) -> None:
+            super().__init__()
+            self.inner, self.state = inner, state
+
+        def forward(self, x):
+            return block_linear(torch, x, self.inner.weight, self.inner.bias, self.state.block)
+
+    return BlockLinear
+
+
+@dataclass
+class _State:
+    """What the loop's current forward call looks like, set by a pre-hook on the model."""
+
+    block: int = PREFILL_BLOCK
+    starts: tuple[int, ...] = ()  # per row: index of its first real (unpadded) position
+    kernel: str = "eager"
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Attention of each sequence over its own real keys only: the same shapes, hence the same
+    kernels and reduction order, as that sequence alone in a batch of one. (n, q, heads, d) out."""
+    import torch
+
+    state: _State = module._detllm_invariant
+    n, heads, q_len, dim = query.shape
+    kv_len = key.shape[2]
+    groups = module.num_key_value_groups
+    out = query.new_zeros((n, q_len, heads, dim))
+    for row in range(n):
+        start = state.starts[row]
+        q_from = max(0, start - (kv_len - q_len))  # queries are the last q_len key positions
+        q = query[row:row + 1, :, q_from:].contiguous()
+        k = key[row:row + 1, :, start:].contiguous()
+        v = value[row:row + 1, :, start:].contiguous()
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        lq, lk = q.shape[2], k.shape[2]
+        if state.kernel == "sdpa":
+            mask = None
+            if lq > 1:
+                mask = torch.ones((lq, lk), dtype=torch.bool, device=q.device).tril(lk - lq)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        else:
+            w = torch.matmul(q, k.transpose(2, 3)) * scaling
+            if lq > 1:  # causal: query i sits at key position lk - lq + i
+                w = w + torch.full((lq, lk), torch.finfo(w.dtype).min, device=w.device).triu(lk - lq + 1)
+            w = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(w, v)
+        out[row, q_from:] = o[0].transpose(0, 1)
+    return out, None
+
+
+# ------------------------------------------------------------------ coverage and probe
+
+
+def coverage(model, attn_implementation: str, device: str) -> tuple[Op, ...]:
+    """Every op class of the model with how it is covered; probed once per model and process."""
+    key = (id(model), device, attn_implementation)
+    if key not in _PROBED:
+        _PROBED[key] = _coverage(model, attn_implementation, device)
+    return _PROBED[key]
+
+
+def _coverage(model, attn_implementation: str, device: str) -> tuple[Op, ...]:
+    import torch
+
+    model_type = getattr(model.config, "model_type", "?")
+    if model_type not in MODEL_TYPES:
+        return (Op("architecture", False, f"not covered: model_type {model_type!r} (covered: {', '.join(MODEL_TYPES)})"),)
+    unknown = sorted({type(m).__name__ for m in model.modules()
+                      if not list(m.children()) and not type(m).__name__.endswith(_LEAVES)})
+    if unknown:
+        return (Op("module", False, f"not covered: {', '.join(unknown)}"),)
+    if attn_implementation not in ATTENTIONS:
+        return (Op("attention", False, f"not covered: attn_implementation {attn_implementation!r} (covered: {', '.join(ATTENTIONS)})"),)
+    with torch.inference_mode():
+        return (
+            _probe_linears(torch, model, device),
+            Op("attention", True, f"replaced: per-sequence {attn_implementation} attention on unpadded keys "
+               "(the shapes of a batch of one, by construction)"),
+            _probe_rows(torch, "rms_norm", _first(model, "RMSNorm"), model.config.hidden_size, device),
+            _probe_rows(torch, "activation (silu)", _first(model, "MLP").act_fn, model.config.intermediate_size, device),
+            _probe_rotary(torch, model, device),
+            _probe_rows(torch, "log_softmax", lambda t: torch.log_softmax(t.float(), dim=-1), model.config.vocab_size, device),
+            Op("embedding, residual add, elementwise mul, argmax, topk", True,
+               "native: exact per element (a lookup, one rounding per element, or a comparison)"),
+        )
+
+
+def _first(model, suffix: str):
+    return next(m for m in model.modules() if type(m).__name__.endswith(suffix))
+
+
+def _same_row_everywhere(torch, fn, width: int, device: str, sizes=_PROBE_SIZES) -> str | None:
+    """Run `fn` on one probe row alone and at several positions of batches of other rows;
+    None if every result is bitwise the one of the batch of one, else where it differed."""
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn((1, width), generator=gen).to(device)
+    alone = fn(probe)
+    for size in sizes:
+        batch = torch.randn((size, width), generator=gen).to(device)
+        rows = sorted({0, size // 2, size - 1})  # first, middle and last block
+        batch[rows] = probe[0]
+        got = fn(batch)
+        for pos in rows:
+            if not torch.equal(got[pos], alone[0]):
+                return f"batch {size}, row {pos}"
+    return None
+
+
+def _probe_rows(torch, name: str, fn, width: int, device: str) -> Op:
+    where = _same_row_everywhere(torch, fn, width, device)
+    if where:
+        return Op(name, False, f"not covered: the probe row changed at {where}")
+    return Op(name, True, f"native: each row computed on its own by ATen's row-wise kernel; probed bitwise at batch sizes {_sizes()}")
+
+
+def _probe_linears(torch, model, device: str) -> Op:
+    shapes = sorted({(m.in_features, m.out_features, m.bias is not None)
+                     for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    for k, n, has_bias in shapes:
+        gen = torch.Generator().manual_seed(1)
+        weight = torch.randn((n, k), generator=gen).to(device)
+        bias = torch.randn((n,), generator=gen).to(device) if has_bias else None
+        for block in (DECODE_BLOCK, PREFILL_BLOCK):
+            sizes = _PROBE_SIZES if block == DECODE_BLOCK else (1, 65)
+            where = _same_row_everywhere(torch, lambda x: block_linear(torch, x, weight, bias, block), k, device, sizes)
+            if where:
+                return Op("linear", False, f"not covered: a {k}->{n} linear in {block}-row blocks changed at {where}")
+    return Op("linear", True, f"replaced: fixed-shape row blocks ({DECODE_BLOCK} rows decoding, {PREFILL_BLOCK} for the "
+              f"prompt) through one GEMM call each; probed bitwise for {len(shapes)} weight shapes")
+
+
+def _probe_rotary(torch, model, device: str) -> Op:
+    rotary = _first(model, "RotaryEmbedding")
+    dummy = torch.zeros((1, 1, model.config.hidden_size), device=device)
+
+    def fn(pos):  # one row of positions -> its cos and sin side by side
+        cos, sin = rotary(dummy, pos.round().abs().long())
+        return torch.cat([cos, sin], dim=-1).flatten(1)
+
+    where = _same_row_everywhere(torch, lambda x: fn(x * 50), 24, device)
+    if where:
+        return Op("rotary", False, f"not covered: the probe row changed at {where}")
+    return Op("rotary", True, f"native: per position (a product of two numbers, then cos and sin); probed bitwise at batch sizes {_sizes()}")
+
+
+def _sizes() -> str:
+    return ", ".join(map(str, _PROBE_SIZES))
+
+
+# ------------------------------------------------------------------ installation
+
+
+@contextmanager
+def installed(model, attn_implementation: str) -> Iterator[None]:
+    """Swap the invariant ops into `model` for the block's duration; everything is restored after,
+    even on error: the Linear modules, the attention implementation, the hooks, the registration."""
+    import torch
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    state = _State(kernel=attn_implementation)
+    BlockLinear = _module_classes(torch)
+    swapped = []  # (parent, child name, original module)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                swapped.append((parent, name, child))
+    attn_modules = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    saved_impl = model.config._attn_implementation
+    hook = model.register_forward_pre_hook(lambda mod, args, kwargs: _observe(torch, state, kwargs), with_kwargs=True)
+    try:
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = _attention
+        ALL_MASK_ATTENTION_FUNCTIONS[ATTENTION_NAME] = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]  # unused by _attention
+        for parent, name, child in swapped:
+            setattr(parent, name, BlockLinear(child, state))
+        for m in attn_modules:
+            m._detllm_invariant = state
+        model.config._attn_implementation = ATTENTION_NAME
+        yield
+    finally:
+        model.config._attn_implementation = saved_impl
+        for m in attn_modules:
+            if "_detllm_invariant" in m.__dict__:
+                del m._detllm_invariant
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+        hook.remove()
+        for registry in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
+            if ATTENTION_NAME in registry._local_mapping:
+                del registry[ATTENTION_NAME]
+
+
+def _observe(torch, state: _State, kwargs: dict[str, Any]) -> None:
+    """Before each forward call: which phase (prompt or decode) and where each row's real tokens start."""
+    from ..errors import BackendError
+
+    mask = kwargs.get("attention_mask")
+    past = kwargs.get("past_key_values")
+    prefill = past is None or past.get_seq_length() == 0
+    state.block = PREFILL_BLOCK if prefill else DECODE_BLOCK
+    if mask is None:
+        ids = kwargs.get("input_ids")
+        state.starts = (0,) * (ids.shape[0] if ids is not None else 1)
+        return
+    mask = mask.to("cpu")
+    starts = (mask == 0).long().cumprod(-1).sum(-1)  # leading zeros: left padding
+    if int(mask.sum()) != int((mask.shape[1] - starts).sum()):
+        raise BackendError("batch_invariant needs left padding (a mask of zeros then ones per row)")
+    state.starts = tuple(starts.tolist())
+
+
+def applied(ops: tuple[Op, ...], *, installed: bool) -> list[Applied]:
+    """The record for determinism_applied.json: one setting per op."""
+    return [op.applied(installed) for op in ops]
+
+
+def uncovered(ops: tuple[Op, ...]) -> list[Op]:
+    return [op for op in ops if not op.covered]

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 from ..config import Decoding, RunConfig
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import content_key, folder_identity
+from ..modelfiles import check_model_files
 from ..models import local_folder, resolve_model
 from . import tf32
 from . import hf_invariant
@@ -99,6 +100,8 @@ class HFBackend(Backend):
                 folder = local_folder(self.resolved, self.revision)  # a hub id already cached: no network
             except BackendError:
                 folder = None  # not cached: from_pretrained downloads it where the hub is reachable
+        if folder is not None:
+            check_model_files(folder)  # a truncated or corrupt file is one line naming it, not a loader traceback
         source = str(folder) if folder else self.resolved.id
         # keyed on every file's content, not its size and mtime: a file edited in place (same size,
         # mtime set back) is reloaded, never served from the model loaded before the edit
@@ -114,8 +117,11 @@ class HFBackend(Backend):
                 attn_implementation=self.options.attn_implementation, trust_remote_code=self.options.trust_remote_code,
             )
         except (OSError, ValueError) as exc:  # no such files, or files transformers cannot read as a model
-            raise UsageError(f"cannot load model {self.resolved.id!r}: {str(exc).splitlines()[0][:200]}",
+            raise UsageError(f"cannot load model {self.resolved.id!r}: {(str(exc).splitlines() or [''])[0][:200]}",
                              hint="pass a built-in model, a local folder, or a hub id reachable from this machine") from exc
+        except Exception as exc:  # any other loader failure (safetensors, tokenizers): one line, never a traceback
+            raise BackendError(f"transformers could not load model {self.resolved.id!r}: {exc.__class__.__name__}: "
+                               f"{(str(exc).splitlines() or [''])[0][:200]}") from exc
         model.to(self.device).eval()
         tok.padding_side = "left"  # decoder-only: pad on the left so the last position is real
         for stale in [k for k in _LOADED if k[0] == source and k[1] != content]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import MAX_BATCH, Decoding, RunConfig, floats, ints, ranged
+from ..modelfiles import check_model_files
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import combine, sha256_file
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
@@ -104,6 +105,7 @@ class LlamaCppBackend(Backend):
         self.model_id = str(model)
         self.binary = find_server(opts.bin)  # before the model: a missing binary fails fast
         self.gguf = resolve_gguf(str(model))
+        check_model_files(self.gguf)  # header and tensor bounds: a truncated file is one line, not a server log
         from ..models.gguf import read_gguf
 
         try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import MAX_BATCH, Decoding, RunConfig, floats, ints, ranged
+from ..modelfiles import check_model_files
 from ..errors import BackendError, BackendUnavailableError, UsageError
 from ..hashing import content_key, folder_identity
 from ..models import local_folder, resolve_model
@@ -298,6 +299,8 @@ class VLLMBackend(Backend):
         if self._llm is None or _ENGINE is None or _ENGINE.llm is not self._llm:
             opts = self.options
             source = str(self.resolved.path) if self.resolved.path else self.resolved.id
+            if self.resolved.path:
+                check_model_files(self.resolved.path)  # a truncated or corrupt file is one line naming it
             kwargs: dict[str, Any] = dict(
                 model=source, tokenizer=source, revision=self.revision, dtype=self.dtype,
                 seed=0,  # sampling is seeded per request (SamplingParams.seed), never from the engine seed

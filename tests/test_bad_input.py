@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -367,3 +369,79 @@ def test_the_lock_is_never_written_into_the_folder(tmp_path):
         assert lock_path(out).exists() and not lock_path(out).is_relative_to(tmp_path)
         assert not out.exists()
     assert not lock_path(out).exists()
+
+
+# ------------------------------------------------------------------ faults mid-run (issue 11: keep surviving them)
+
+MAIN = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "  # Ctrl-C as in a terminal
+        "from detllm.cli import main; main(sys.argv[1:])")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_a_run_interrupted_mid_trace_leaves_no_folder_that_looks_complete(cli, tmp_path, sig):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(20_000)))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", MAIN, "check", "-b", "fake", "--prompts", str(prompts), "--out", str(out),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "trace.jsonl.partial").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+            time.sleep(0.02)
+        time.sleep(0.2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and err.strip() == "detllm: interrupted", err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert (out / "detllm.partial").exists() and not (out / "manifest.json").exists()
+    assert not (out / "trace.jsonl").exists(), "the trace is only renamed into place when complete"
+    for args in (["report", out], ["verify", out], ["diff", out, out]):
+        r = cli(*args)
+        assert r.exit_code == 5 and "is incomplete" in r.stderr, (args, r.output)
+    assert cli("check", "-b", "fake", "--out", out).exit_code == 0, "the folder can be re-used"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the server through /proc")
+def test_llama_server_killed_mid_run_is_exit_8_in_one_line(tmp_path):
+    from detllm.backends.llamacpp_server import find_server
+
+    find_server()  # llama.cpp is part of the install (scripts/install.sh)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", MAIN, "check", "-b", "llamacpp", "--max-new-tokens", "400", "--runs", "5",
+                             "--out", str(out), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "trace.jsonl.partial").exists() or not _children(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+            time.sleep(0.05)
+        for child in _children(proc.pid):
+            os.kill(child, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 8, err
+    assert err.startswith("detllm: error: ") and len(err.strip().splitlines()) == 1, err
+    assert (out / "detllm.partial").exists() and not (out / "manifest.json").exists()

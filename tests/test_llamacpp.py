@@ -358,10 +358,12 @@ def test_dead_server_is_backend_error_with_log(binary):
         assert b.tokenize("hello again"), "the next call starts a fresh server"
 
 
-def test_server_failing_to_start_is_backend_error(binary, tmp_path):
+def test_server_failing_to_start_is_backend_error(binary, tmp_path, monkeypatch):
     data = (builtin_path("tiny", "gguf") / "model.gguf").read_bytes()
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(data[: len(data) // 2])  # header intact, tensor data cut short
+    # detllm refuses such a file itself (tests/test_model_files.py); let it through to see the server fail
+    monkeypatch.setattr("detllm.backends.llamacpp.check_model_files", lambda path: None)
     b = LlamaCppBackend(str(broken))
     with pytest.raises(BackendError, match="llama-server did not start") as exc:
         b.tokenize("x")

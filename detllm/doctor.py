@@ -61,13 +61,21 @@ def _llamacpp_build() -> dict[str, Any]:
     return {"usable": True, "binary": str(binary), "build": "; ".join(lines) or None}
 
 
+_FORMAT = {"hf": "hf", "vllm": "hf", "llamacpp": "gguf"}  # the built-in model's format each backend loads
+
+
 def _tier(name: str) -> tuple[int | None, str]:
-    """The tier the backend enforces here as configured by default, and why not higher.
-    Creating a backend loads nothing (models and engines start on first use)."""
+    """The tier the backend enforces here as configured by default, and why not higher. Asked
+    of a backend on the built-in `tiny` model only when that is already built: creating a
+    backend would build it, and doctor builds nothing. Engines start on first use, never here."""
     from .backends.registry import backend_class
     from .config import RunConfig
     from .errors import DetllmError
+    from .models import list_models
 
+    fmt = _FORMAT.get(name)
+    if fmt is not None and fmt not in next(m["cached"] for m in list_models() if m["name"] == "tiny"):
+        return None, f"the built-in model is not built yet (`detllm run --backend {name}` builds it)"
     try:
         backend = backend_class(name).from_config(RunConfig(backend=name))
         try:
@@ -120,8 +128,8 @@ def render_doctor(found: dict[str, Any]) -> str:
         if b["usable"]:
             what = b.get("engine") or b.get("build") or ""
             where = f" [{b['binary']}]" if b.get("binary") else ""
-            tier = f"tier <= {b['max_tier']}" if b.get("max_tier") is not None else "tier unknown"
-            lines.append(f"{name:<9} ok: {what}{where}; enforces {tier}" + (f" ({b['tier_note']})" if b.get("tier_note") else ""))
+            tier = f"enforces tier <= {b['max_tier']}" if b.get("max_tier") is not None else "tier not checked"
+            lines.append(f"{name:<9} ok: {what}{where}; {tier}" + (f" ({b['tier_note']})" if b.get("tier_note") else ""))
         else:
             lines.append(f"{name:<9} unavailable: {b['why']} -> {b['fix']}")
     a = found["artifacts"]

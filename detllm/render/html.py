@@ -25,7 +25,7 @@ h1{font-size:22px;margin:0 0 6px} h2{font-size:17px;margin:26px 0 8px;border-bot
 .verdict{display:inline-block;padding:2px 10px;border-radius:6px;color:#fff;font-weight:700}
 .PASS{background:#1a7f37}.FAIL{background:#cf222e}.INFO,.RECORDED{background:#9a6700}.base{background:#57606a}
 table{border-collapse:collapse;margin:6px 0} td,th{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}
-th{background:#f6f8fa} code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12.5px}
+th{background:#f6f8fa} td{overflow-wrap:anywhere} code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12.5px}
 .sides{display:grid;grid-template-columns:1fr 1fr;gap:14px}
 .side{border:1px solid #d0d7de;border-radius:6px;padding:8px 10px;background:#f6f8fa}
 .side h3{font-size:13px;margin:0 0 6px;color:#57606a}
@@ -189,8 +189,9 @@ def _drift(report: dict[str, Any]) -> list[str]:
 
 def _field_rows(items: list[dict[str, Any]]) -> str:
     return ("<table><tr><th>field</th><th>left</th><th>right</th></tr>" +
-            "".join(f"<tr><td class='mono'>{esc(x['field'])}</td><td class='mono diff-l'>{esc(x['left'])}</td>"
-                    f"<td class='mono diff-r'>{esc(x['right'])}</td></tr>" for x in items) + "</table>")
+            "".join(f"<tr><td class='mono'>{esc(x['field'])}</td><td class='mono{'' if x['left'] == x['right'] else ' diff-l'}'>"
+                    f"{esc(x['left'])}</td><td class='mono{'' if x['left'] == x['right'] else ' diff-r'}'>{esc(x['right'])}</td></tr>"
+                    for x in items) + "</table>")
 
 
 def _evidence(ev: dict[str, Any]) -> str:
@@ -273,9 +274,9 @@ def render_html(report: dict[str, Any], *, records: tuple[dict | None, dict | No
         body += _matrix(report)
     if report["first_divergence"] is not None:
         body += _divergence(report["first_divergence"], records)
-    body += _causes(report)
     if any(c["drift"].get("available") for c in report["comparisons"]):
         body += _drift(report)
+    body += _causes(report)
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
             "<meta name='referrer' content='no-referrer'>"

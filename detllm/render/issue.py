@@ -183,19 +183,34 @@ def _raw_call(side: _Side, record: dict[str, Any] | None) -> list[str]:
     engine = cfg["backend"]
     if engine == "llamacpp":
         argv = ((side.env or {}).get("backend") or {}).get("argv") or []
-        body = {"prompt": ids if ids is not None else "<input ids>", "n_predict": dec["max_new_tokens"], "seed": seed,
-                "temperature": dec["temperature"], "top_k": dec["top_k"], "top_p": dec["top_p"], "min_p": 0.0,
-                "repeat_penalty": 1.0, "n_probs": cfg["logprobs"], "post_sampling_probs": False, "return_tokens": True,
-                "cache_prompt": False}
+        applied = {x["name"]: x for x in (side.applied or {}).get("settings", [])}
+        greedy = dec["temperature"] == 0
+        body = {"prompt": ids if ids is not None else "<input ids>", "n_predict": dec["max_new_tokens"],
+                "seed": applied.get("seed", {}).get("value", seed),  # the server's seed as detllm applied it
+                "temperature": dec["temperature"], "top_k": dec["top_k"], "top_p": dec["top_p"],
+                "samplers": ["temperature"] if greedy else ["top_k", "temperature", "top_p"],
+                "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0,
+                "n_probs": cfg["logprobs"], "post_sampling_probs": False, "return_tokens": True,
+                "cache_prompt": bool(applied.get("cache_prompt", {}).get("value", False)), "stream": False}
         server = "llama-server " + " ".join(shlex.quote(_safe_arg(a).replace("<port>", "8080")) for a in argv)
         return ["Raw llama.cpp call (the same server flags and /completion body detllm used):", "",
                 *_fence(f"{server} &\ncurl -s http://127.0.0.1:8080/completion -H 'Content-Type: application/json' \\\n"
                         f"  -d {shlex.quote(json.dumps(body))}", "bash")]
     if engine == "vllm":
-        opts = cfg.get("options") or {}
-        code = (f"import os\nos.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\nfrom vllm import LLM, SamplingParams\n"
-                f"llm = LLM(model={model.get('path') or cfg['model']!r}, dtype={cfg['dtype']!r}, seed=0, enforce_eager=True"
-                + (f", max_model_len={opts['max_model_len']}" if "max_model_len" in opts else "") + ")\n"
+        applied = {x["name"]: x.get("value") for x in (side.applied or {}).get("settings", []) if x.get("applied")}
+        env_vars = {k: v for k, v in applied.items() if k.isupper() and isinstance(v, str)}
+        kv = ((side.env or {}).get("env_vars") or {}).get("VLLM_CPU_KVCACHE_SPACE")
+        if kv is not None and kv != REDACTED:
+            env_vars["VLLM_CPU_KVCACHE_SPACE"] = kv
+        llm_kw = {"max_model_len": applied.get("max_model_len"), "max_num_seqs": applied.get("max_num_seqs"),
+                  "enforce_eager": applied.get("enforce_eager"), "enable_prefix_caching": applied.get("prefix_caching"),
+                  "tensor_parallel_size": applied.get("tensor_parallel_size")}
+        extra = "".join(f", {k}={v!r}" for k, v in llm_kw.items() if v is not None)
+        code = ("import os\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in sorted(env_vars.items()))
+                + "from vllm import LLM, SamplingParams\n"
+                f"llm = LLM(model={model.get('path') or cfg['model']!r}, dtype={cfg['dtype']!r}, seed=0{extra}, "
+                "logprobs_mode='raw_logprobs')\n"
                 f"params = SamplingParams(temperature={dec['temperature']}, top_p={dec['top_p']}, top_k={dec['top_k']}, "
                 f"max_tokens={dec['max_new_tokens']}, seed={seed}, logprobs={cfg['logprobs']})\n"
                 f"out = llm.generate([{{'prompt_token_ids': {ids_text.split('  #')[0]}}}], params)\n"
@@ -203,8 +218,10 @@ def _raw_call(side: _Side, record: dict[str, Any] | None) -> list[str]:
         return ["Raw vLLM call (offline engine, as detllm ran it):", "", *_fence(code, "python")]
     if engine == "hf":
         greedy = dec["temperature"] == 0
+        attn = ((side.env or {}).get("backend") or {}).get("attn_implementation")
         code = (f"import torch\nfrom transformers import AutoModelForCausalLM\n"
-                f"model = AutoModelForCausalLM.from_pretrained({model.get('path') or cfg['model']!r}, dtype=torch.{cfg['dtype'] if cfg['dtype'] != 'auto' else 'float32'})\n"
+                f"model = AutoModelForCausalLM.from_pretrained({model.get('path') or cfg['model']!r}, dtype=torch."
+                f"{cfg['dtype'] if cfg['dtype'] != 'auto' else 'float32'}" + (f", attn_implementation={attn!r}" if attn else "") + ")\n"
                 f"torch.manual_seed({seed})\nids = torch.tensor([{ids_text.split('  #')[0]}])\n"
                 f"out = model.generate(ids, max_new_tokens={dec['max_new_tokens']}, do_sample={not greedy}"
                 + ("" if greedy else f", temperature={dec['temperature']}, top_p={dec['top_p']}, top_k={dec['top_k']}")
@@ -228,7 +245,8 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
     engines = [s.backend for s in sides]
     engine = next((e for e in engines if e in ("vllm", "llamacpp")), engines[0])
     d = report["first_divergence"]
-    title = f"[detllm] {report['status']} {report['category']}: " + " vs ".join(dict.fromkeys(engines))
+    cat = "" if report["category"] in (report["status"], "PASS") else f" {report['category']}"
+    title = f"[detllm] {report['command']} {report['status']}{cat}: " + " vs ".join(dict.fromkeys(engines))
     if d is not None:
         title += f", prompt {d['prompt_index']} diverges at generated token {d['token_index']}"
     lines = [f"<!-- {TEMPLATE.get(engine, 'the engine bug template')} -->", f"### {title}", "", "#### Describe the bug", ""]
@@ -247,12 +265,12 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
                           f"detllm diff left.tar.gz right.tar.gz", "bash")]
     for side in sides:
         rec = None
-        if d is not None and side.folder is not None:
-            label = d["left"]["label"] if side.name == "left" else d["right"]["label"]
+        if side.folder is not None:  # the divergent prompt, else the first prompt of the first run
             from ..compare.engine import parse_label
 
-            run, batch = (side.run, side.batch) if report["command"] == "diff" else parse_label(label)
-            rec = _record(side.folder, run, batch, d["prompt_index"])
+            label = d["left"]["label"] if d is not None and side.name == "left" else d["right"]["label"] if d is not None else None
+            run, batch = (side.run, side.batch) if report["command"] == "diff" or label is None else parse_label(label)
+            rec = _record(side.folder, run, batch, d["prompt_index"] if d is not None else 0)
         raw = _raw_call(side, rec)
         if raw:
             lines += ["", *raw]

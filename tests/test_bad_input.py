@@ -445,3 +445,30 @@ def test_llama_server_killed_mid_run_is_exit_8_in_one_line(tmp_path):
     assert proc.returncode == 8, err
     assert err.startswith("detllm: error: ") and len(err.strip().splitlines()) == 1, err
     assert (out / "detllm.partial").exists() and not (out / "manifest.json").exists()
+
+
+def test_docs_state_every_declared_range():
+    """docs/cli.md's range table is the code's: each declared Range appears, written as Range.text()."""
+    import dataclasses
+    from pathlib import Path
+
+    from detllm.config import Decoding, RunConfig, cli_flag
+
+    docs = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    docs = docs.split("**Accepted ranges.**", 1)[1].split("\n\n**", 1)[0]  # the range table only
+    rows = {line.split("|")[1].strip(): line for line in docs.splitlines() if line.startswith("| `--")}
+    for cls in (Decoding, RunConfig):
+        for f in dataclasses.fields(cls):
+            if "range" in f.metadata:
+                row = next((r for k, r in rows.items() if f"`{cli_flag(f.name)}`" in k), None)
+                assert row is not None and f.metadata["range"].text() in row, (f.name, row)
+    from detllm.backends.fake import FakeOptions
+    from detllm.backends.llamacpp import LlamaCppOptions
+    from detllm.backends.openai import OpenAIOptions
+    from detllm.backends.vllm import VLLMOptions
+
+    for name, cls in (("fake", FakeOptions), ("llamacpp", LlamaCppOptions), ("vllm", VLLMOptions), ("openai", OpenAIOptions)):
+        row = next(line for line in docs.splitlines() if line.startswith(f"| `--opt` `{name}` |"))
+        for f in dataclasses.fields(cls):
+            if "range" in f.metadata:
+                assert f"`{f.name}`" in row and f.metadata["range"].text() in row.split(f"`{f.name}`", 1)[1], (name, f.name)

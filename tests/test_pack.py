@@ -240,7 +240,9 @@ def test_a_gzip_bomb_is_cut_off_at_the_decompressed_cap(tmp_path):
     assert not (tmp_path / "y" / "run" / "a.json").exists()
 
 
-def test_default_limits_fit_a_real_bug_report_pack():
+def test_the_default_limits_are_the_documented_ones():
+    docs = (Path(__file__).parent.parent / "docs" / "integrity.md").read_text()
     limits = Limits()
-    assert limits.max_members == 1_000 and limits.max_member_bytes == 1 << 30 and limits.max_total_bytes == 2 << 30
-    assert limits.max_header_bytes == 4096
+    assert f"more than {limits.max_members:,} members is refused" in docs
+    assert f"a member over {limits.max_member_bytes >> 30} GiB, members adding up to over {limits.max_total_bytes >> 30} GiB" in docs
+    assert f"GNU long name/link over {limits.max_header_bytes >> 10} KiB is refused" in docs

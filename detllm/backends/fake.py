@@ -65,7 +65,7 @@ class FakeOptions:
     max_tier: int = ranged(2, ints(0, 3))  # highest tier the fake claims to enforce
     batch_invariant: bool = False  # claim tier-3 batch invariance
     batch_drift: float = ranged(0.0, floats(-100, 100))  # logprob offset per extra batch member (non-invariant numerics)
-    stable_threads: int = 0  # > 0: at --threads N, batch_drift and batch= injections vanish (a knob for diagnose tests)
+    stable_threads: int = ranged(0, ints(0, 1024))  # > 0: at --threads N, batch_drift and batch= injections vanish (a knob for diagnose tests)
 
 
 class FakeBackend(Backend):

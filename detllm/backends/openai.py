@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ..config import Decoding, RunConfig
+from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 from .openai_load import Endpoint, Reply
@@ -36,10 +36,10 @@ class OpenAIOptions:
     chat: bool = False  # /v1/chat/completions with one user message (--chat); else /v1/completions
     prompt_as: str = "auto"  # auto: token ids where the server has /tokenize, else text; or force text / ids
     server: str = "auto"  # server kind for its extra knobs (top_k, ignore_eos, token ids, cache reset); auto: detected
-    request_timeout: float = 300.0  # seconds one request may take
-    connect_timeout: float = 10.0  # seconds to open a connection
-    retries: int = 2  # resends of a request the server did not take (connection refused, 429, 503), recorded
-    sample_interval: float = 0.02  # seconds between /slots or /metrics samples while a batch is in flight
+    request_timeout: float = ranged(300.0, floats(0, 86400, lo_open=True))  # seconds one request may take
+    connect_timeout: float = ranged(10.0, floats(0, 3600, lo_open=True))  # seconds to open a connection
+    retries: int = ranged(2, ints(0, 100))  # resends of a request the server did not take (connection refused, 429, 503), recorded
+    sample_interval: float = ranged(0.02, floats(0, 60, lo_open=True))  # seconds between /slots or /metrics samples while a batch is in flight
     cache_probe: bool = False  # each prompt cold, then warm, then after a shared-prefix prompt (check --cache-probe)
 
 

@@ -104,3 +104,16 @@ def test_raw_llamacpp_call_reproduces_the_trace(smollm2_sides, tmp_path):
     rec = json.loads((ll / "trace.jsonl").read_text().splitlines()[0])
     assert out["tokens"] == rec["token_ids"]
     assert [p["logprob"] for p in out["completion_probabilities"]] == rec["logprobs"]
+
+
+@pytest.mark.parametrize("fmt", ["issue", "html"])
+def test_report_formats_import_no_engine(fake_fail, fmt):
+    """A maintainer renders a stranger's pack without torch, transformers or vLLM being imported."""
+    import sys
+
+    code = ("import sys\nfrom detllm.cli import main\nsys.argv = ['detllm', 'report', sys.argv[1], '--format', sys.argv[2]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules), file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code, str(fake_fail.out_dir), fmt], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "[]"

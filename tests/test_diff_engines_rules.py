@@ -83,7 +83,9 @@ def test_llamacpp_runs_differing_only_in_batch_size(tmp_path):
     shutil.copy(gguf, copy)
     a = detllm.run(backend="llamacpp", model="tiny", tier=2, max_new_tokens=8, batch_size=1, out=tmp_path / "np1").out_dir
     b = detllm.run(backend="llamacpp", model=str(copy), tier=2, max_new_tokens=8, batch_size=4, out=tmp_path / "np4").out_dir
-    argv = [json.loads((d / "env.json").read_text())["backend"]["argv"] for d in (a, b)]
+    envs = [json.loads((d / "env.json").read_text()) for d in (a, b)]
+    assert "AVX2" in envs[0]["kernels"]["cpu_features"], "llama.cpp's CPU backend features are recorded as kernel facts"
+    argv = [e["backend"]["argv"] for e in envs]
     assert argv[0] != argv[1], "-np, -c and -m differ in the server's argv"
     r = detllm.diff(a, b, tier=3).report  # logprobs across batch sizes too
     validate(r, "report")

@@ -298,6 +298,7 @@ class LlamaCppBackend(Backend):
             "binary": str(self.binary),
             "binary_sha256": sha256_file(self.binary),
             "build_cpu_flags_sha256": _read(self.binary.parent.parent / "CPU_FLAGS"),  # CPU the build was tuned for
+            "cpu_features": cpu_features(self.binary),  # the CPU backend's kernels in effect (env.json moves it to "kernels")
             "argv": [a if a != str(srv.port) else "<port>" for a in self.argv(srv.port)[1:]],
             "n_ctx": props.get("default_generation_settings", {}).get("n_ctx"),
             "total_slots": props.get("total_slots"),
@@ -434,6 +435,27 @@ class LlamaCppBackend(Backend):
 
 
 _DTYPE_OF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+_CPU_FEATURES: dict[str, dict[str, int] | None] = {}  # binary sha256 -> its CPU backend features, per process
+
+
+def cpu_features(binary: Path) -> dict[str, int] | None:
+    """The CPU backend features llama.cpp selects kernels with here (`system_info: ... | CPU :
+    AVX2 = 1 | AVX512 = 1 | ...`): printed before the model loads, so a missing model makes the
+    server print them and exit at once (~0.1 s). None when the binary does not say."""
+    key = sha256_file(binary)
+    if key not in _CPU_FEATURES:
+        try:
+            proc = subprocess.run([str(binary), "-m", "/nonexistent/detllm-probe.gguf", "--host", "127.0.0.1",
+                                   "--port", str(free_port()), "-lv", "4", "--device", "none"],
+                                  capture_output=True, text=True, timeout=30)
+            m = re.search(r"system_info:.*?\| CPU : (.*)", proc.stdout + proc.stderr)
+        except (OSError, subprocess.TimeoutExpired):
+            m = None
+        _CPU_FEATURES[key] = None if m is None else {
+            k.strip(): int(v) for k, v in re.findall(r"([A-Z0-9_]+) = (\d+)", m.group(1))}
+    return _CPU_FEATURES[key]
 
 
 def _read(path: Path) -> str | None:

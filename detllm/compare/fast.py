@@ -83,12 +83,7 @@ def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     ids, lps = pairs[:, :, 0], pairs[:, :, 1]
     if not (np.isfinite(lps).all() and (ids >= 0).all() and (ids < _MAX_ID).all() and (ids == np.floor(ids)).all()):
         return None
-    ids = ids.astype(np.int64)
-    if k > 1:
-        s = np.sort(ids, axis=1)
-        if (s[:, 1:] == s[:, :-1]).any():
-            return None  # an id twice in one step: the reference path's dicts decide
-    return ids, np.ascontiguousarray(lps)
+    return ids.astype(np.int64), np.ascontiguousarray(lps)
 
 
 def payload(rec: TraceRecord) -> Payload | None:
@@ -191,13 +186,29 @@ def first_token_difference(a: np.ndarray, b: np.ndarray) -> int | None:
     return None if len(a) == len(b) else n
 
 
+def _first_of_id(x: np.ndarray) -> np.ndarray:
+    """(m, k) bool: entry j is the first of its id in its step (a set keeps one of each)."""
+    out = np.ones(x.shape, dtype=bool)
+    for j in range(1, x.shape[1]):
+        out[:, j] = ~(x[:, :j] == x[:, j:j + 1]).any(axis=1)
+    return out
+
+
+def _last_of_id(x: np.ndarray) -> np.ndarray:
+    """(m, k) bool: entry j is the last of its id in its step (a dict keeps the last)."""
+    return _first_of_id(x[:, ::-1])[:, ::-1]
+
+
 def kl_rows(pa_ids: np.ndarray, pa_lps: np.ndarray, pb_ids: np.ndarray, pb_lps: np.ndarray) -> np.ndarray:
     """engine._kl_topk for m steps at once: KL(left || right) of each step's top-k, the left's
     ids, each side renormalised over them; an id below the right's top-k takes the right's
     k-th (smallest) logprob. Sums run left to right over the k columns, as Python's sum."""
-    match = pa_ids[:, :, None] == pb_ids[:, None, :]  # (m, ka, kb)
-    kth = pb_lps.min(axis=1)
-    q = np.where(match.any(axis=2), (match * pb_lps[:, None, :]).sum(axis=2), kth[:, None])
+    kb = pb_ids.shape[1]
+    last = _last_of_id(pb_ids)  # the right's {id: logprob} keeps an id's last entry
+    match = (pa_ids[:, :, None] == pb_ids[:, None, :]) & last[:, None, :]  # (m, ka, kb)
+    kth = np.where(last, pb_lps, np.inf).min(axis=1)
+    at = kb - 1 - match[:, :, ::-1].argmax(axis=2)  # (m, ka) the matching column
+    q = np.where(match.any(axis=2), np.take_along_axis(pb_lps, at, axis=1), kth[:, None])
     p = pa_lps
     ka = p.shape[1]
 
@@ -229,7 +240,7 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], list[float], int, list
         if m:
             A, B = pa.top_ids[:m], pb.top_ids[:m]
             ka, kb = A.shape[1], B.shape[1]
-            inter = (A[:, :, None] == B[:, None, :]).any(axis=2).sum(axis=1)  # ids are distinct within a step
+            inter = ((A[:, :, None] == B[:, None, :]).any(axis=2) & _first_of_id(A)).sum(axis=1)  # |set & set|
             overlap = float(np.cumsum(inter / max(ka, kb))[-1])  # left to right, as the reference's +=
             counted = m
             flips = int((A[:, 0] != B[:, 0]).sum())

@@ -501,6 +501,72 @@ def sweep(
     guarded(body)
 
 
+# ------------------------------------------------------------------ diagnose / sweep (docs/diagnose.md)
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             help="From a FAIL to the knob that causes it: `detllm diagnose RUN_DIR` (a failing check or diff folder) or "
+                  "`detllm diagnose CHECK-OPTIONS` (runs that check first, into OUT/baseline). Runs real probes, cheapest "
+                  "first, and writes diagnosis.json/.txt/.md. Exit 0 when the diagnosis was written.")
+def diagnose(
+    ctx: typer.Context,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Diagnosis folder (default: a new folder under artifacts/).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an earlier diagnosis in --out.")] = False,
+    budget: Annotated[Optional[str], typer.Option(help="Probe count (12) or time (90s, 5m).")] = None,
+    fresh_repeats: Annotated[int, typer.Option(help="Fresh processes per fresh-process probe and confirmation.")] = 3,
+    probe: Annotated[Optional[list[str]], typer.Option("--probe", help="Run only these probes (repeatable): a knob (kv_type, threads, batch_invariant...) or ladder, needle, fresh_process, prefill.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print diagnosis.json instead of the text.")] = False,
+) -> None:
+    def body() -> int:
+        from .diagnose import diagnose as run_diagnosis
+        from .diagnose.render import render_text
+
+        args = list(ctx.args)
+        run_dir = args[0] if len(args) == 1 and not args[0].startswith("-") else None
+        if not args:
+            raise UsageError("diagnose needs a failing run folder or check's options", hint="e.g. detllm diagnose RUN_DIR")
+        say = None if as_json else (lambda text: typer.echo(f"detllm: {text}", err=True))
+        result = run_diagnosis(run_dir=run_dir, check_args=None if run_dir else args, out=out, force=force, budget=budget,
+                               fresh_repeats=fresh_repeats, progress=say, only=probe)
+        typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"diagnosis folder: {result.out_dir}")
+        return 0
+
+    guarded(body)
+
+
+@app.command(help="Run a grid of settings (--axis batch_size=1,2,8 --axis dtype=float32,bfloat16 --axis threads=1,2; any other "
+                  "axis name is a backend --opt) with --repeats per cell: each cell labelled stable / fragile / unstable, unique "
+                  "outputs per prompt, divergence rate against the first cell with a Wilson 95% interval; sweep.json, a table "
+                  "and heatmap.png. Exit 0 when the sweep was written.")
+def sweep(
+    axis: Annotated[list[str], typer.Option("--axis", help="name=v1,v2 (repeatable).")],
+    repeats: Annotated[int, typer.Option(help="Repeats per cell (in one process).")] = 3,
+    backend: Backend = "hf",
+    model: Model = "tiny",
+    prompts: Annotated[Optional[Path], typer.Option(help="Prompt file (.jsonl or text).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Sweep folder (default: a new folder under artifacts/).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an earlier sweep in --out.")] = False,
+    tier: Annotated[int, typer.Option(help="Tier recorded for each cell's runs.")] = 2,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
+    dtype: Annotated[str, typer.Option(help="dtype of cells without a dtype axis.")] = "float32",
+    seed: Annotated[int, typer.Option(help="Seed for every run.")] = 0,
+    opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value for every cell (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print sweep.json instead of the table.")] = False,
+) -> None:
+    def body() -> int:
+        from .config import Decoding, RunConfig, parse_options
+        from .diagnose.sweep import sweep as run_sweep
+        from .diagnose.sweep_render import render_text
+
+        cfg = RunConfig(backend=backend, model=model, dtype=dtype, seed=seed, tier=tier,
+                        decoding=Decoding(max_new_tokens=max_new_tokens), options=parse_options(opt or []))
+        say = None if as_json else (lambda text: typer.echo(f"detllm: {text}", err=True))
+        folder, doc = run_sweep(cfg, axis, repeats=repeats, prompts=prompts, out=out, force=force, progress=say)
+        typer.echo(json.dumps(doc, indent=2) if as_json else render_text(doc) + f"sweep folder: {folder}")
+        return 0
+
+    guarded(body)
+
+
 # ------------------------------------------------------------------ verify / replay / pack (docs/integrity.md)
 
 @app.command(help="Check a run folder or .tar.gz pack offline: every file against manifest.json, the trace's hash chain, "

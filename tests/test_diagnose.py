@@ -129,14 +129,34 @@ def test_cli_not_a_folder_is_exit_5(cli, tmp_path):
     assert r.exit_code == 5 and "not a detllm run or diff folder" in r.output
 
 
-def test_a_diff_folder_is_diagnosed_from_its_left_side(cli, tmp_path):
+def test_a_diff_across_batch_sizes_follows_the_batch_size(cli, tmp_path):
     run = tmp_path / "run"
     assert cli("check", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--max-new-tokens", "6",
                "--opt", f"diverge={BATCH8}", "--out", run).exit_code == 1
     assert cli("diff", f"{run}::batch_1", f"{run}::batch_8", "--out", tmp_path / "diff").exit_code == 1
-    doc = diagnose(run_dir=tmp_path / "diff", out=tmp_path / "d", budget=2).doc
+    doc = diagnose(run_dir=tmp_path / "diff", out=tmp_path / "d").doc
     assert doc["source"]["kind"] == "diff" and doc["source"]["left"] == str(run)
-    assert doc["baseline"]["kinds"] == ["batch"]
+    assert doc["baseline"]["kinds"] == ["diff"] and [p["kind"] for p in doc["probes"]] == ["rerun", "recorded"]
+    assert doc["knobs"][0]["knob"] == "batch_size" and doc["knobs"][0]["verdict"] == "follows"
+    assert doc["conclusion"].startswith("The divergence follows batch_size")
+
+
+def test_a_diff_of_identically_recorded_sides_is_diagnosed_as_a_check(cli, tmp_path):
+    run = tmp_path / "run"
+    assert cli("check", "--backend", "fake", "--model", "fake", "--max-new-tokens", "6", "--opt", "diverge=prompt=1,pos=2,run=1",
+               "--out", run).exit_code == 1
+    assert cli("diff", f"{run}::run_0", f"{run}::run_1", "--out", tmp_path / "diff").exit_code == 1
+    doc = diagnose(run_dir=tmp_path / "diff", out=tmp_path / "d", budget=2).doc
+    assert doc["source"]["kind"] == "diff" and doc["baseline"]["kinds"] == ["run"]
+    assert (tmp_path / "d" / "baseline" / "report.json").is_file()
+
+
+def test_a_diff_across_models_names_the_cause_without_probing(cli, tmp_path):
+    for salt in ("", "x"):
+        assert cli("run", "--backend", "fake", "--model", f"fake{salt}", "--max-new-tokens", "4", "--out", tmp_path / f"r{salt}").exit_code == 0
+    assert cli("diff", tmp_path / "r", tmp_path / "rx", "--out", tmp_path / "diff").exit_code in (0, 1)
+    doc = diagnose(run_dir=tmp_path / "diff", out=tmp_path / "d").doc
+    assert doc["probes"] == [] and doc["skipped_knobs"][0]["knob"] == "model"
 
 
 def test_plan_is_cheapest_first_and_says_what_it_skips():

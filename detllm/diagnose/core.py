@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import artifacts
+from ..compare.engine import select
 from ..config import RunConfig
 from ..env import detllm_version
 from ..errors import ArtifactError, UsageError
 from . import evidence
 from .needle import trial_plan
 from .pool import Pool
+from . import recorded
 from .probes import LADDER, Probe, plan
 
 DIAGNOSIS = "diagnosis.json"
@@ -294,6 +296,15 @@ class _ProbeFailed(Exception):
     pass
 
 
+PROBE_KINDS = {"ladder", "needle", "fresh_process", "prefill"}
+KNOWN_KNOBS = {"threads", "dtype", "attn_implementation", "batch_invariant", "kv_type", "flash_attn", "ubatch", "cache_prompt",
+               "enforce_eager", "prefix_caching", "max_num_seqs", "concurrency"}
+
+
+def _selected(probe: Probe, only: list[str]) -> bool:
+    return probe.kind in only or probe.knob in only or probe.name in only
+
+
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "=-_." else "-" for c in name).strip("-")
 
@@ -365,14 +376,114 @@ def conclusion(knobs: list[dict[str, Any]], passing: dict[str, Any] | None, kind
     return " ".join(parts)
 
 
+# ------------------------------------------------------------------ a diff of two differently recorded sides
+
+
+def _diagnose_diff(diff_dir: Path, out: Path, limits: Budget, progress: Progress | None) -> Diagnosis | None:
+    """Probe the recorded differences of a diff (recorded.py); None when the two sides were
+    recorded with the same settings (the caller then diagnoses the left side as a check)."""
+    from .render import render_markdown, render_text
+
+    rep, left, right = recorded.sides(diff_dir)
+    lrun, rrun = artifacts.load_run(left["path"]), artifacts.load_run(right["path"])
+    lc, rc = RunConfig.from_json(lrun.run_config["config"]), RunConfig.from_json(rrun.run_config["config"])
+    probes, named = recorded.differences(lc, rc, left["batch_size"], right["batch_size"])
+    if not probes and not named:
+        return None
+    tier, atol = rep["tier"]["requested"], rep["summary"].get("atol", 0.0)
+    texts = _prompts_from_records(lrun.records, str(diff_dir))
+    comp = rep["comparisons"][0]
+    first = rep["first_divergence"]
+    dr = comp["drift"]
+    baseline = {"diverged": rep["status"] == "FAIL", "kinds": ["diff"], "diverged_batch_sizes": [],
+                "first": None if first is None else {k: first[k] for k in ("prompt_index", "token_index", "kind")},
+                "max_abs_logprob_diff": dr.get("max_abs_logprob_diff") if dr.get("available") else None,
+                "argmax_flips": dr.get("argmax_flips", 0) if dr.get("available") else 0, "prompts_diverged": comp["prompts_diverged"]}
+    out.mkdir(parents=True, exist_ok=True)
+    prompts_file = out / "prompts.jsonl"
+    artifacts.atomic_write_text(prompts_file, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts))
+    lrec, rrec = recorded.side_records(left), recorded.side_records(right)
+    t0, used, results, not_run = time.monotonic(), 0, [], []
+    plan_ = [None] + probes if baseline["diverged"] else []
+    with Pool(out / "logs") as pool:
+        for probe in plan_:
+            name = probe.name if probe else "left settings again"
+            if (limits.probes is not None and used >= limits.probes) or (limits.seconds is not None and time.monotonic() - t0 >= limits.seconds):
+                not_run.append({"name": name, "reason": "skipped: the --budget is spent"})
+                continue
+            used += 1
+            if progress:
+                progress(f"probe {used}: {name}")
+            batch = right["batch_size"] if probe and probe.knob == "batch_size" else left["batch_size"]
+            cfg = recorded.probe_config(lc, rc, probe, batch)
+            folder = out / "probes" / _slug(name)
+            started = time.monotonic()
+            res = pool.shared().run({"kind": "run", "config": cfg.to_json(), "prompts": str(prompts_file), "tier": tier, "out": str(folder)})
+            entry: dict[str, Any] = {"name": name, "knob": probe.knob if probe else "reproducibility", "kind": "recorded" if probe else "rerun",
+                                     "setting": probe.setting() if probe else {}, "proves": probe.proves if probe else
+                                     "whether the left side's own settings reproduce it (else the diff is run variance)",
+                                     "status": "ran", "outcome": None, "evidence": {}, "folder": str(folder.relative_to(out))}
+            if not res.get("ok"):
+                entry.update(status="error", reason=res.get("error", "the probe failed"))
+            else:
+                got = select(artifacts.load_trace(folder / artifacts.TRACE, validate_records=False), run=0, batch=batch)
+                vs_right = recorded.same(got, rrec, tier=tier, same_batch=batch == right["batch_size"], atol=atol)
+                vs_left = recorded.same(got, lrec, tier=tier, same_batch=batch == left["batch_size"], atol=atol)
+                entry["evidence"] = {"vs_right": vs_right, "vs_left": vs_left, **{k: vs_right[k] for k in ("first", "max_abs_logprob_diff")}}
+                entry["outcome"] = "follows" if not vs_right["diverged"] else ("persist" if not vs_left["diverged"] else "move")
+            entry["seconds"] = round(time.monotonic() - started, 2)
+            results.append(entry)
+    knobs = []
+    for r in results:
+        if r["status"] != "ran" or r["kind"] != "recorded":
+            continue
+        verdict = {"follows": "follows", "move": "moves", "persist": "not_followed"}[r["outcome"]]
+        what = {"follows": "reproduce the right side", "move": "change the output, but not into the right side's",
+                "persist": "change nothing: the output stays the left side's"}[r["outcome"]]
+        knobs.append({"knob": r["knob"], "verdict": verdict, "probes": [r["name"]],
+                      "summary": f"the left side's settings with {r['name']} {what}" + _lp(r["evidence"])})
+    order = {"follows": 0, "moves": 1, "not_followed": 2}
+    knobs.sort(key=lambda k: order[k["verdict"]])
+    for i, k in enumerate(knobs, 1):
+        k["rank"] = i
+    rerun = next((r for r in results if r["kind"] == "rerun" and r["status"] == "ran"), None)
+    follows = [k for k in knobs if k["verdict"] == "follows"]
+    if not baseline["diverged"]:
+        text = f"Nothing to diagnose: the diff passes at tier {tier}."
+    elif named:
+        text = "The sides differ in " + "; ".join(n["reason"].split(": ")[0].removeprefix("the sides differ in ") for n in named) + \
+               ": that recorded difference is the cause; no single setting can be probed across it."
+    elif follows:
+        text = ("The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + ".")
+    else:
+        text = "Nothing isolates it: no single recorded difference reproduces the right side."
+    if rerun is not None and rerun["outcome"] not in ("persist",) and baseline["diverged"] and not named:
+        text += " Note: the left side's own settings did not reproduce the left side, so run variance is also at play."
+    doc = artifacts.stamp("diagnosis", {
+        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(),
+        "source": {"kind": "diff", "path": str(diff_dir), "left": str(left["path"]), "status": rep["status"],
+                   "recorded_causes": [c["code"] for c in rep["causes"]]},
+        "backend": lc.backend, "model": lc.model, "config": lc.to_json(), "tier_requested": tier, "baseline": baseline,
+        "budget": {"probes": limits.probes, "seconds": limits.seconds, "probes_used": used, "seconds_used": round(time.monotonic() - t0, 2),
+                   "exhausted": bool(not_run)},
+        "probes": results, "not_run": not_run, "skipped_knobs": named, "knobs": knobs, "passing_settings": None,
+        "prefill_vs_decode": None, "isolated": bool(follows), "conclusion": text,
+    })
+    artifacts.write_json(out, DIAGNOSIS, doc)
+    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
+    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
+    return Diagnosis(out, doc)
+
+
 # ------------------------------------------------------------------ the command
 
 
 def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = None, prompts: str | Path | None = None,
              out: str | Path | None = None, force: bool = False, budget: str | int | None = None, fresh_repeats: int = 3,
-             progress: Progress | None = None, check_args: list[str] | None = None) -> Diagnosis:
+             progress: Progress | None = None, check_args: list[str] | None = None, only: list[str] | None = None) -> Diagnosis:
     """Diagnose a failing check folder or diff folder (`run_dir`), or run the check `config`
-    first; write diagnosis.json/.txt/.md under `out` and return it."""
+    first; write diagnosis.json/.txt/.md under `out` and return it. `only` keeps the probes whose
+    knob, name or kind is listed (e.g. ["ladder", "kv_type", "prefill"])."""
     from .render import render_markdown, render_text
 
     if sum(x is not None for x in (config, run_dir, check_args)) != 1:
@@ -380,10 +491,30 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
     limits = Budget.parse(budget)
     if fresh_repeats < 2:
         raise UsageError(f"--fresh-repeats must be at least 2, got {fresh_repeats}")
+    only = [o.strip() for o in only or [] if o.strip()]
+    unknown = [o for o in only if o not in PROBE_KINDS and o not in KNOWN_KNOBS]
+    if unknown:
+        raise UsageError(f"unknown --probe {unknown[0]!r}", hint=f"one of: {', '.join(sorted(PROBE_KINDS | KNOWN_KNOBS))}")
     out = Path(out) if out is not None else artifacts.default_out_dir("diagnose")
     _check_out(out, force)
     if check_args is not None:  # the CLI: run `detllm check ARGS` as the user would, then diagnose its folder
         run_dir = _run_check_cli(list(check_args), out, progress)
+    if run_dir is not None and artifacts.is_diff_folder(Path(run_dir)):
+        got = _diagnose_diff(Path(run_dir), out, limits, progress)
+        if got is not None:
+            return got
+        # the sides were recorded with the same settings: diagnose the left side's as a check
+        from ..prompts import inline_prompts
+
+        rep, left, right = recorded.sides(Path(run_dir))
+        folder = artifacts.load_run(left["path"])
+        texts = _prompts_from_records(folder.records, str(run_dir))
+        sizes = tuple(sorted({1, left["batch_size"], right["batch_size"]}))
+        config = dataclasses.replace(RunConfig.from_json(folder.run_config["config"]), tier=rep["tier"]["requested"], runs=3,
+                                     batch_size=left["batch_size"], vary_batch=sizes if len(sizes) > 1 else (), fresh_process=0)
+        prompts_list, diff_dir, run_dir = texts, Path(run_dir), None
+    else:
+        prompts_list, diff_dir = None, None
     if run_dir is not None:
         base, tier, records, texts, source = read_failing(Path(run_dir))
         if check_args is not None:
@@ -392,8 +523,10 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         config.validate(command="check")
         from ..prompts import load_prompts
 
-        texts = list(load_prompts(prompts).texts)  # a bad prompt file is refused before anything is written
-        base, tier, records, source = config, config.tier, None, {"kind": "check", "path": None, "status": None, "recorded_causes": []}
+        texts = prompts_list or list(load_prompts(prompts).texts)  # a bad prompt file is refused before anything is written
+        base, tier, records = config, config.tier, None
+        source = {"kind": "diff" if prompts_list else "check", "path": str(diff_dir) if prompts_list else None, "status": None,
+                  "recorded_causes": []}
     for name in OWNED:
         if name == "baseline" and check_args is not None:
             continue  # the check diagnose just ran
@@ -424,8 +557,13 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         baseline = {**evidence.signature(comps), "comparisons": comps}
         runner = _Runner(pool, out, base, tier, baseline["kinds"], baseline, prompts_file, limits, progress)
         probes, skipped = plan(base, baseline["kinds"], tier=tier, fresh_repeats=fresh_repeats) if baseline["diverged"] else ([], [])
+        if only:
+            not_run_only = [p for p in probes if not _selected(p, only)]
+            probes = [p for p in probes if _selected(p, only)]
+        else:
+            not_run_only = []
         passing = None
-        not_run: list[dict[str, str]] = []
+        not_run: list[dict[str, str]] = [{"name": p.name, "reason": "not selected by --probe"} for p in not_run_only]
         isolated_by: Probe | None = None
         for probe in probes:
             if isolated_by is not None and probe.kind in ("check", "fresh_process"):
@@ -450,7 +588,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         if isolated_by is not None:
             passing = runner.confirm(isolated_by, fresh_repeats)
         prefill = None
-        if baseline["diverged"] and runner.left():
+        if baseline["diverged"] and runner.left() and (not only or "prefill" in only):
             got = runner.run(Probe("prefill vs decode", "prefill/decode path", "prefill",
                                    "whether scoring the generated sequence as a prompt gives the logprobs seen while decoding", 1.0))
             prefill = {"status": got["status"], "reason": got.get("reason"), **got["evidence"]}

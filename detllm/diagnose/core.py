@@ -588,7 +588,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         if isolated_by is not None:
             passing = runner.confirm(isolated_by, fresh_repeats)
         prefill = None
-        if baseline["diverged"] and runner.left() and (not only or "prefill" in only):
+        if runner.left() and ((baseline["diverged"] and not only) or "prefill" in only):  # asked for by name: even on a PASS
             got = runner.run(Probe("prefill vs decode", "prefill/decode path", "prefill",
                                    "whether scoring the generated sequence as a prompt gives the logprobs seen while decoding", 1.0))
             prefill = {"status": got["status"], "reason": got.get("reason"), **got["evidence"]}

@@ -472,3 +472,15 @@ def test_docs_state_every_declared_range():
         for f in dataclasses.fields(cls):
             if "range" in f.metadata:
                 assert f"`{f.name}`" in row and f.metadata["range"].text() in row.split(f"`{f.name}`", 1)[1], (name, f.name)
+
+
+def test_engine_chatter_on_fd_2_is_kept_off_stderr(capfd):
+    """What vLLM's engine start writes on file descriptor 2 (torch's C++ NUMA notice, its logs)
+    goes to chatter.captured_stderr's sink, not to detllm's one-line stderr."""
+    from detllm.chatter import captured_stderr
+
+    with captured_stderr() as captured:
+        os.write(2, b"[W utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy\n")
+    assert "NUMA binding" in captured()
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"

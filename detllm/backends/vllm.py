@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from ..chatter import captured_stderr
 from ..config import MAX_BATCH, Decoding, RunConfig, floats, ints, ranged
 from ..modelfiles import check_model_files
 from ..errors import BackendError, BackendUnavailableError, UsageError
@@ -191,7 +192,8 @@ def _start_engine(key: tuple, env: dict[str, str], llm_kwargs: dict[str, Any]) -
                          hint=f"did you mean {close[0]!r}?" if close else f"one of: {', '.join(AttentionBackendEnum.__members__)}")
     set_num_threads = torch.set_num_threads
     try:
-        with warnings.catch_warnings():
+        # the engine's start-up chatter (torch's NUMA notice, ...) stays off detllm's one-line stderr (chatter.py)
+        with warnings.catch_warnings(), captured_stderr():
             warnings.simplefilter("ignore", FutureWarning)  # torch deprecations inside vLLM, not ours to act on
             llm = LLM(**llm_kwargs)
     except ValueError as exc:  # vLLM's config validation (pydantic errors are ValueErrors too)

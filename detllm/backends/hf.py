@@ -311,6 +311,8 @@ class HFBackend(Backend):
             if self.options.batch_invariant:  # the invariant ops, swapped in for this run only
                 ops = self._invariant_ops()
                 complete = not hf_invariant.uncovered(ops)  # all or nothing: a partial swap proves nothing
+                if not complete and tier >= 3:  # probed again under this run's thread count, and it failed
+                    raise BackendError(f"batch_invariant: {'; '.join(f'{o.name} {o.how}' for o in hf_invariant.uncovered(ops))}")
                 applied.extend(hf_invariant.applied(ops, installed=complete))
                 if complete:
                     stack.enter_context(hf_invariant.installed(self.model, self.options.attn_implementation))

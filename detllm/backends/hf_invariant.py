@@ -30,7 +30,7 @@ MODEL_TYPES = ("llama",)  # architectures whose forward code we have read and wh
 ATTENTIONS = ("eager", "sdpa")  # the attention kernels our per-sequence attention reproduces
 _LEAVES = ("Linear", "Embedding", "RMSNorm", "RotaryEmbedding", "SiLU", "SiLUActivation", "Dropout", "Identity")
 _PROBE_SIZES = (1, 2, 3, 5, 8, 9, 16, 17, 33)  # batch sizes the probe compares (odd ones cross block edges)
-_PROBED: dict[tuple, tuple[Op, ...]] = {}  # (model id, device) -> probe results, once per process
+_PROBED: dict[tuple, tuple[Op, ...]] = {}  # (model id, device, attention, threads) -> probe results
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,11 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, 
 
 
 def coverage(model, attn_implementation: str, device: str) -> tuple[Op, ...]:
-    """Every op class of the model with how it is covered; probed once per model and process."""
-    key = (id(model), device, attn_implementation)
+    """Every op class of the model with how it is covered; probed once per model, device, attention
+    and thread count (the thread count can change how a kernel splits its work)."""
+    import torch
+
+    key = (id(model), device, attn_implementation, torch.get_num_threads())
     if key not in _PROBED:
         _PROBED[key] = _coverage(model, attn_implementation, device)
     return _PROBED[key]

@@ -212,3 +212,14 @@ def test_replay_of_a_pack_asking_for_remote_code_is_refused_before_anything_runs
     assert spy["create"] == 0 and not (tmp_path / "r").exists()
     r = cli("replay", folder, "--out", tmp_path / "r", "--allow-pack-option", "trust_remote_code")
     assert r.exit_code == 2 and "unknown --opt 'trust_remote_code' for backend 'fake'" in r.stderr, "taken, then judged by the backend"
+
+
+def test_replay_refuses_a_pack_whose_verdict_was_forged(cli, tmp_path, spy):
+    failed = detllm.check(backend="fake", options={"diverge": "prompt=1,pos=3,run=1"}, out=tmp_path / "fail").out_dir
+    rep = json.loads((failed / "report.json").read_text())
+    rep.update(status="PASS", category="PASS", first_divergence=None, causes=[])
+    (failed / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    seal(failed)  # re-sealed without a key: every byte checks out
+    r = cli("replay", failed, "--out", tmp_path / "r")
+    assert r.exit_code == 6 and "report.json: status is 'PASS', but the sealed trace gives 'FAIL'" in r.stderr, r.output
+    assert spy["create"] == 0 and not (tmp_path / "r").exists()

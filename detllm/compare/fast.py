@@ -169,7 +169,7 @@ class View(dict):
 
 def views(a: Any, b: Any) -> tuple[Any, Any]:
     """Both records as Views when both payloads read as arrays, else both unchanged."""
-    if not (isinstance(a, TraceRecord) and isinstance(b, TraceRecord)) or "token_ids" in a.keys() or "token_ids" in b.keys():
+    if not (isinstance(a, TraceRecord) and isinstance(b, TraceRecord)):
         return a, b
     pa = payload(a)
     pb = payload(b) if pa is not None else None

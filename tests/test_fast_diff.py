@@ -1,0 +1,157 @@
+"""The diff fast path (compare/fast.py) gives the report the reference path gives.
+
+Every pair is compared twice: once with differing payloads parsed into arrays (the
+threshold set to 0 bytes, so even the small fixtures take the fast path) and once with
+every payload read by the reference code (threshold out of reach). The reports must be
+equal as JSON, and the fast run must really have built its arrays."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from detllm import artifacts
+from detllm.compare import fast, trace
+from detllm.diff import diff
+from detllm.errors import DetllmError
+from detllm.hashing import canonical_json, sha256_bytes, sha256_text
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RUN_FOLDERS = sorted(p for p in [*(FIXTURES / "diff").iterdir(), *(FIXTURES / "v1").iterdir()]
+                     if (p / "run_config.json").is_file())
+
+
+def both_paths(monkeypatch, a, b, **kw) -> tuple[object, object, int]:
+    """(fast report or error text, reference report or error text, records read as arrays)."""
+    built = []
+    real = fast.views
+
+    def counting(x, y):
+        got = real(x, y)
+        built.append(isinstance(got[0], fast.View))
+        return got
+
+    monkeypatch.setattr(fast, "views", counting)
+
+    def one(threshold: int):
+        monkeypatch.setattr(trace, "FAST_PATH_MIN_BYTES", threshold)
+        try:
+            return json.dumps(diff(a, b, **kw).report, sort_keys=True)
+        except DetllmError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    quick = one(0)
+    n_views = sum(built)
+    return quick, one(10**15), n_views
+
+
+@pytest.mark.parametrize("left,right", list(itertools.permutations(RUN_FOLDERS, 2))[:40],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_fixture_pairs_same_report(monkeypatch, left, right):
+    quick, ref, _ = both_paths(monkeypatch, left, right)
+    assert quick == ref
+
+
+def test_fixture_pairs_take_the_fast_path(monkeypatch):
+    """At least one fixture pair differs in records the fast path reads (the tests above test something)."""
+    base = FIXTURES / "diff" / "base"
+    seen = 0
+    for other in RUN_FOLDERS:
+        if other != base:
+            seen += both_paths(monkeypatch, base, other)[2]
+    assert seen > 0
+
+
+# ------------------------------------------------------------------ synthetic traces
+
+
+def _record(i: int, ids, lps, tops) -> dict:
+    text = f"synthetic prompt {i}"
+    input_ids = [i % 7, 3, 5]
+    texts = [f" w{t}" for t in ids]
+    return artifacts.stamp("trace_record", {
+        "run_index": 0, "batch_size": 1, "batch_position": 0, "prompt_index": i, "prompt_id": sha256_text(text),
+        "prompt_text": text, "input_ids": input_ids, "input_ids_sha256": sha256_bytes(canonical_json(input_ids)),
+        "token_ids": ids, "token_texts": texts, "text": "".join(texts), "logprobs": lps, "top_logprobs": tops,
+        "finish_reason": "length",
+    })
+
+
+def _folder(root: Path, name: str, records: list[dict]) -> Path:
+    src = FIXTURES / "diff" / "base"
+    folder = root / name
+    folder.mkdir()
+    for f in (artifacts.RUN_CONFIG, artifacts.ENV, artifacts.APPLIED):
+        (folder / f).write_bytes((src / f).read_bytes())
+    with open(folder / artifacts.TRACE, "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
+    return folder
+
+
+def _pair(root: Path, variant: str, prompts: int = 12, tokens: int = 40, k: int = 5) -> tuple[Path, Path]:
+    rng = random.Random(variant)
+    left, right = [], []
+    for i in range(prompts):
+        ids = [rng.randrange(60) for _ in range(tokens)]  # a small vocabulary: ids repeat inside a top-k
+        lps = [-rng.random() * 3 for _ in range(tokens)]
+        tops = [[[t, lp]] + [[rng.randrange(60), lp - 0.1 * (j + 1)] for j in range(k - 1)] for t, lp in zip(ids, lps)]
+        a = _record(i, ids, lps, tops)
+        b = json.loads(json.dumps(a))
+        if variant == "drift" or (variant in ("mixed", "nulls") and i % 3 == 0):
+            b["logprobs"] = [lp + 1e-7 for lp in b["logprobs"]]
+            b["top_logprobs"] = [[[t, lp + 1e-7 * (j + 1)] for j, (t, lp) in enumerate(s)] for s in b["top_logprobs"]]
+        if variant in ("flip", "mixed") and i % 4 == 1:
+            p = tokens // 2
+            b["token_ids"][p] = b["top_logprobs"][p][1][0]
+            b["token_texts"][p] = f" w{b['token_ids'][p]}"
+            b["text"] = "".join(b["token_texts"])
+        if variant == "topk" and i % 2:  # ids of the top-k swap and change below the top-1
+            b["top_logprobs"] = [[s[0], [s[2][0], s[1][1]], [s[1][0], s[2][1]], [s[3][0] + 1, s[3][1]], s[4]]
+                                 for s in b["top_logprobs"]]
+        if variant == "short" and i % 5 == 2:
+            for key in ("token_ids", "token_texts", "logprobs", "top_logprobs"):
+                b[key] = b[key][: tokens - 3]
+            b["text"], b["finish_reason"] = "".join(b["token_texts"]), "stop"
+        if variant == "fewer_k" and i % 2:
+            b["top_logprobs"] = [s[:3] for s in b["top_logprobs"]]
+            b["logprobs"] = [lp + 2e-6 for lp in b["logprobs"]]
+        if variant == "nulls" and i % 3 == 1:  # not the runner's layout: the reference path reads it
+            b["top_logprobs"][2][1][1] = None
+        left.append(a)
+        right.append(b)
+    return _folder(root, f"{variant}_l", left), _folder(root, f"{variant}_r", right)
+
+
+VARIANTS = ["drift", "flip", "mixed", "topk", "short", "fewer_k", "nulls"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tier,atol", [(1, 0.0), (2, 0.0), (2, 1e-6), (2, 0.5)])
+def test_synthetic_pairs_same_report(monkeypatch, tmp_path, variant, tier, atol):
+    left, right = _pair(tmp_path, variant)
+    quick, ref, n_views = both_paths(monkeypatch, left, right, tier=tier, atol=atol)
+    assert quick == ref
+    assert n_views > 0, "the fast path was not taken"
+
+
+def test_irregular_payload_takes_the_reference_path(tmp_path):
+    left, right = _pair(tmp_path, "nulls")
+    records, _ = trace.load_records(right / artifacts.TRACE)
+    assert fast.payload(records[1]) is None  # a null inside the top-k
+    assert fast.payload(records[0]) is not None
+
+
+def test_views_read_as_the_record(tmp_path):
+    left, _ = _pair(tmp_path, "drift")
+    records, _ = trace.load_records(left / artifacts.TRACE)
+    r = records[3]
+    v = fast.View(r, fast.payload(r))
+    full = json.loads((left / artifacts.TRACE).read_text().splitlines()[3])
+    for key in ("token_ids", "token_texts", "text", "logprobs", "finish_reason"):
+        assert v[key] == full[key]
+    assert list(v["top_logprobs"]) == full["top_logprobs"]

@@ -184,3 +184,15 @@ def test_needle_plan_is_seeded_and_in_range():
     a = trial_plan(10, trials=20, max_size=8, seed=3)
     assert a == trial_plan(10, trials=20, max_size=8, seed=3) != trial_plan(10, trials=20, max_size=8, seed=4)
     assert all(2 <= t["size"] <= 8 and 0 <= t["position"] < t["size"] and len(t["others"]) == t["size"] - 1 for t in a)
+
+
+def test_diagnose_never_imports_an_engine_in_the_calling_process(tmp_path):
+    """Every probe runs in a worker process; the caller stays light (the hf case would load torch there)."""
+    from tests.test_lazy_imports import run_probe
+
+    assert run_probe(["diagnose", "--help"]) == "EXIT 0 HEAVY -"
+    assert run_probe(["sweep", "--help"]) == "EXIT 0 HEAVY -"
+    got = run_probe(["diagnose", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--opt", f"diverge={BATCH8}",
+                     "--max-new-tokens", "4", "--budget", "2", "--out", str(tmp_path / "d")])
+    assert got.startswith("EXIT 0 HEAVY ") and not {"torch", "transformers", "vllm"} & set(got.split()[-1].split(","))
+    assert (tmp_path / "d" / "diagnosis.json").is_file()  # numpy may come from the drift statistics; engines may not

@@ -89,3 +89,23 @@ def test_hf_dtype_difference_in_a_diff_is_the_knob(cli, tmp_path, two_prompts):
     assert doc["knobs"][0] == {"knob": "dtype", "verdict": "follows", "rank": 1, "probes": ["dtype=bfloat16"],
                                "summary": doc["knobs"][0]["summary"]}
     assert doc["conclusion"].startswith("The divergence follows dtype")
+
+
+def test_vllm_scores_a_generated_sequence_through_prompt_logprobs():
+    """vLLM's score(): the generated tokens re-scored as one prompt (prompt_logprobs); it reuses the
+    session's engine when test_vllm started one with the same options."""
+    from detllm.backends.base import Request
+    from detllm.backends.vllm import VLLMBackend
+    from detllm.config import Decoding
+    from detllm.diagnose.prefill import compare_scores
+
+    from .test_vllm import need_vllm
+
+    need_vllm()
+    b = VLLMBackend("tiny", device="auto")
+    ids = tuple(b.tokenize("Once upon a time"))
+    gen = b.generate([Request(0, ids, "Once upon a time")], Decoding(max_new_tokens=8), seed=0, n_logprobs=5, logprobs=True)[0]
+    scored = b.score(list(ids), gen.token_ids)
+    assert len(scored) == len(gen.token_ids) == 8
+    got = compare_scores(gen.logprobs, scored)
+    assert got["positions"] == 8 and got["max_abs_logprob_diff"] < 1e-2  # same weights, same kernels: close, maybe not bitwise

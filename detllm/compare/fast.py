@@ -199,29 +199,41 @@ def _last_of_id(x: np.ndarray) -> np.ndarray:
     return _first_of_id(x[:, ::-1])[:, ::-1]
 
 
-def kl_rows(pa_ids: np.ndarray, pa_lps: np.ndarray, pb_ids: np.ndarray, pb_lps: np.ndarray) -> np.ndarray:
-    """engine._kl_topk for m steps at once: KL(left || right) of each step's top-k, the left's
-    ids, each side renormalised over them; an id below the right's top-k takes the right's
-    k-th (smallest) logprob. Sums run left to right over the k columns, as Python's sum."""
+def _seqsum(x: np.ndarray) -> np.ndarray:
+    """Row sums of (m, k) added left to right, as Python's sum() over a row."""
+    out = x[:, 0].copy()
+    for j in range(1, x.shape[1]):
+        out += x[:, j]
+    return out
+
+
+def _right_values(pa_ids: np.ndarray, pb_ids: np.ndarray, pb_lps: np.ndarray) -> np.ndarray:
+    """(m, ka): the right's logprob of each left top-k id, as engine._kl_topk looks it up: the
+    right's {id: logprob} (an id's last entry wins), the right's k-th value for a missing id."""
     kb = pb_ids.shape[1]
-    last = _last_of_id(pb_ids)  # the right's {id: logprob} keeps an id's last entry
+    last = _last_of_id(pb_ids)
     match = (pa_ids[:, :, None] == pb_ids[:, None, :]) & last[:, None, :]  # (m, ka, kb)
     kth = np.where(last, pb_lps, np.inf).min(axis=1)
-    at = kb - 1 - match[:, :, ::-1].argmax(axis=2)  # (m, ka) the matching column
-    q = np.where(match.any(axis=2), np.take_along_axis(pb_lps, at, axis=1), kth[:, None])
-    p = pa_lps
-    ka = p.shape[1]
+    at = kb - 1 - match[:, :, ::-1].argmax(axis=2)  # the matching column
+    return np.where(match.any(axis=2), np.take_along_axis(pb_lps, at, axis=1), kth[:, None])
 
-    def seqsum(cols):  # left to right, as sum() over a generator
-        s = cols(0)
-        for j in range(1, ka):
-            s = s + cols(j)
-        return s
 
-    zp = np.log(seqsum(lambda j: np.exp(p[:, j])))
-    zq = np.log(seqsum(lambda j: np.exp(q[:, j])))
-    s = seqsum(lambda j: np.exp(p[:, j] - zp) * ((p[:, j] - zp) - (q[:, j] - zq)))
+def kl_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """engine._kl_topk for m steps at once: KL(left || right) over the left's top-k ids, p the
+    left's logprobs (m, k) and q the right's of the same ids, each side renormalised over them.
+    numpy's exp and log on both paths; sums run left to right, as Python's sum."""
+    zp = np.log(_seqsum(np.exp(p)))[:, None]
+    zq = np.log(_seqsum(np.exp(q)))[:, None]
+    s = _seqsum(np.exp(p - zp) * ((p - zp) - (q - zq)))
     return np.where(s > 0.0, s, 0.0)
+
+
+def _distinct(x: np.ndarray) -> bool:
+    """No id twice within any step."""
+    if x.shape[1] < 2:
+        return True
+    y = np.sort(x, axis=1)
+    return not (y[:, 1:] == y[:, :-1]).any()
 
 
 def pair_drift(a: View, b: View) -> tuple[dict[str, Any], list[float], int, list[float]] | None:
@@ -240,12 +252,17 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], list[float], int, list
         if m:
             A, B = pa.top_ids[:m], pb.top_ids[:m]
             ka, kb = A.shape[1], B.shape[1]
-            inter = ((A[:, :, None] == B[:, None, :]).any(axis=2) & _first_of_id(A)).sum(axis=1)  # |set & set|
-            overlap = float(np.cumsum(inter / max(ka, kb))[-1])  # left to right, as the reference's +=
-            counted = m
-            flips = int((A[:, 0] != B[:, 0]).sum())
             la, lb = pa.top_lps[:m], pb.top_lps[:m]
-            kl = kl_rows(A, la, B, lb)
+            counted = m
+            if ka == kb and np.array_equal(A, B) and _distinct(A):  # the usual drift: same ids, values moved
+                overlap = float(m)  # m steps of 1.0, added one by one: exact
+                q = lb
+            else:
+                inter = ((A[:, :, None] == B[:, None, :]).any(axis=2) & _first_of_id(A)).sum(axis=1)  # |set & set|
+                overlap = float(np.cumsum(inter / max(ka, kb))[-1])  # left to right, as the reference's +=
+                flips = int((A[:, 0] != B[:, 0]).sum())
+                q = _right_values(A, B, lb)
+            kl = kl_rows(la, q)
             if ka == kb:  # a step whose top-k lists are equal is 0.0 without computing
                 kl = np.where((A == B).all(axis=1) & (la == lb).all(axis=1), 0.0, kl)
             kls = kl.tolist()

@@ -122,7 +122,7 @@ def _env_lines(side: _Side) -> list[str]:
     env = side.env
     if env is None:
         return [f"(env.json of {side.name} is not at hand)"]
-    b = env.get("backend") or {}
+    b = {**(env.get("kernels") or {}), **(env.get("backend") or {})}  # hardware facts (device_name...) moved to env.kernels
     t = env.get("torch") or {}
     libs = {k: v for k, v in (env.get("libraries") or {}).items() if v}
     out = [f"detllm: {env.get('detllm')}",

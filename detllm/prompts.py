@@ -80,6 +80,8 @@ def resolve_prompts(prompts: "str | Path | Sequence[str] | PromptSet | None" = N
         return inline_prompts(prompts)
     if prompts is not None and not isinstance(prompts, (str, Path)):
         raise UsageError(f"prompts must be a list of strings or a file path, got {type(prompts).__name__}")
+    if isinstance(prompts, str) and not Path(prompts).exists():
+        raise UsageError(f"prompt file {prompts!r} does not exist", hint="to give prompt strings, pass a list: prompts=[...]")
     return load_prompts(prompts)
 
 

@@ -153,6 +153,9 @@ def test_api_kwargs_redact_and_validate_schema(tmp_path, monkeypatch):
         detllm.run(backend="fake", prompts=["x"], out=tmp_path / "a", out_dir=tmp_path / "b")
     with pytest.raises(UsageError, match="list of strings or a file"):
         detllm.run(backend="fake", prompts=42, out=tmp_path / "c")
+    with pytest.raises(UsageError, match="does not exist") as err:
+        detllm.run(backend="fake", prompts="Hello", out=tmp_path / "c")
+    assert "pass a list" in err.value.one_line() and not (tmp_path / "c").exists()
 
 
 def test_top_k_is_the_sampling_filter_in_cli_and_api(cli, tmp_path):

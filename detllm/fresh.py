@@ -60,15 +60,18 @@ def _child_env() -> dict[str, str]:
 
 
 class FreshProcess:
-    """One repeat in a child process: started on the first batch, fed batch after batch,
-    closed when the repeat is done. Raises the child's DetllmError as the same class."""
+    """One repeat in a child process: spawned (it imports and loads at once), checked when
+    ready, fed batch after batch, closed when the repeat is done. Raises the child's
+    DetllmError as the same class."""
 
-    def __init__(self, config: RunConfig, *, tier: int, identity: dict[str, Any], settings: list[dict[str, Any]]) -> None:
+    def __init__(self, config: RunConfig, *, tier: int, identity: dict[str, Any], settings: list[dict[str, Any]],
+                 wait: bool = True) -> None:
         self.config, self.tier, self.identity, self.settings = config, tier, identity, settings
         self.timings: dict[str, float] = {}
+        self._ready = False
         self._log = tempfile.TemporaryFile(mode="w+b")  # child's stdout and stderr: engines log there
         res_r, res_w = os.pipe()
-        started = time.perf_counter()
+        started, spawned_at = time.perf_counter(), time.time()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "detllm.fresh", str(res_w)], stdin=subprocess.PIPE, stdout=self._log,
@@ -80,13 +83,27 @@ class FreshProcess:
         finally:
             os.close(res_w)  # the child holds the only write end: its exit is our EOF
         self._results: IO[str] = os.fdopen(res_r, "r", encoding="utf-8")
+        self._started, self._spawned_at = started, spawned_at
         self._send({"protocol": PROTOCOL, "config": config.to_json(), "tier": tier})
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the child has loaded the engine; refuse it unless it holds the same model
+        under the same settings as the reference run. Safe to call twice."""
+        if self._ready:
+            return
+        waited = time.perf_counter()
         ready = self._receive("ready")
-        self.timings = dict(ready["timings"], spawn_to_ready_s=time.perf_counter() - started)
+        now = time.perf_counter()
+        self.timings = dict(ready["timings"], spawn_to_ready_s=now - self._started, waited_for_ready_s=now - waited,
+                            python_start_s=ready["timings"].pop("entered_at") - self._spawned_at)
         self._same_model(ready["identity"])
         self._same_settings(ready["settings"])
+        self._ready = True
 
     def generate(self, requests: Sequence[Request], *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
+        self.wait_ready()
         self._send({"requests": [dataclasses.asdict(r) for r in requests], "seed": seed, "n_logprobs": n_logprobs,
                     "logprobs": logprobs})
         return [Generation(**g) for g in self._receive("generations")]
@@ -176,6 +193,11 @@ class Dispatcher:
         self.timings: list[dict[str, float]] = []  # per fresh repeat, in run order
         self._child: FreshProcess | None = None
         self._child_run: int | None = None
+        if self.fresh and not self._needs_the_device():
+            # the first child imports and loads while this process generates its own runs (fresh repeats
+            # come last): the same work, overlapped, and the child is no less a new process
+            self._child = FreshProcess(config, tier=tier, identity=identity, settings=settings, wait=False)
+            self._child_run = min(self.fresh)
 
     def __enter__(self) -> "Dispatcher":
         return self
@@ -188,8 +210,7 @@ class Dispatcher:
 
     def generate(self, requests: Sequence[Request], *, batch_size: int, run: int, seed: int, n_logprobs: int,
                  logprobs: bool) -> list[Generation]:
-        if not self.is_fresh(batch_size, run):
-            self._end_child()
+        if not self.is_fresh(batch_size, run):  # the runner puts fresh repeats last: a child is never left waiting here
             return self.backend.generate(requests, self.config.decoding, seed=seed, n_logprobs=n_logprobs, logprobs=logprobs)
         if self._child_run != run:
             self._end_child()
@@ -199,9 +220,12 @@ class Dispatcher:
         assert self._child is not None
         return self._child.generate(requests, seed=seed, n_logprobs=n_logprobs, logprobs=logprobs)
 
+    def _needs_the_device(self) -> bool:
+        """A GPU vLLM engine reserves most of the device: a child can start only once it is gone."""
+        return self.backend.name == "vllm" and getattr(self.backend, "platform", "cpu") != "cpu"
+
     def _make_room(self) -> None:
-        """A GPU vLLM engine reserves most of the device: let it go before a child starts its own."""
-        if self.backend.name == "vllm" and getattr(self.backend, "platform", "cpu") != "cpu":
+        if self._needs_the_device():
             from .backends.vllm import release_engine
 
             release_engine()
@@ -213,7 +237,7 @@ class Dispatcher:
             self.timings.append(child.timings)
 
     def close(self, *, failed: bool = False) -> None:
-        if self._child is not None and failed:
+        if self._child is not None and (failed or not self._child._ready):  # an error, or a child never used
             self._child.kill()
             self._child = None
         self._end_child()
@@ -225,7 +249,7 @@ class Dispatcher:
 def _child_main(result_fd: int) -> int:
     """Read the start message, load the engine, apply the settings, then generate each batch
     sent until stdin closes. Every outcome is one JSON line on the result pipe."""
-    t0 = time.perf_counter()
+    t0, entered_at = time.perf_counter(), time.time()  # the interpreter and detllm.fresh are imported by now
     out = os.fdopen(result_fd, "w", encoding="utf-8")
 
     def send(msg: dict[str, Any]) -> None:
@@ -240,12 +264,14 @@ def _child_main(result_fd: int) -> int:
         from .backends.registry import create_backend  # the engine import happens here, in the child
 
         t_import = time.perf_counter()
-        with create_backend(config) as backend:
-            identity = backend.model_identity().to_json()
+        with create_backend(config) as backend:  # engine import + model load
             t_load = time.perf_counter()
+            identity = backend.model_identity().to_json()  # re-hashes the files: nothing is cached across processes
+            t_identity = time.perf_counter()
             with backend.determinism(tier=start["tier"], seed=config.seed, threads=config.threads) as applied:
-                send({"ready": {"identity": identity, "settings": [a.to_json() for a in applied],
-                                "timings": {"start_s": t_import - t0, "load_s": t_load - t_import}}})
+                send({"ready": {"identity": identity, "settings": [a.to_json() for a in applied], "timings": {
+                    "entered_at": entered_at, "start_s": t_import - t0, "load_s": t_load - t_import,
+                    "identity_s": t_identity - t_load, "settings_s": time.perf_counter() - t_identity}}})
                 t_gen = 0.0
                 for line in sys.stdin:
                     msg = json.loads(line)
@@ -256,7 +282,8 @@ def _child_main(result_fd: int) -> int:
                     t_gen += time.perf_counter() - t
                     send({"generations": [dataclasses.asdict(g) for g in gens]})
         send({"done": {"timings": {"generate_s": t_gen, "child_total_s": time.perf_counter() - t0}}})
-        return 0
+        out.close()
+        os._exit(0)  # everything is sent and the engine closed: skip tearing down torch's interpreter state (~2 s)
     except DetllmError as err:
         send({"error": {"class": type(err).__name__, "message": err.message, "hint": err.hint}})
         return err.exit_code

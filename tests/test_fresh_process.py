@@ -135,3 +135,34 @@ def test_hf_fresh_process_repeat_passes_at_tier_2(tmp_path):
     assert outcome.status == "PASS", report["causes"]
     assert report["comparisons"][0]["repeat"] == "fresh-process" and report["comparisons"][0]["logprobs_compared"]
     assert {r["run_index"] for r in _trace(outcome.out_dir) if r.get("fresh_process")} == {1}
+
+
+def _fresh_children() -> list[int]:
+    """Live (not zombie) `python -m detllm.fresh` children of this process, from /proc."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if b"detllm.fresh" in cmd and int(fields[1]) == os.getpid() and fields[0] != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_failing_parent_leaves_no_fresh_child_behind(tmp_path):
+    seen = []
+
+    def interrupt(done, total, tokens):
+        seen.extend(_fresh_children())  # the first child was started up front, to load while run 0 generates
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        detllm.check(backend="fake", runs=3, fresh_process=2, out=tmp_path / "c", progress=interrupt)
+    assert seen, "the first fresh child is started before the parent's own runs"
+    assert _fresh_children() == []

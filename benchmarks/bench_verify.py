@@ -1,15 +1,21 @@
-"""Time `detllm verify` on a synthetic 1M-step pack (1,000 prompts x 1,000 tokens, top-5 logprobs).
+"""Time `detllm verify` on a synthetic 1M-step pack (1,000 records x 1,000 tokens, top-5 logprobs).
 
-The pack's small files come from a real fake-backend run; its trace is replaced by synthetic
-records and the folder re-sealed, so the manifest and chain are genuine. verify runs as a CLI
-subprocess (a fresh interpreter, no torch), on the folder and on the .tar.gz.
+The pack is a real fake-backend `check --runs 2` over PROMPTS/2 prompts whose trace is then
+replaced by synthetic records (2 runs x PROMPTS/2 prompts, run 1 a byte copy of run 0, or with
+--drift every logprob of run 1 moved by 1e-7); report.json's verdict (status, category, first
+divergence) is re-derived from that trace with the compare code `check` runs, and the folder
+re-sealed, so the manifest, the chain and the verdict are genuine: verify's re-derivation
+accepts it. verify runs as a CLI subprocess (a fresh interpreter, no torch), on the folder and
+on the .tar.gz.
 
-    .venv/bin/python benchmarks/bench_verify.py [--prompts 1000] [--tokens 1000] [--top-k 5]
+    .venv/bin/python benchmarks/bench_verify.py [--prompts 1000] [--tokens 1000] [--top-k 5] [--drift] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import random
 import subprocess
 import sys
@@ -24,10 +30,10 @@ from detllm.integrity import seal
 from detllm.pack import create_pack
 
 
-def synthetic_trace(folder: Path, prompts: int, tokens: int, top_k: int) -> tuple[int, list[bytes]]:
-    """Write `prompts` records of `tokens` steps each through artifacts.TraceWriter, the runner's own
-    path (fast record check + chain digest per record); returns the file size in bytes and the
-    writer's digests. Token blocks cycle through 16 random ones to save time."""
+def synthetic_trace(folder: Path, prompts: int, tokens: int, top_k: int, drift: float = 0.0) -> tuple[int, list[bytes]]:
+    """Write 2 runs x prompts/2 records of `tokens` steps each through artifacts.TraceWriter, the
+    runner's own path (fast record check + chain digest per record); returns the file size in bytes
+    and the writer's digests. Token blocks cycle through 16 random ones to save time."""
     rng = random.Random(0)
     blocks = []
     for _ in range(16):
@@ -38,18 +44,33 @@ def synthetic_trace(folder: Path, prompts: int, tokens: int, top_k: int) -> tupl
         blocks.append((ids, [f"t{t}" for t in ids], lps, tops))
     input_ids = list(range(8))
     writer = artifacts.TraceWriter(folder)
-    for i in range(prompts):
-        text = f"synthetic prompt {i}"
-        ids, texts, lps, tops = blocks[i % len(blocks)]
-        rec = {  # key order and spelling as the runner builds them
-            "schema_version": "1", "artifact_type": "trace_record", "run_index": 0, "batch_size": 1,
-            "batch_position": 0, "prompt_index": i, "prompt_id": sha256_text(text),
-            "prompt_text": text, "input_ids": input_ids, "input_ids_sha256": sha256_bytes(canonical_json(input_ids)),
-            "token_ids": ids, "token_texts": texts, "text": "".join(texts),
-            "logprobs": lps, "top_logprobs": tops, "finish_reason": "length",
-        }
-        writer.write(rec)
+    per_run = prompts // 2
+    for run in (0, 1):
+        for i in range(per_run):
+            text = f"synthetic prompt {i}"
+            ids, texts, lps, tops = blocks[i % len(blocks)]
+            if run and drift:
+                lps = [lp + drift for lp in lps]
+                tops = [[[t, lp + drift] for t, lp in step] for step in tops]
+            writer.write(artifacts.stamp("trace_record", {  # key order and spelling as the runner builds them
+                "run_index": run, "batch_size": 1, "batch_position": 0, "prompt_index": i,
+                "prompt_id": sha256_text(text), "prompt_text": text, "input_ids": input_ids,
+                "input_ids_sha256": sha256_bytes(canonical_json(input_ids)),
+                "token_ids": ids, "token_texts": texts, "text": "".join(texts),
+                "logprobs": lps, "top_logprobs": tops, "finish_reason": "length",
+            }))
     return writer.finish().stat().st_size, writer.digests
+
+
+def rederive_report(folder: Path) -> str:
+    """report.json's verdict fields recomputed from the synthetic trace (as verify will); returns the status."""
+    from detllm.rederive import expected_verdict
+
+    rc, applied = (json.loads((folder / name).read_text()) for name in (artifacts.RUN_CONFIG, artifacts.APPLIED))
+    report = json.loads((folder / artifacts.REPORT).read_text())
+    report.update(expected_verdict(folder, rc, applied, rc["command"]))
+    artifacts.write_json(folder, artifacts.REPORT, report)  # validated against its schema, atomically
+    return report["status"]
 
 
 def time_verify(target: Path, repeats: int) -> float:
@@ -70,13 +91,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--top-k", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--drift", action="store_true", help="run 1 drifted by 1e-7 (a FAIL verdict to re-derive)")
+    ap.add_argument("--keep", type=Path, help="build the pack in this (new) folder and keep it")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="detllm-bench-verify-") as tmp:
+    with (contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="detllm-bench-verify-")) as tmp:
         folder = Path(tmp) / "run"
-        detllm.run(backend="fake", out=folder, max_new_tokens=2)
+        prompt_list = [f"synthetic prompt {i}" for i in range(args.prompts // 2)]
+        detllm.check(backend="fake", out=folder, runs=2, max_new_tokens=2, prompts=prompt_list)
         t0 = time.perf_counter()
-        size, digests = synthetic_trace(folder, args.prompts, args.tokens, args.top_k)
+        size, digests = synthetic_trace(folder, args.prompts, args.tokens, args.top_k, 1e-7 if args.drift else 0.0)
         t_write = time.perf_counter() - t0
+        status = rederive_report(folder)
         t0 = time.perf_counter()
         seal(folder)
         t_seal_disk = time.perf_counter() - t0
@@ -85,7 +110,7 @@ def main() -> None:
         t_seal = time.perf_counter() - t0
         pack = create_pack(folder, Path(tmp) / "run.tar.gz")
         steps = args.prompts * args.tokens
-        print(f"synthetic pack: {args.prompts} records x {args.tokens} tokens (top-{args.top_k}) = {steps:,} steps; "
+        print(f"synthetic check pack ({status}): 2 runs x {args.prompts // 2} prompts = {args.prompts} records x {args.tokens} tokens (top-{args.top_k}) = {steps:,} steps; "
               f"trace.jsonl {size / 1e6:.0f} MB, pack {pack.stat().st_size / 1e6:.0f} MB (written in {t_write:.1f} s)")
         print(f"seal with the writer's digests (what a run does): {t_seal:.2f} s; "
               f"seal re-reading the trace from disk: {t_seal_disk:.2f} s")

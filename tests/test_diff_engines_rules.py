@@ -22,16 +22,38 @@ def codes(report: dict, key: str = "causes") -> list[str]:
     return [c["code"] for c in report[key]]
 
 
-def test_torch_cpu_capability_is_recorded_and_leads_as_env(tmp_path):
-    """One hf run as this machine picks its kernels, one with ATEN_CPU_CAPABILITY=default (in a
-    child process: the variable is read when torch loads). Seen here: AVX512 vs DEFAULT, tokens
-    equal, logprobs differ by up to ~3e-6."""
-    common = ["--backend", "hf", "--model", "tiny", "--tier", "2", "--max-new-tokens", "8"]
-    native = detllm.run(backend="hf", model="tiny", tier=2, max_new_tokens=8, out=tmp_path / "native").out_dir
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
-    proc = subprocess.run([sys.executable, "-m", "detllm", "run", *common, "--out", str(tmp_path / "default")],
-                          env=env, capture_output=True, text=True, timeout=300)
+HF = ["--backend", "hf", "--model", "tiny", "--tier", "2", "--max-new-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """An hf run in this process, as this machine picks kernels and threads."""
+    return detllm.run(backend="hf", model="tiny", tier=2, max_new_tokens=8, out=tmp_path_factory.mktemp("hf") / "native").out_dir
+
+
+def child_run(out, **env_vars) -> None:
+    """`detllm run` in a child process: these variables are read when torch loads."""
+    proc = subprocess.run([sys.executable, "-m", "detllm", "run", *HF, "--out", str(out)],
+                          env={**os.environ, **env_vars}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_threads_the_machine_chose_are_never_configuration(native, tmp_path):
+    """No --threads on either side: torch's default here vs OMP_NUM_THREADS=1 (what another
+    machine's core count does). Not CONFIG_MISMATCH: ENV evidence, or a PASS."""
+    child_run(tmp_path / "one", OMP_NUM_THREADS="1")
+    r = detllm.diff(native, tmp_path / "one").report
+    validate(r, "report")
+    found = codes(r) + codes(r, "info")
+    assert "CONFIG_MISMATCH" not in found and found == ["ENV_MISMATCH"], found
+    fields = {d["field"] for d in (r["causes"] or r["info"])[0]["evidence"]["differences"]}
+    assert "determinism_applied.settings.threads.value (chosen by the machine)" in fields or os.cpu_count() == 1, fields
+
+
+def test_torch_cpu_capability_is_recorded_and_leads_as_env(native, tmp_path):
+    """One hf run as this machine picks its kernels, one with ATEN_CPU_CAPABILITY=default.
+    Seen here: AVX512 vs DEFAULT, tokens equal, logprobs differ by up to ~3e-6."""
+    child_run(tmp_path / "default", ATEN_CPU_CAPABILITY="default")
     kernels = [json.loads((d / "env.json").read_text())["kernels"]["torch_cpu_capability"] for d in (native, tmp_path / "default")]
     assert kernels[1] == "DEFAULT" and kernels[0] != "DEFAULT", kernels
     r = detllm.diff(native, tmp_path / "default").report

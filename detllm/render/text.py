@@ -82,6 +82,10 @@ def cause_summary(cause: dict[str, Any]) -> str:
         return f"prefix cache: {sides}" + where
     kinds = ev.get("repeats")
     which = f"; diverged in {' and '.join(k + ' repeats' for k in kinds)}" if kinds else ""
+    cache = ev.get("server_cache")  # backend openai: the server answered one side from its prefix cache
+    if cache:
+        n = cache["cached_prompt_tokens"]
+        which += f"; the server reused {n['left']} vs {n['right']} cached prompt tokens: likely CACHE_VARIANCE (check --cache-probe)"
     return "same model, tokenizer, prompts, config, engine, environment and batch" + which + where
 
 

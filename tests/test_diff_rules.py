@@ -233,3 +233,11 @@ def test_config_and_chat_template_hashes_ignore_cosmetic_edits(tmp_path):
     assert tokenizer_sha256(folder) == tok_before and tmpl_before is None and chat_template_sha256(folder) is not None
     (folder / "generation_config.json").write_text(json.dumps({"transformers_version": "5.99", "eos_token_id": 3}))
     assert config_digests(folder)[0] != before, "an EOS id changes the computation"
+
+
+def test_a_renamed_field_is_redefined_under_its_old_name_too():
+    from detllm import versions
+
+    assert versions.is_redefined("run_config.config.logprobs_top_k", "1", "2")
+    assert versions.is_redefined("run_config.model.config_sha256", "2", "1")
+    assert not versions.is_redefined("run_config.config.logprobs_top_k", "2", "2")

@@ -241,3 +241,14 @@ def test_a_renamed_field_is_redefined_under_its_old_name_too():
     assert versions.is_redefined("run_config.config.logprobs_top_k", "1", "2")
     assert versions.is_redefined("run_config.model.config_sha256", "2", "1")
     assert not versions.is_redefined("run_config.config.logprobs_top_k", "2", "2")
+
+
+@pytest.mark.parametrize("gguf_type, said", [("F32", None), ("Q4_1", {"left": "float32", "right": "Q4_1"})])
+def test_a_float_gguf_computes_in_the_dtype_of_its_name(runs, gguf_type, said):
+    left = runs[1](f"gg-{gguf_type}", dtype="auto")
+    right = copy(runs, left, f"gg-{gguf_type}-llamacpp")
+    edit(right, artifacts.RUN_CONFIG, lambda d: d["config"].update(backend="llamacpp"))
+    edit(right, artifacts.APPLIED, lambda d: next(s for s in d["settings"] if s["name"] == "dtype").update(value=gguf_type))
+    mk.flip_token(right)
+    backend = next(c for c in diff(left, right)["causes"] if c["code"] == "BACKEND_MISMATCH")
+    assert backend["evidence"].get("dtype_in_effect") == said

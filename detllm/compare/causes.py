@@ -23,6 +23,7 @@ from typing import Any
 
 from .. import versions
 from ..env import HARDWARE_KEYS, KERNEL_ENV_PREFIXES, VOLATILE_KEYS
+from .divergence import FLOAT_GGUF
 from .engine import align
 
 # Most fundamental first: a different model, tokenizer or prompt set makes different
@@ -297,8 +298,10 @@ def _origin(setting: dict[str, Any], user_keys: set[str]) -> str:
 
 
 def dtype_in_effect(side: Side) -> str | None:
+    """The dtype a side computed in (a float GGUF's F32 spelled float32, so engines compare)."""
     value = _settings(side.applied).get("dtype", {}).get("value")
-    return value if isinstance(value, str) and value else (side.run_config or {}).get("config", {}).get("dtype")
+    value = value if isinstance(value, str) and value else (side.run_config or {}).get("config", {}).get("dtype")
+    return FLOAT_GGUF.get(value.upper(), value) if isinstance(value, str) else value
 
 
 def _config(left: Side, right: Side, notes: Notes, routed: _Routed) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ LABELS = ("confident_flip", "tie_flip", "sampled_step", "tokens_equal_logprobs_d
 # (batch 1 vs 8 on the tiny model, CPU: |dlogprob| up to 6.4e-5).
 NOISE_FLOORS = {"float32": 1e-4, "float16": 2.0**-7, "bfloat16": 2.0**-4, "quantized": 2.0**-4}
 # GGUF file types that store plain floats; anything else (Q4_1, Q8_0, IQ...) is quantized
-_FLOAT_GGUF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+FLOAT_GGUF = _FLOAT_GGUF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def noise_floor(dtype: str | None, quantization: str | None = None) -> float | None:

@@ -67,6 +67,7 @@ def test_torch_cpu_capability_is_recorded_and_leads_as_env(native, tmp_path):
 
 
 def test_a_config_resaved_with_another_transformers_version_is_no_model_mismatch(tmp_path):
+    """And a chat template added to tokenizer_config.json is no tokenizer difference: none is applied."""
     from detllm.models import local_folder, resolve_model
 
     folder = tmp_path / "tiny-copy"
@@ -76,11 +77,15 @@ def test_a_config_resaved_with_another_transformers_version_is_no_model_mismatch
         doc = json.loads((folder / name).read_text())
         doc["transformers_version"] = "9.99.0"  # what a re-save by a newer transformers changes
         (folder / name).write_text(json.dumps(doc, indent=4, sort_keys=True))
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # never applied to prompts
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
     b = detllm.run(backend="hf", model=str(folder), tier=2, max_new_tokens=6, out=tmp_path / "b").out_dir
     r = detllm.diff(a, b).report
     validate(r, "report")
-    assert r["status"] == "PASS" and "MODEL_MISMATCH" not in codes(r, "info")
-    assert "run_config.model.config_files_sha256" in {d["field"] for d in r["inert_differences"]}
+    assert r["status"] == "PASS" and codes(r, "info") == [], "neither MODEL_MISMATCH nor TOKENIZER_MISMATCH"
+    assert {"run_config.model.config_files_sha256", "run_config.model.chat_template_sha256"} <= {
+        d["field"] for d in r["inert_differences"]}
     doc = json.loads((folder / "generation_config.json").read_text())
     doc["eos_token_id"] = 7  # a field that changes the computation is still a model difference
     (folder / "generation_config.json").write_text(json.dumps(doc))

@@ -194,7 +194,7 @@ def _model(left: Side, right: Side, notes: Notes) -> dict[str, Any] | None:
                    "config.json/generation_config.json differ only in fields that do not change the computation "
                    "(a version stamp, a name): config_sha256, over the fields that do, agrees")
     lt, rt = lm.get("chat_template_sha256"), rm.get("chat_template_sha256")
-    if lt != rt and lt is not None and rt is not None:
+    if lt != rt:
         notes.note({"field": "run_config.model.chat_template_sha256", "left": lt, "right": rt},
                    "no chat template is applied: the prompts are tokenized as given")
     if lm["weights_sha256"] == rm["weights_sha256"] and not config_differs:

@@ -252,3 +252,21 @@ def test_a_float_gguf_computes_in_the_dtype_of_its_name(runs, gguf_type, said):
     mk.flip_token(right)
     backend = next(c for c in diff(left, right)["causes"] if c["code"] == "BACKEND_MISMATCH")
     assert backend["evidence"].get("dtype_in_effect") == said
+
+
+def test_vllm_max_num_seqs_following_the_batch_is_batch_evidence(runs):
+    """vLLM's max_num_seqs follows the largest batch unless --opt max_num_seqs was given."""
+    sides = []
+    for n in (8, 16):
+        d = copy(runs, runs[1](f"seqs-{n}-src"), f"seqs-{n}")
+        edit(d, artifacts.RUN_CONFIG, lambda doc, n=n: (doc["config"].update(backend="vllm"), doc.update(backend_options={"max_num_seqs": n})))
+        edit(d, artifacts.APPLIED, lambda doc, n=n: doc["settings"].append(
+            {"name": "max_num_seqs", "requested": n, "applied": True, "value": n, "note": "batches larger than this run in waves"}))
+        sides.append(d)
+    mk.flip_token(sides[1])
+    r = diff(*sides)
+    assert codes(r) == ["BATCH_VARIANCE"], "not CONFIG: nobody asked for 16"
+    assert {d["field"] for d in r["causes"][0]["evidence"]["derived"]} == {"backend_options.max_num_seqs", "settings.max_num_seqs.value"}
+    asked = copy(runs, sides[1], "seqs-16-asked")
+    edit(asked, artifacts.RUN_CONFIG, lambda doc: doc["config"].update(options={"max_num_seqs": "16"}))
+    assert codes(diff(sides[0], asked))[0] == "CONFIG_MISMATCH", "a max_num_seqs the user set is configuration"

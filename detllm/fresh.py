@@ -98,8 +98,12 @@ class FreshProcess:
         now = time.perf_counter()
         self.timings = dict(ready["timings"], spawn_to_ready_s=now - self._started, waited_for_ready_s=now - waited,
                             python_start_s=ready["timings"].pop("entered_at") - self._spawned_at)
-        self._same_model(ready["identity"])
-        self._same_settings(ready["settings"])
+        try:
+            self._same_model(ready["identity"])
+            self._same_settings(ready["settings"])
+        except BackendError:
+            self.kill()  # never leave a refused child waiting for batches
+            raise
         self._ready = True
 
     def generate(self, requests: Sequence[Request], *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:

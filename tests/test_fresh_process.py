@@ -103,6 +103,7 @@ def _start(identity=None, settings=None) -> fresh.FreshProcess:
 def test_child_that_loaded_other_weights_is_refused():
     with pytest.raises(BackendError, match="loaded a different model .*changed while the check ran"):
         _start(identity={"weights_sha256": "0" * 64, "tokenizer_sha256": None, "config_sha256": None})
+    assert _fresh_children() == [], "a refused child is not left waiting"
 
 
 def test_child_with_other_settings_is_refused():

@@ -191,7 +191,7 @@ def _raw_call(side: _Side, record: dict[str, Any] | None) -> list[str]:
                 "samplers": ["temperature"] if greedy else ["top_k", "temperature", "top_p"],
                 "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0,
-                "n_probs": cfg["logprobs"], "post_sampling_probs": False, "return_tokens": True,
+                "n_probs": cfg.get("logprobs", cfg.get("logprobs_top_k")), "post_sampling_probs": False, "return_tokens": True,
                 "cache_prompt": bool(applied.get("cache_prompt", {}).get("value", False)), "stream": False}
         server = "llama-server " + " ".join(shlex.quote(_safe_arg(a).replace("<port>", "8080")) for a in argv)
         return ["Raw llama.cpp call (the same server flags and /completion body detllm used):", "",

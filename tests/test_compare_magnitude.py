@@ -195,3 +195,27 @@ def test_noise_floor_follows_kv_cache_type_and_flash_attention(settings, quant, 
     from detllm.compare.divergence import run_noise_floor
 
     assert run_noise_floor("auto", settings, quant) == pytest.approx(want)
+
+
+def test_a_tie_flip_reaches_report_json_txt_and_md(tmp_path):
+    """Two fake runs edited so that at one step the two competing tokens are 1e-5 apart on both
+    sides, and each side picked the other: a numeric tie that broke the other way."""
+    import shutil
+
+    a = detllm.run(backend="fake", tier=2, max_new_tokens=6, out=tmp_path / "a").out_dir
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    for folder, (first, second) in ((a, (65, 66)), (b, (66, 65))):
+        lines = [json.loads(x) for x in (folder / "trace.jsonl").read_text().splitlines()]
+        r = next(x for x in lines if x["prompt_index"] == 1)
+        r["token_ids"][3], r["token_texts"][3], r["logprobs"][3] = first, chr(first), -0.5
+        r["top_logprobs"][3] = [[first, -0.5], [second, -0.50001], *r["top_logprobs"][3][2:]]
+        r["text"] = "".join(r["token_texts"])
+        (folder / "trace.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = detllm.diff(a, b, out=tmp_path / "d", tier=1)
+    r = out.report
+    validate(r, "report")
+    assert r["magnitude"]["label"] == "tie_flip" and r["first_divergence"]["near_tie"] is True
+    assert r["first_divergence"]["magnitude"]["gap"] == {"left": pytest.approx(1e-5), "right": pytest.approx(1e-5)}
+    assert "tie flip" in (tmp_path / "d" / "report.txt").read_text()
+    assert "**tie flip**" in (tmp_path / "d" / "report.md").read_text()

@@ -57,9 +57,16 @@ def test_llamacpp_batch_drift_follows_batch_composition(cli, tmp_path, two_promp
 def test_hf_tier3_batch_drift_vanishes_with_the_batch_invariant_mode(cli, tmp_path, two_prompts):
     if "batch_invariant" not in option_fields("hf"):
         pytest.fail("the hf backend has no batch_invariant option (issue 14)")
-    doc = _run(cli, tmp_path / "d", "--backend", "hf", "--model", "tiny", "--tier", "3", "--vary-batch", "1,8",
-               "--prompts", two_prompts, "--probe", "ladder", "--probe", "batch_invariant", "--probe", "prefill",
-               "--fresh-repeats", "2")
+    import detllm
+
+    # the failing check runs here (torch is loaded once per test session); diagnose takes its folder
+    failing = detllm.check(backend="hf", model="tiny", tier=3, vary_batch=(1, 8), max_new_tokens=5, prompts=two_prompts,
+                           out=tmp_path / "check")
+    assert failing.status == "PASS" and failing.report["tier"]["effective"] == 2  # downgraded: only INFO drift at tier 2
+    r = cli("diagnose", tmp_path / "check", "--out", tmp_path / "d", "--probe", "ladder", "--probe", "batch_invariant",
+            "--probe", "prefill", "--fresh-repeats", "2")
+    assert r.exit_code == 0, r.output
+    doc = read_json(tmp_path / "d" / "diagnosis.json", "diagnosis")
     assert doc["tier_requested"] == 3 and doc["baseline"]["kinds"] == ["batch"]
     assert doc["baseline"]["first"]["kind"] == "logprob"  # tokens agree; tier 3 fails on logprobs
     assert [k["knob"] for k in doc["knobs"][:2]] == ["batch composition", "batch_invariant"]

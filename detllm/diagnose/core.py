@@ -154,6 +154,7 @@ class _Runner:
         self.started = time.monotonic()
         self.used = 0
         self.results: list[dict[str, Any]] = []
+        self.fresh_repeats = 3
 
     def left(self) -> bool:
         if self.budget.probes is not None and self.used >= self.budget.probes:
@@ -172,8 +173,9 @@ class _Runner:
 
     def probe_config(self, probe: Probe) -> RunConfig:
         cfg = probe.apply(self.base)
-        runs = self.base.runs if "run" in self.kinds else 2
-        return dataclasses.replace(cfg, runs=max(2, runs))
+        if "run" in self.kinds:  # repeats are what diverged: keep them as the user ran them
+            return dataclasses.replace(cfg, runs=max(2, self.base.runs))
+        return dataclasses.replace(cfg, runs=2, fresh_process=0)
 
     def run(self, probe: Probe) -> dict[str, Any]:
         self.used += 1
@@ -207,7 +209,7 @@ class _Runner:
 
     def _ladder(self, probe: Probe, entry: dict[str, Any]) -> None:
         sizes = tuple(sorted(set(LADDER) | set(self.base.batch_sizes)))
-        cfg = dataclasses.replace(self.base, mode="best-effort", runs=2, batch_size=1, vary_batch=sizes)
+        cfg = dataclasses.replace(self.base, mode="best-effort", runs=2, batch_size=1, vary_batch=sizes, fresh_process=0)
         entry["setting"] = {"vary_batch": list(sizes)}
         res = self._job("check", cfg, probe.name, False)
         if not res.get("ok"):
@@ -219,7 +221,7 @@ class _Runner:
         first = self.baseline.get("first") or {}
         target = first.get("prompt_index", 0)
         max_size = max(8, max(self.base.batch_sizes))
-        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, batch_size=1, vary_batch=(max_size,))
+        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, batch_size=1, vary_batch=(max_size,), fresh_process=0)
         n_company = len(Path(self.prompts).read_text(encoding="utf-8").splitlines()) - 1 + 8  # other prompts + fillers
         trials = trial_plan(max(1, n_company), trials=NEEDLE_TRIALS, max_size=max_size, seed=self.base.seed)
         res = self._job("needle", cfg, probe.name, False, target=target, plan=trials)
@@ -232,8 +234,9 @@ class _Runner:
                              "argmax_flips": sum(t["argmax_flips"] for t in res["trials"])}
         entry["outcome"] = "follows" if res["diverged"] else "vanish"
 
-    def _fresh_process(self, probe: Probe, entry: dict[str, Any], config: RunConfig | None = None, n: int = 3) -> None:
-        cfg = dataclasses.replace(config or self.base, mode="best-effort", runs=1, vary_batch=())
+    def _fresh_process(self, probe: Probe, entry: dict[str, Any]) -> None:
+        n = self.fresh_repeats
+        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
         folders = []
         for k in range(n):
             res = self.pool.fresh({"kind": "run", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
@@ -256,7 +259,7 @@ class _Runner:
         entry["outcome"] = "follows" if sig["diverged"] else "vanish"
 
     def _prefill(self, probe: Probe, entry: dict[str, Any]) -> None:
-        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, vary_batch=())
+        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
         res = self._job("score", cfg, probe.name, False)
         if not res.get("ok"):
             raise _ProbeFailed(res.get("error", "the probe failed"))
@@ -543,7 +546,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         if records is None:
             if progress:
                 progress("baseline check")
-            res = pool.shared().run({"kind": "check", "config": dataclasses.replace(base, mode="best-effort").to_json(),
+            res = pool.shared().run({"kind": "check", "config": dataclasses.replace(base, mode="best-effort", fresh_process=0).to_json(),
                                      "prompts": str(prompts_file), "tier": tier, "out": str(out / "baseline")})
             if not res.get("ok"):
                 from ..errors import BackendError
@@ -556,6 +559,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         comps = evidence.comparisons(records, tier=tier, atol=base.atol, base_batch=base.batch_size, runs=base.runs)
         baseline = {**evidence.signature(comps), "comparisons": comps}
         runner = _Runner(pool, out, base, tier, baseline["kinds"], baseline, prompts_file, limits, progress)
+        runner.fresh_repeats = fresh_repeats
         probes, skipped = plan(base, baseline["kinds"], tier=tier, fresh_repeats=fresh_repeats) if baseline["diverged"] else ([], [])
         if only:
             not_run_only = [p for p in probes if not _selected(p, only)]

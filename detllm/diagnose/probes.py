@@ -83,12 +83,15 @@ def plan(config: RunConfig, kinds: list[str], *, tier: int, fresh_repeats: int =
     probes.append(Probe(f"fresh-process repeats x{fresh_repeats}", "process", "fresh_process",
                         "whether a new process (thread pools, kernel choices, caches) gives other outputs", 0.9 * fresh_repeats,
                         fresh=True))
-    if config.threads != 1:
+    if b == "openai":
+        skipped.append({"knob": "threads", "reason": "a served endpoint's threads are the server's own setting"})
+    elif config.threads != 1:
         probes.append(Probe("threads=1", "threads", "check", "whether the divergence needs parallel reductions", 1.0, threads=1))
     else:
         skipped.append({"knob": "threads", "reason": "the failing run already used one thread"})
-    if b == "llamacpp":
-        skipped.append({"knob": "dtype", "reason": "llama.cpp computes in the types the GGUF file fixes"})
+    if b in ("llamacpp", "openai"):
+        skipped.append({"knob": "dtype", "reason": "llama.cpp computes in the types the GGUF file fixes" if b == "llamacpp"
+                        else "a served endpoint's dtype is the server's own setting"})
     elif config.dtype in ("float32", "auto"):
         skipped.append({"knob": "dtype", "reason": f"the failing run already asked for {config.dtype}"})
     else:
@@ -117,8 +120,14 @@ def plan(config: RunConfig, kinds: list[str], *, tier: int, fresh_repeats: int =
                        if "slots" not in config.option_dict() else {"knob": "slots", "reason": "set by the user; the ladder varies it"})
     elif b == "vllm":
         _vllm_knobs(probes, skipped, fields, config)
+    elif b == "openai":
+        skipped.append({"knob": "concurrency", "reason": "a batch is that many concurrent requests: the batch-size ladder's "
+                                                         "batch 1 is concurrency 1"})
+        skipped.append({"knob": "cold cache", "reason": "the server's cache is not an option of the openai backend; "
+                                                        "check --cache-probe measures cold vs warm prompts" if "cache_probe" in fields
+                        else "the server's cache is not an option of the openai backend"})
     elif b not in ("fake",):
-        # a served endpoint (or another engine): probe whatever of these it has
+        # another engine: probe whatever of these it has
         _knob(probes, skipped, fields, config, "concurrency", "1", proves="whether concurrent requests (server-side batching) decide it")
         _knob(probes, skipped, fields, config, "cache_prompt", "false", proves="whether a warm server cache decides it")
     probes.sort(key=lambda p: p.cost)  # stable: equal costs keep the order above

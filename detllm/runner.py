@@ -22,7 +22,7 @@ from .compare.causes import add_server_evidence
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
 from .env import Redaction, collect_env, detllm_version
-from .errors import EXIT_FAIL, EXIT_PASS, TierUnsupportedError, UsageError
+from .errors import EXIT_FAIL, EXIT_PASS, DetllmError, TierUnsupportedError, UsageError
 from .folderlock import exclusive_writer
 from .hashing import canonical_json, sha256_bytes
 from .integrity import seal
@@ -125,7 +125,16 @@ def execute(config: RunConfig, *, command: str, out: Path | None = None, **kwarg
     a second run into the same --out at the same time is refused. See _execute."""
     out = Path(out) if out is not None else artifacts.default_out_dir(command)
     with exclusive_writer(out):
-        return _execute(config, command=command, out=out, **kwargs)
+        try:
+            return _execute(config, command=command, out=out, **kwargs)
+        except (DetllmError, OSError) as exc:
+            if not (out / artifacts.PARTIAL).exists():
+                raise  # refused before the first write: nothing to say about the folder
+            left = f"{str(out)!r} is left incomplete ({artifacts.PARTIAL}); re-run into it or remove it"
+            if isinstance(exc, OSError):  # disk full, permissions: one line, like any path error (exit 2)
+                raise UsageError(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), hint=left) from exc
+            exc.hint = f"{exc.hint}; {left}" if exc.hint else left
+            raise
 
 
 def _execute(

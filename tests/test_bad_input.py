@@ -297,6 +297,7 @@ def test_a_run_that_fails_late_leaves_a_folder_every_reader_refuses(cli, tmp_pat
     out = tmp_path / "run"
     r = cli("check", "--backend", "fake", "--out", out)
     assert r.exit_code == 2 and "No space left on device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f"{str(out)!r} is left incomplete (detllm.partial)" in r.stderr, "and it says so"
     assert (out / "detllm.partial").is_file() and (out / "report.json").is_file(), "everything but the seal was written"
     monkeypatch.undo()
     good = tmp_path / "good"

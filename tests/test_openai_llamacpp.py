@@ -25,7 +25,7 @@ def _records(folder):
 def concurrency_check(llama_served, tmp_path_factory, cli):
     out = tmp_path_factory.mktemp("served") / "conc"
     res = cli("check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--concurrency", "1,8",
-              "--tier", "2", "--max-new-tokens", "48", "--runs", "2", "--opt", "sample_interval=0.005", "--out", out, "--no-progress")
+              "--tier", "2", "--max-new-tokens", "24", "--runs", "2", "--out", out, "--no-progress")
     return out, res
 
 
@@ -73,7 +73,7 @@ def test_check_folder_verifies(concurrency_check, cli):
 def test_cache_probe_cold_vs_warm(llama_served, cli, tmp_path):
     out = tmp_path / "cache"
     res = cli("check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--cache-probe", "--tier", "2",
-              "--max-new-tokens", "24", "--out", out, "--no-progress")
+              "--max-new-tokens", "12", "--out", out, "--no-progress")
     assert res.exit_code in (0, 1), res.output
     report = assert_valid_run(out, failed=res.exit_code == 1)
     assert report["category"] in ("PASS", "CACHE_VARIANCE")
@@ -133,3 +133,17 @@ def test_hf_vs_served_llama_server_names_the_backend_and_the_unknown_weights(lla
     assert backend["evidence"]["backend"] == {"left": "hf", "right": "openai"}
     unknown = {n["field"]: n["reason"] for n in report["not_compared"]}
     assert "weights not hashed: remote" in unknown["run_config.model.weights_sha256"]
+
+
+def test_chat_route_records_that_the_rendered_prompt_is_not_visible(llama_served, cli, tmp_path):
+    out = tmp_path / "chat"
+    res = cli("check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--chat", "--tier", "2",
+              "--runs", "2", "--max-new-tokens", "8", "--out", out, "--no-progress")
+    assert res.exit_code in (0, 1), res.output
+    assert_valid_run(out, failed=res.exit_code == 1)
+    rec = _records(out)[0]
+    assert rec["input_ids"] == [] and rec["evidence"]["route"] == "/chat/completions" and rec["evidence"]["prompt_as"] == "chat"
+    assert rec["evidence"]["tokens_as"] == "ids" and rec["logprobs"] and len(rec["top_logprobs"][0]) == 5
+    applied = json.loads((out / "determinism_applied.json").read_text())
+    prompt_as = next(s for s in applied["settings"] if s["name"] == "prompt_as")
+    assert prompt_as["value"] == "chat" and "not visible" in prompt_as["note"]

@@ -73,6 +73,12 @@ class Stub:
                 if stub.mode == "drop_after_probe" and stub.completions > 1:
                     self.connection.shutdown(2)  # the connection dies with no answer
                     return
+                if stub.mode == "busy_once" and stub.completions == 2:
+                    return self._send(503, {"error": {"message": "server busy"}})
+                if stub.mode == "slow_after_probe" and stub.completions > 1:
+                    import time
+
+                    time.sleep(2.0)
                 if stub.mode == "no_logprobs" and body.get("logprobs") is not None:
                     return self._send(400, {"error": {"message": "logprobs is not supported by this server"}})
                 self._send(200, stub.answer(body))
@@ -261,3 +267,22 @@ def test_replay_never_takes_the_url_or_key_variable_from_a_pack(cli, stub, tmp_p
               "--no-progress", env=env)
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r3" / "report.json").read_text())["status"] == "PASS"
+
+
+def test_503_is_retried_and_the_retry_recorded(cli, stub, tmp_path):
+    stub.mode = "busy_once"
+    out = tmp_path / "run"
+    res = _check(cli, stub, out)
+    assert res.exit_code == 0, res.output
+    assert_valid_run(out)
+    retries = [json.loads(line)["evidence"]["retries"] for line in (out / "trace.jsonl").read_text().splitlines()]
+    assert retries[0] == 1 and sum(retries) == 1
+
+
+def test_timeout_is_exit_8_with_one_line(cli, stub, tmp_path):
+    stub.mode = "slow_after_probe"
+    out = tmp_path / "run"
+    res = _check(cli, stub, out, "--opt", "request_timeout=0.5")
+    assert res.exit_code == 8, res.output
+    assert "did not answer request 0 within 0.5 s" in res.output and "Traceback" not in res.output
+    assert not (out / "report.json").exists()

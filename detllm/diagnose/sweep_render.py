@@ -76,13 +76,16 @@ def heatmap(doc: dict[str, Any], path: Path) -> str | None:
             continue
         grid[r][k] = math.log10(max(c["vs_reference_max_abs_logprob_diff"], 1e-12))
         notes[r][k] = f"{c['label']}\n{c['diverged']}/{c['observations']}"
-    fig, ax = plt.subplots(figsize=(1.6 + 1.6 * len(cols), 1.0 + 0.7 * len(row_keys)))
+    ylabels = [", ".join(f"{a['name']}={v}" for a, v in zip(axes[:-1], key)) or "-" for key in row_keys]
+    width = 2.8 + 1.5 * len(cols) + 0.075 * max(len(t) for t in ylabels)  # inches: room for the row labels and the colour bar
+    fig, ax = plt.subplots(figsize=(width, 1.3 + 0.6 * len(row_keys)))
     im = ax.imshow(grid, cmap="viridis", vmin=-12, vmax=0, aspect="auto")
     ax.set_xticks(range(len(cols)), [f"{axes[-1]['name']}={v}" for v in cols])
-    ax.set_yticks(range(len(row_keys)), [", ".join(f"{a['name']}={v}" for a, v in zip(axes[:-1], key)) or "-" for key in row_keys])
+    ax.set_yticks(range(len(row_keys)), ylabels)
     for r in range(len(row_keys)):
         for k in range(len(cols)):
-            ax.text(k, r, notes[r][k], ha="center", va="center", fontsize=7, color="white")
+            dark = math.isnan(grid[r][k]) or grid[r][k] < -5  # viridis is dark below about -5 on this scale
+            ax.text(k, r, notes[r][k], ha="center", va="center", fontsize=7, color="white" if dark else "black")
     fig.colorbar(im, ax=ax, label="log10 max |dlogprob| vs reference cell")
     ax.set_title(f"{doc['backend']} {doc['model']}: drift against the reference cell", fontsize=9)
     fig.tight_layout()

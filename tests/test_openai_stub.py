@@ -286,3 +286,11 @@ def test_timeout_is_exit_8_with_one_line(cli, stub, tmp_path):
     assert res.exit_code == 8, res.output
     assert "did not answer request 0 within 0.5 s" in res.output and "Traceback" not in res.output
     assert not (out / "report.json").exists()
+
+
+def test_credentials_in_the_url_are_refused_and_never_echoed(cli, stub, tmp_path):
+    for url in (stub.url.replace("http://", "http://user:pw-secret-123@"), stub.url + "?api_key=pw-secret-123"):
+        res = cli("check", "--backend", "openai", "--base-url", url, "--model", "stub-model", "--out", tmp_path / "r", "--no-progress")
+        assert res.exit_code == 2 and "carries a credential" in res.output, res.output
+        assert "pw-secret-123" not in res.output and not (tmp_path / "r").exists()
+    assert stub.completions == 0

@@ -20,13 +20,12 @@ from typing import Any, Iterator, Sequence
 from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
-from .openai_load import Endpoint, Reply
+from .openai_load import Endpoint, Reply, safe_url as _safe_url
 
 KINDS = ("auto", "llamacpp", "vllm", "sglang", "generic")
 PROMPT_AS = ("auto", "text", "ids")
 REMOTE = "weights not hashed: remote"
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids spelling
-_SECRET_URL = re.compile(r"://[^/@\s]+@")
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ class OpenAIBackend(Backend):
         if status in (401, 403):
             from .openai_load import http_error
 
-            raise http_error(self.endpoint.url("/models"), status, doc)
+            raise http_error(_safe_url(self.endpoint.url("/models")), status, doc)
         names = [str(m.get("id")) for m in (doc or {}).get("data", []) if isinstance(m, dict)] if status == 200 and isinstance(doc, dict) else []
         aliases = set(names) | {n.rsplit("/", 1)[-1] for n in names}
         if names and self.model not in aliases:
@@ -129,11 +128,9 @@ class OpenAIBackend(Backend):
         """One 1-token request with logprobs: does the server answer, and with logprobs and ids?"""
         req = Request(0, tuple(self._tokenize("Hello") or ()) if self.prompt_as == "ids" else (), "Hello", "probe")
         body = self._body(req, Decoding(max_new_tokens=1), seed=0, n_logprobs=1, logprobs=True)
-        from ..errors import UsageError as _Usage
-
         try:
             reply = self.endpoint.post(self.path, body, what="the capability probe")
-        except _Usage as exc:
+        except UsageError as exc:
             if "logprob" not in exc.message.lower():
                 raise
             self.endpoint.post(self.path, self._body(req, Decoding(max_new_tokens=1), seed=0, n_logprobs=1, logprobs=False),
@@ -290,7 +287,7 @@ class OpenAIBackend(Backend):
         return "server default (not visible to a client)"
 
     def _reset_how(self) -> str:
-        return {"llamacpp": "cache_prompt:false on slot 0", "vllm": "POST /reset_prefix_cache (needs --enable-dev-mode... see docs)",
+        return {"llamacpp": "cache_prompt:false on slot 0", "vllm": "POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1)",
                 "sglang": "POST /flush_cache"}.get(self.kind, "no reset: the first request of each prompt is taken as cold")
 
     # -- answers --
@@ -432,16 +429,15 @@ def _cached_tokens(doc: Any) -> int | None:
     return None
 
 
-def _safe_url(url: str) -> str:
-    """A URL without user:password@ and without a query string (tokens travel there)."""
-    return _SECRET_URL.sub("://<redacted>@", url.split("?", 1)[0])
-
-
 def _validate(o: OpenAIOptions) -> None:
     if not o.base_url:
         raise UsageError("the openai backend needs --base-url, e.g. http://127.0.0.1:8080/v1")
     if not re.match(r"^https?://[^/\s]+", o.base_url):
         raise UsageError(f"--base-url must be an http:// or https:// URL, got {_safe_url(o.base_url)!r}")
+    # the URL is recorded in run_config.json: a credential in it would travel with every pack
+    if re.match(r"^https?://[^/@\s]+@", o.base_url) or re.search(r"[?&][^=&]*(key|token|secret|sig|passw)[^=&]*=", o.base_url, re.I):
+        raise UsageError(f"--base-url {_safe_url(o.base_url)!r} carries a credential, which would be recorded in the run folder",
+                         hint="drop it from the URL and name the variable holding the key with --api-key-env")
     if o.server not in KINDS:
         raise UsageError(f"--opt server must be one of {', '.join(KINDS)}, got {o.server!r}")
     if o.prompt_as not in PROMPT_AS:

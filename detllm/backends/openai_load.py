@@ -158,6 +158,7 @@ class Endpoint:
     async def _send(self, client, path: str, body: Any, *, root: bool, what: str, t0: float) -> Reply:
         httpx = _httpx()
         url = self.url(path, root=root)
+        shown = safe_url(url)
         retries = 0
         while True:
             started = (time.monotonic() - t0) * 1000
@@ -168,12 +169,12 @@ class Endpoint:
                     retries += 1
                     await asyncio.sleep(0.2 * retries)
                     continue
-                raise self.unreachable(url, exc) from exc
+                raise self.unreachable(shown, exc) from exc
             except httpx.TimeoutException as exc:
-                raise BackendError(f"{url} did not answer {what or 'the request'} within {self.timeout:g} s",
+                raise BackendError(f"{shown} did not answer {what or 'the request'} within {self.timeout:g} s",
                                    hint="raise --opt request_timeout, or lower --concurrency") from exc
             except httpx.HTTPError as exc:  # the connection dropped mid-request: the server may have computed it
-                raise BackendError(f"{url}: the connection dropped during {what or 'a request'} ({type(exc).__name__}: {exc or 'no detail'})",
+                raise BackendError(f"{shown}: the connection dropped during {what or 'a request'} ({type(exc).__name__}: {exc or 'no detail'})",
                                    hint="the server crashed or was restarted; nothing was retried") from exc
             if resp.status_code in RETRY_STATUS and retries < self.retries:
                 retries += 1
@@ -181,7 +182,7 @@ class Endpoint:
                 await asyncio.sleep(min(float(after), 10.0) if _num(after) else 0.5 * retries)
                 continue
             if resp.status_code != 200:
-                raise http_error(url, resp.status_code, _body(resp), retries)
+                raise http_error(shown, resp.status_code, _body(resp), retries)
             return Reply(_body(resp), dict(resp.headers), retries, started, (time.monotonic() - t0) * 1000)
 
     def unreachable(self, url: str, exc: object) -> Exception:
@@ -207,6 +208,12 @@ def http_error(url: str, status: int, body: Any, retries: int = 0) -> Exception:
     if 400 <= status < 500:
         return UsageError(f"{url} rejected the request (HTTP {status}: {msg})")
     return BackendError(f"{url} failed with HTTP {status}{tried}: {msg}", hint="a server error; nothing of this run is complete")
+
+
+def safe_url(url: str) -> str:
+    """A URL without user:password@ and without a query string (tokens travel there): what errors
+    and env.json may show."""
+    return re.sub(r"://[^/@\s]+@", "://<redacted>@", url.split("?", 1)[0])
 
 
 def busy_from(source: str, body: Any) -> int | None:
@@ -246,4 +253,4 @@ def _num(x: Any) -> bool:
         return False
 
 
-__all__ = ["BatchEvidence", "Endpoint", "Reply", "busy_from", "http_error"]
+__all__ = ["BatchEvidence", "Endpoint", "Reply", "busy_from", "http_error", "safe_url"]

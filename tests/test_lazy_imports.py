@@ -50,3 +50,18 @@ def test_the_probe_can_fail():
     probe = "import sys, detllm.backends.hf as h; h._torch(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "True"
+
+
+def test_diff_and_verify_of_small_folders_import_nothing_heavy(fake_run, tmp_path):
+    """diff reads payloads as arrays (numpy) only when they are large (compare/trace.FAST_PATH_MIN_BYTES)."""
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(fake_run, other)
+    lines = (other / "trace.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["logprobs"] = [lp + 1e-3 for lp in rec["logprobs"]]  # differing payloads: the pair is compared, not skipped
+    (other / "trace.jsonl").write_text("\n".join([json.dumps(rec, separators=(",", ":")), *lines[1:]]) + "\n")
+    assert run_probe(["diff", str(fake_run), str(other), "--tier", "2"]) == "EXIT 1 HEAVY -"
+    assert run_probe(["verify", str(fake_run)]) == "EXIT 0 HEAVY -"

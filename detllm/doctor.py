@@ -112,6 +112,10 @@ def diagnose_machine(artifacts_dir: Path = Path("artifacts")) -> dict[str, Any]:
     for name, b in backends.items():
         if b["usable"]:
             b["max_tier"], b["tier_note"] = _tier(name)
+    # a client of a running server (docs/backends/openai.md): the server decides the tier, so none is asked here
+    backends["openai"] = ({"usable": True, "engine": f"httpx {_version('httpx')}, a client: point --base-url at a running server",
+                           "max_tier": None, "tier_note": "set by the server: 2 where it returns logprobs, else 1"} if _version("httpx")
+                          else {"usable": False, "why": "httpx is not installed", "fix": "pip install 'detllm[openai]'"})
     return {"torch": torch, "backends": backends, "artifacts": _writable(artifacts_dir)}
 
 

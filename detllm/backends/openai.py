@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
+from ..compare.divergence import FLOAT_GGUF
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
 from .openai_load import Endpoint, Reply, safe_url as _safe_url
 
@@ -74,7 +75,7 @@ class OpenAIBackend(Backend):
         self.prompt_as = "chat" if o.chat else self._prompt_as()
         self.has_logprobs, self.ids_known, self.probe_note = self._probe()
         self._stash: dict[tuple[str, int], list[Generation]] = {}  # cache probe: warm answers waiting for their run
-        self._sent_knobs: dict[str, Any] = {}
+        self.dtype_asked = "auto"  # --dtype: recorded; a server's dtype is set where it was started
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "OpenAIBackend":
@@ -82,7 +83,9 @@ class OpenAIBackend(Backend):
         if config.decoding.top_k and opts.server == "generic":
             raise UsageError("--top-k is not part of the OpenAI API and this server was declared generic",
                              hint="drop --top-k, or pass --opt server=vllm|sglang|llamacpp")
-        return cls(config.model, opts, threads=config.threads)
+        backend = cls(config.model, opts, threads=config.threads)
+        backend.dtype_asked = config.dtype
+        return backend
 
     # -- discovery, before anything is written --
 
@@ -190,15 +193,30 @@ class OpenAIBackend(Backend):
             for m in self._models_doc.get("data", []):
                 if isinstance(m, dict) and self.model in (m.get("id"), str(m.get("id", "")).rsplit("/", 1)[-1]):
                     path = m.get("root") if isinstance(m.get("root"), str) else None
+        ftype = self._ftype()
         return ModelIdentity(id=self.model, path=path, revision=None, format="remote", weights=(), weights_sha256=None,
-                             tokenizer_sha256=None, quantization=None, config_sha256=None,
+                             tokenizer_sha256=None, quantization=ftype if ftype and ftype not in FLOAT_GGUF else None, config_sha256=None,
                              remote=f"{REMOTE} (served by {self.kind} at {_safe_url(self.endpoint.base_url)})")
+
+    def _ftype(self) -> str | None:
+        """llama-server's weight type from /v1/models meta.ftype ("all F32", "Q4_1"...), else None."""
+        for m in (self._models_doc or {}).get("data", []) if isinstance(self._models_doc, dict) else []:
+            meta = m.get("meta") if isinstance(m, dict) else None
+            if isinstance(meta, dict) and isinstance(meta.get("ftype"), str):
+                return meta["ftype"].removeprefix("all ").removeprefix("mostly ").strip().upper() or None
+        return None
 
     @contextmanager
     def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
         self.endpoint.running = True  # from here a refused connection means the server went away mid-run
         knobs = self._knobs(Decoding(), filler=False)
+        ftype = self._ftype()
+        in_effect = FLOAT_GGUF.get(ftype or "") or ftype
+        dtype = Applied("dtype", self.dtype_asked, in_effect == self.dtype_asked, in_effect,
+                        f"the server's weights are {ftype} (/v1/models meta.ftype)" if ftype else
+                        "set where the server was started, not visible to a client: --dtype names it for the noise floor")
         yield [
+            dtype,
             Applied("seed", seed, True, "request_seed(seed, request) & 0x7FFFFFFF per request",
                     "sent as `seed`; whether the server honours it shows only in repeats (a repeat that differs at temperature 0 "
                     "and concurrency 1 is reported as RUN_VARIANCE)"),
@@ -220,7 +238,7 @@ class OpenAIBackend(Backend):
         info: dict[str, Any] = {"name": self.name, "server": self.kind, "base_url": _safe_url(e.base_url),
                                 "api_key_env": self.options.api_key_env}
         _, models, headers = e.get("/models")
-        info["models"] = [{k: m.get(k) for k in ("id", "root", "owned_by", "max_model_len") if k in m}
+        info["models"] = [{k: m.get(k) for k in ("id", "root", "owned_by", "max_model_len", "meta") if k in m}
                           for m in (models or {}).get("data", []) if isinstance(m, dict)] if isinstance(models, dict) else None
         info["headers"] = {k: v for k, v in (headers or {}).items() if k.lower() in ("server", "x-powered-by", "openai-version")}
         if self.kind == "llamacpp":

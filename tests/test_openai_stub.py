@@ -83,7 +83,11 @@ class Stub:
                     return self._send(400, {"error": {"message": "logprobs is not supported by this server"}})
                 self._send(200, stub.answer(body))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Quiet(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # the dropped-connection mode breaks pipes on purpose
+                pass
+
+        self.httpd = Quiet(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -240,7 +244,7 @@ def test_bad_flags_are_usage_errors(cli, tmp_path, args, needle):
 
 
 def test_step_parsing_of_both_logprob_formats():
-    from detllm.backends.openai import _steps
+    from detllm.backends.openai_answers import steps as _steps
 
     chat = _steps({"content": [{"id": 5, "token": "a", "logprob": -0.5, "top_logprobs": [{"id": 5, "token": "a", "logprob": -0.5}]}]})
     assert chat[0].id == 5 and chat[0].top == [("a", 5, -0.5)]

@@ -5,7 +5,8 @@ so the server's own scheduler batches them; what it reports about that batch is 
 Owns the request bodies (completions or chat, decoding knobs per server kind, the seed rule),
 reading logprobs and token ids out of the answers, server and model identity, the capability
 probe, and the cold/warm/after-prefix sequence of the cache probe. HTTP, concurrency, retries and
-error translation live in backends/openai_load.py; the cache probe's verdict in openai_cache.py.
+error translation live in backends/openai_load.py; reading logprobs and ids out of the answers in
+openai_answers.py; the cache probe's verdict in openai_cache.py.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
 from ..compare.divergence import FLOAT_GGUF
 from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
+from .openai_answers import cached_tokens as _cached_tokens, choice as _choice, steps as _steps
 from .openai_load import Endpoint, Reply, safe_url as _safe_url
 
 KINDS = ("auto", "llamacpp", "vllm", "sglang", "generic")
 PROMPT_AS = ("auto", "text", "ids")
 REMOTE = "weights not hashed: remote"
-_TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids spelling
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,6 @@ class OpenAIOptions:
     retries: int = ranged(2, ints(0, 100))  # resends of a request the server did not take (connection refused, 429, 503), recorded
     sample_interval: float = ranged(0.02, floats(0, 60, lo_open=True))  # seconds between /slots or /metrics samples while a batch is in flight
     cache_probe: bool = False  # each prompt cold, then warm, then after a shared-prefix prompt (check --cache-probe)
-
-
-@dataclass
-class _Step:
-    token: str
-    id: int | None
-    logprob: float | None
-    top: list[tuple[str, int | None, float | None]]
 
 
 class OpenAIBackend(Backend):
@@ -377,74 +370,6 @@ class OpenAIBackend(Backend):
             body["id_slot"] = 0  # cold and warm on one slot: its KV cache is what warm reuses
         replies, _ = self.endpoint.send_batch(self.path, [body], sample=None, interval=1.0)
         return self._generation(req, replies[0], body, want, None, extra)
-
-
-# ------------------------------------------------------------------ parsing answers
-
-
-def _choice(doc: Any) -> dict[str, Any]:
-    try:
-        choice = doc["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        from ..errors import BackendError
-
-        raise BackendError(f"the server's answer has no choices: {str(doc)[:200]}") from None
-    return choice if isinstance(choice, dict) else {}
-
-
-def _tok(token: Any, ident: Any) -> tuple[str, int | None]:
-    """(text, id): an explicit id wins; vLLM's 'token_id:N' strings carry one."""
-    text = str(token) if token is not None else ""
-    if isinstance(ident, int) and ident >= 0:
-        return text, ident
-    m = _TOKEN_ID.match(text)
-    return (text, int(m.group(1))) if m else (text, None)
-
-
-def _steps(lp: Any) -> list[_Step] | None:
-    """Per-token steps from either OpenAI logprobs format: chat's {"content": [...]} (llama-server
-    uses it on /v1/completions too, with ids) or completions' {"tokens", "token_logprobs", "top_logprobs"}."""
-    if not isinstance(lp, dict):
-        return None
-    out: list[_Step] = []
-    if isinstance(lp.get("content"), list):
-        for e in lp["content"]:
-            tok, tid = _tok(e.get("token"), e.get("id"))
-            top = [(*_tok(t.get("token"), t.get("id")), _f(t.get("logprob"))) for t in e.get("top_logprobs") or []]
-            out.append(_Step(tok, tid, _f(e.get("logprob")), top))
-        return out
-    tokens = lp.get("tokens")
-    if isinstance(tokens, list):
-        lps = lp.get("token_logprobs") or [None] * len(tokens)
-        tops = lp.get("top_logprobs") or [None] * len(tokens)
-        for tok, l, top in zip(tokens, lps, tops):
-            t, tid = _tok(tok, None)
-            pairs = sorted(((*_tok(k, None), _f(v)) for k, v in (top or {}).items()), key=lambda x: -(x[2] if x[2] is not None else -1e30))
-            out.append(_Step(t, tid, _f(l), pairs))
-        return out
-    return None
-
-
-def _f(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if v == v and abs(v) != float("inf") else None
-
-
-def _cached_tokens(doc: Any) -> int | None:
-    """Prompt tokens the server reused from its cache: OpenAI usage.prompt_tokens_details.cached_tokens,
-    or llama-server's timings.cache_n."""
-    if not isinstance(doc, dict):
-        return None
-    details = (doc.get("usage") or {}).get("prompt_tokens_details") if isinstance(doc.get("usage"), dict) else None
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return details["cached_tokens"]
-    timings = doc.get("timings")
-    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
-        return timings["cache_n"]
-    return None
 
 
 def _validate(o: OpenAIOptions) -> None:

@@ -1,0 +1,90 @@
+"""Reading the answers of OpenAI-compatible servers for the `openai` backend: the first choice,
+per-token logprob steps in either OpenAI format (chat's `content` list, which llama-server also uses
+on /v1/completions with ids; completions' `tokens`/`token_logprobs`/`top_logprobs`), token ids where
+the server gives them (an `id` field, vLLM's `token_id:N`), and the prompt tokens served from cache.
+Pure functions on JSON; no HTTP, no runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BackendError
+
+_TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids spelling
+
+
+@dataclass
+class _Step:
+    token: str
+    id: int | None
+    logprob: float | None
+    top: list[tuple[str, int | None, float | None]]
+
+
+def choice(doc: Any) -> dict[str, Any]:
+    try:
+        choice = doc["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise BackendError(f"the server's answer has no choices: {str(doc)[:200]}") from None
+    return choice if isinstance(choice, dict) else {}
+
+
+def _tok(token: Any, ident: Any) -> tuple[str, int | None]:
+    """(text, id): an explicit id wins; vLLM's 'token_id:N' strings carry one."""
+    text = str(token) if token is not None else ""
+    if isinstance(ident, int) and ident >= 0:
+        return text, ident
+    m = _TOKEN_ID.match(text)
+    return (text, int(m.group(1))) if m else (text, None)
+
+
+def steps(lp: Any) -> list[_Step] | None:
+    """Per-token steps from either OpenAI logprobs format: chat's {"content": [...]} (llama-server
+    uses it on /v1/completions too, with ids) or completions' {"tokens", "token_logprobs", "top_logprobs"}."""
+    if not isinstance(lp, dict):
+        return None
+    out: list[_Step] = []
+    if isinstance(lp.get("content"), list):
+        for e in lp["content"]:
+            tok, tid = _tok(e.get("token"), e.get("id"))
+            top = [(*_tok(t.get("token"), t.get("id")), _f(t.get("logprob"))) for t in e.get("top_logprobs") or []]
+            out.append(_Step(tok, tid, _f(e.get("logprob")), top))
+        return out
+    tokens = lp.get("tokens")
+    if isinstance(tokens, list):
+        lps = lp.get("token_logprobs") or [None] * len(tokens)
+        tops = lp.get("top_logprobs") or [None] * len(tokens)
+        for tok, l, top in zip(tokens, lps, tops):
+            t, tid = _tok(tok, None)
+            pairs = sorted(((*_tok(k, None), _f(v)) for k, v in (top or {}).items()), key=lambda x: -(x[2] if x[2] is not None else -1e30))
+            out.append(_Step(t, tid, _f(l), pairs))
+        return out
+    return None
+
+
+def _f(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def cached_tokens(doc: Any) -> int | None:
+    """Prompt tokens the server reused from its cache: OpenAI usage.prompt_tokens_details.cached_tokens,
+    or llama-server's timings.cache_n."""
+    if not isinstance(doc, dict):
+        return None
+    details = (doc.get("usage") or {}).get("prompt_tokens_details") if isinstance(doc.get("usage"), dict) else None
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    timings = doc.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        return timings["cache_n"]
+    return None
+
+
+__all__ = ["cached_tokens", "choice", "steps"]

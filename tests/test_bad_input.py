@@ -485,3 +485,32 @@ def test_engine_chatter_on_fd_2_is_kept_off_stderr(capfd):
     assert "NUMA binding" in captured()
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "after\n"
+
+
+def test_bad_typer_option_on_a_terminal_keeps_typers_message(tmp_path):
+    """Outside CI mode (stderr a terminal, CI unset) typos get typer's full message, suggestions included."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    try:
+        r = subprocess.run([sys.executable, "-m", "detllm", "check", "--bogus"], stdout=subprocess.PIPE, stderr=slave,
+                           env={**env, "COLUMNS": "100"}, cwd=tmp_path, timeout=60)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode(errors="replace"))  # rich's colours
+    assert r.returncode == 2
+    assert "No such option: --bogus" in text and "detllm: error:" not in text
+    assert len(text.strip().splitlines()) > 2, text

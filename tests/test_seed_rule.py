@@ -65,6 +65,7 @@ def _reorder_and_diff(tmp_path, cli, backend: str, **extra) -> None:
     ev = next(c for c in report["causes"] if c["code"] == "PROMPT_MISMATCH")["evidence"]
     assert [p["prompt_text"] for p in ev["right_only"]] == ["A brand new prompt, inserted"] and not ev["left_only"]
     assert report["comparisons"][0]["prompts_diverged"] == 0, "every aligned prompt agreed"
+    assert ev["prompts_moved"]["count"] == 3, "the evidence says the aligned prompts sat at other positions"
 
 
 @pytest.mark.engine

@@ -514,3 +514,13 @@ def test_bad_typer_option_on_a_terminal_keeps_typers_message(tmp_path):
     assert r.returncode == 2
     assert "No such option: --bogus" in text and "detllm: error:" not in text
     assert len(text.strip().splitlines()) > 2, text
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("hf", marks=pytest.mark.engine)])
+def test_the_largest_seed_runs_on_every_backend(tmp_path, backend):
+    """--seed 2**32-1, the top of the one documented range, seeds every RNG (numpy's included) without error."""
+    import detllm
+    from detllm.config import SEED_MAX
+
+    outcome = detllm.check(backend=backend, seed=SEED_MAX, temperature=0.7, max_new_tokens=3, out=tmp_path / "s")
+    assert outcome.status == "PASS"

@@ -64,7 +64,9 @@ def test_replay_of_a_pack_passes_and_writes_a_sealed_folder(cli, fake_pack, tmp_
     assert names == [f"pack::run_{i}@batch_1 vs replay::run_{i}@batch_1" for i in range(3)] + \
         ["pack::run_0@batch_2 vs replay::run_0@batch_2"]
     assert json.loads((out / "run_config.json").read_text())["command"] == "replay"
-    assert cli("verify", out).exit_code == 0
+    r = cli("verify", out)
+    assert r.exit_code == 0
+    assert "verdict not re-derived: a replay's verdict is a diff against the pack it replayed" in r.stdout
     assert spy["create"] == 1, "the backend is loaded once"
 
 

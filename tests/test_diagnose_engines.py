@@ -116,3 +116,25 @@ def test_vllm_scores_a_generated_sequence_through_prompt_logprobs():
     assert len(scored) == len(gen.token_ids) == 8
     got = compare_scores(gen.logprobs, scored)
     assert got["positions"] == 8 and got["max_abs_logprob_diff"] < 1e-2  # same weights, same kernels: close, maybe not bitwise
+
+
+@pytest.mark.parametrize("backend", ["hf", "llamacpp"])
+def test_negative_control_differs_on_real_engines(backend, tmp_path, two_prompts):
+    """A PASS at tier 2 whose control (each prompt last in a batch of 8 fillers) must differ: real
+    batch drift on this CPU, so the verdict can say the check was able to fail."""
+    import detllm
+
+    if backend == "llamacpp":
+        try:
+            find_server()
+        except BackendUnavailableError as exc:
+            if os.environ.get("DETLLM_SKIP_LLAMACPP") == "1":
+                pytest.skip("llama.cpp binary missing and DETLLM_SKIP_LLAMACPP=1")
+            pytest.fail(exc.one_line())
+    got = detllm.check(backend=backend, model="tiny", tier=2, runs=2, max_new_tokens=4, prompts=two_prompts,
+                       negative_control=True, out=tmp_path / "r")
+    nc = got.report["negative_control"]
+    assert got.status == "PASS" and nc["ran"] and nc["batch_size"] == 8
+    assert nc["differed"] is True and nc["max_abs_logprob_diff"] > 0
+    assert got.report["sensitivity"]["where"] == ["negative control"]
+    assert "differed as it should" in (tmp_path / "r" / "report.txt").read_text()

@@ -129,7 +129,8 @@ class LlamaCppBackend(Backend):
         if opts.slots is not None and opts.slots < biggest:  # refused before any folder is written
             raise UsageError(f"a batch of {biggest} needs {biggest} llama-server slots, --opt slots is {opts.slots}",
                              hint=f"pass --opt slots={biggest} or leave it unset")
-        backend = cls(config.model, opts, slots=biggest, threads=config.threads, device=config.device, dtype=config.dtype)
+        slots = max(biggest, 8) if config.negative_control else biggest  # room for the control's batch of 8 (diagnose/control.py)
+        backend = cls(config.model, opts, slots=slots, threads=config.threads, device=config.device, dtype=config.dtype)
         if config.device in ("cuda", "auto"):
             backend.device = backend._gpu_device(required=config.device == "cuda")
         return backend

@@ -246,3 +246,26 @@ def test_the_default_limits_are_the_documented_ones():
     assert f"more than {limits.max_members:,} members is refused" in docs
     assert f"a member over {limits.max_member_bytes >> 30} GiB, members adding up to over {limits.max_total_bytes >> 30} GiB" in docs
     assert f"GNU long name/link over {limits.max_header_bytes >> 10} KiB is refused" in docs
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc")
+def test_verify_of_a_pax_bomb_stays_in_bounded_memory(tmp_path):
+    """A ~256 KB pack whose PAX header holds 256 MiB: tarfile would read it whole; verify must not."""
+    import subprocess
+    import sys
+
+    archive = tmp_path / "paxbomb.tar.gz"
+    with tarfile.open(archive, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        info, data = member("run/a.json")
+        info.size = len(data)
+        info.pax_headers = {"comment": "x" * (256 << 20)}
+        tar.addfile(info, io.BytesIO(data))
+    assert archive.stat().st_size < 2 << 20
+    # VmHWM (peak RSS of this program's memory; ru_maxrss would carry the forking parent's peak over exec)
+    probe = ("import sys\nfrom detllm.errors import IntegrityError\nfrom detllm.integrity import verify\n"
+             "try:\n    verify(sys.argv[1])\nexcept IntegrityError as exc:\n    print(exc.message)\n"
+             "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(archive)], capture_output=True, text=True, timeout=120)
+    message, peak_kib = out.stdout.strip().splitlines()
+    assert "PAX extended header" in message, out.stderr
+    assert int(peak_kib) < 200 * 1024, f"verify peaked at {int(peak_kib) // 1024} MiB"

@@ -201,8 +201,11 @@ def _equal_drift(found: list[tuple[dict[str, Any], list[float]]]) -> dict[str, A
     starts = [(next(i for i, d in enumerate(steps) if d != 0.0), p["prompt_index"]) for p, steps in found]
     first_step, first_prompt = min(starts)
     width = max(len(steps) for _, steps in found)
-    by_pos = [max((steps[i] for _, steps in found if i < len(steps) and steps[i] != float("inf")), default=0.0)
-              for i in range(width)]
+    by_pos = [0.0] * width  # the largest finite |dlogprob| at each position (all are >= 0)
+    for _, steps in found:  # one pass over each prompt's steps, not one per position
+        for i, d in enumerate(steps):
+            if d > by_pos[i] and d != float("inf"):
+                by_pos[i] = d
     return {"prompts": len(found), "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p, _ in found),
             "first": {"prompt_index": first_prompt, "token_index": first_step}, "growth": _quarters(by_pos)}
 

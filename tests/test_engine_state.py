@@ -86,6 +86,17 @@ def test_batch_invariant_mode_left_on_refuses_a_later_hf_run(monkeypatch, cli, t
     assert not out.exists(), "refused before anything was written"
 
 
+@pytest.mark.engine
+def test_an_hf_backend_built_before_the_mode_leaked_is_refused_too(monkeypatch):
+    from detllm.backends.hf import HFBackend
+
+    b = HFBackend("tiny")
+    monkeypatch.setattr(vllm_backend, "_BI_STARTED", True)
+    with pytest.raises(BackendError, match="the hf backend would compute with it"):
+        with b.determinism(tier=1, seed=0, threads=None):
+            pass
+
+
 def test_batch_invariant_state_is_read_from_vllms_own_flag(monkeypatch):
     import sys
     import types

@@ -265,6 +265,10 @@ class HFBackend(Backend):
         torch = _torch()
         import numpy as np
 
+        from .vllm import refuse_after_batch_invariant
+
+        refuse_after_batch_invariant("the hf backend")  # also for a backend built before vLLM's mode was switched on
+
         saved = {
             "det": torch.are_deterministic_algorithms_enabled(),
             "warn": torch.is_deterministic_algorithms_warn_only_enabled(),

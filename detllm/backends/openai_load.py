@@ -140,10 +140,10 @@ class Endpoint:
 
     async def _sample(self, client, source: str, interval: float, evidence: BatchEvidence) -> None:
         """Poll the server while the batch is in flight; a failed poll is skipped, never fatal."""
-        wait = min(interval, 0.002)  # the first look comes early: a short batch may be over within one interval
+        wait = min(interval, 0.002)  # early looks, then every `interval`: a short batch may be over within one interval
         while True:
             await asyncio.sleep(wait)
-            wait = interval
+            wait = min(wait * 2, interval)
             try:
                 resp = await client.get(self.url(source, root=True), timeout=5.0)
             except Exception:  # noqa: BLE001 - evidence is best effort; the requests themselves report failures

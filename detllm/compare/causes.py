@@ -73,6 +73,9 @@ INERT_OPTIONS = {
     "bin": "the binary's path; its build is compared by content (env.json backend.binary_sha256)",
     "gpu_memory_utilization": "how much GPU memory vLLM may reserve, not how it computes",
     "api_key_env": "the name of the variable holding an API key",
+    "connect_timeout": "how long detllm waits for a connection",
+    "retries": "how often a request the server did not take is resent (each record counts its retries)",
+    "sample_interval": "how often detllm asks the server about its batch",
 }
 # settings whose value follows the run's largest batch unless the user set them
 BATCH_DERIVED = ("slots", "max_num_seqs")

@@ -257,7 +257,7 @@ def render_text(report: dict[str, Any]) -> str:
         lines += [f"  - {d['field']} {short(d['left'])} vs {short(d['right'])}: {d['why']}"[:300] for d in inert[:8]]
     skipped = report.get("not_compared") or []
     if skipped:
-        lines.append("not compared (recorded with different meanings by the two schema versions):")
+        lines.append("not compared (different meanings across schema versions, or unknown on a side):")
         lines += [f"  - {d['field']}: {d['reason']}"[:300] for d in skipped[:8]]
     if report["first_divergence"] is not None:
         lines += divergence_lines(report["first_divergence"])

@@ -56,7 +56,6 @@ def smollm2_sides(tmp_path_factory, cross_prompt_file):
                             out=tmp / f"{b}-smollm2-135m").out_dir for b in ("hf", "llamacpp"))
 
 
-
 @pytest.fixture(scope="session")
 def llama_served():
     """One real llama-server per session for the served-endpoint (openai backend) tests: the tiny

@@ -101,21 +101,27 @@ def main() -> None:
     print(f"model {args.model}, {len(BUILTIN_PROMPTS)} prompts x {args.max_new_tokens} tokens, runs {args.runs} at batch "
           f"{sizes[0]}" + (f" + 1 run at batch {', '.join(map(str, sizes[1:]))}" if sizes[1:] else "")
           + f", torch threads {torch.get_num_threads()}")
-    ratios = []
+    ratios, cpu_ratios = [], []
     for rep in range(args.repeat):
+        c0 = time.process_time()  # CPU of every thread of this process: steadier than wall on a shared machine
         t_bare = bare(path, list(BUILTIN_PROMPTS), list(FILLERS), args.runs, sizes, args.max_new_tokens)
+        c_bare = time.process_time() - c0
         hf._LOADED.clear()
         with tempfile.TemporaryDirectory() as tmp:
+            c0 = time.process_time()
             t0 = time.perf_counter()
             out = detllm.check(backend="hf", model=args.model, runs=args.runs, batch_size=sizes[0],
                                vary_batch=tuple(sizes) if len(sizes) > 1 else (), max_new_tokens=args.max_new_tokens,
                                tier=2, out=Path(tmp) / "check")
             t_ours = time.perf_counter() - t0
+            c_ours = time.process_time() - c0
         hf._LOADED.clear()
         ratios.append(t_ours / t_bare)
-        print(f"[{rep + 1}] bare load + generate: {t_bare:.2f} s | detllm check (tier 2) {t_ours:.2f} s [{out.status}] "
-              f"| ratio {t_ours / t_bare:.2f}")
-    print(f"check overhead ratio detllm / bare: best {min(ratios):.2f}, worst {max(ratios):.2f}")
+        cpu_ratios.append(c_ours / c_bare)
+        print(f"[{rep + 1}] bare load + generate: {t_bare:.2f} s ({c_bare:.2f} s CPU) | detllm check (tier 2) {t_ours:.2f} s "
+              f"({c_ours:.2f} s CPU) [{out.status}] | ratio {t_ours / t_bare:.2f} wall, {c_ours / c_bare:.2f} CPU")
+    print(f"check overhead ratio detllm / bare: wall best {min(ratios):.2f}, worst {max(ratios):.2f}; "
+          f"CPU best {min(cpu_ratios):.2f}, worst {max(cpu_ratios):.2f}")
 
     from detllm.backends.hf import HFBackend
 

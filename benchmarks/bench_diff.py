@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -97,13 +98,28 @@ def make_pair(root: Path, prompts: int, tokens: int, top_k: int, drift: float = 
     return left, right, planted
 
 
+CPU: list[float] = []  # CPU seconds (user + sys) of each timed command: on a shared, loaded machine the
+# wall time says more about the neighbours than about detllm
+
+
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _time(cmd: list[str], repeat: int) -> tuple[list[float], subprocess.CompletedProcess]:
     times, proc = [], None
+    CPU.clear()
     for _ in range(repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), _cpu_children()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         times.append(time.perf_counter() - t)
+        CPU.append(_cpu_children() - c)
     return times, proc
+
+
+def _cpu() -> str:
+    return f"; CPU (user + sys) best {min(CPU):.2f} s"
 
 
 def main() -> int:
@@ -129,9 +145,9 @@ def main() -> int:
         d = json.loads(proc.stdout)["first_divergence"]
         assert (d["prompt_index"], d["token_index"]) == planted, (d["prompt_index"], d["token_index"])
         print(f"detllm diff (CLI, subprocess): best {min(times):.2f} s, median {statistics.median(times):.2f} s "
-              f"over {args.repeat} runs; found the divergence at {planted} ({d['kind']}), category {json.loads(proc.stdout)['category']}")
+              f"over {args.repeat} runs; found the divergence at {planted} ({d['kind']}), category {json.loads(proc.stdout)['category']}" + _cpu())
         out_times, _ = _time(detllm + ["--out", str(root / "diff"), "--force"], args.repeat)
-        print(f"detllm diff --out (writes report.json/.txt/.md): best {min(out_times):.2f} s, median {statistics.median(out_times):.2f} s")
+        print(f"detllm diff --out (writes report.json/.txt/.md): best {min(out_times):.2f} s, median {statistics.median(out_times):.2f} s" + _cpu())
         # the other extreme: every logprob drifted by 1e-7 (batch or engine numerics), no record byte-identical
         shutil.rmtree(left.parent / "left"), shutil.rmtree(right)
         left, right, _ = make_pair(root, args.prompts, args.tokens, args.top_k, drift=1e-7)
@@ -139,7 +155,7 @@ def main() -> int:
             times, proc = _time([sys.executable, "-m", "detllm", "diff", str(left), str(right), "--json", "--tier", tier], args.repeat)
             d = json.loads(proc.stdout)["first_divergence"]
             print(f"detllm diff --tier {tier}, every record drifted by 1e-7: best {min(times):.2f} s, median {statistics.median(times):.2f} s; "
-                  f"first divergence ({d['prompt_index']}, {d['token_index']}) kind {d['kind']}")
+                  f"first divergence ({d['prompt_index']}, {d['token_index']}) kind {d['kind']}" + _cpu())
         return 0
     finally:
         if args.keep is None:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import artifacts
-from ..compare.engine import select
 from ..config import RunConfig
 from ..env import detllm_version
 from ..errors import ArtifactError, UsageError
@@ -27,6 +26,7 @@ from .needle import trial_plan
 from .pool import Pool
 from . import recorded
 from .probes import LADDER, Probe, plan
+from .ranking import conclusion, rank_knobs
 
 DIAGNOSIS = "diagnosis.json"
 OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "prompts.jsonl", "baseline", "probes", "logs")
@@ -92,25 +92,15 @@ def _prompts_from_records(records: list[dict[str, Any]], where: str) -> list[str
 
 
 def read_failing(run_dir: Path) -> tuple[RunConfig, int, list[dict[str, Any]], list[str], dict[str, Any]]:
-    """(config, requested tier, records, prompts, source) of a check or diff folder."""
+    """(config, requested tier, records, prompts, source) of a check (or run) folder."""
     run_dir = Path(run_dir)
-    if artifacts.is_diff_folder(run_dir):
-        rep = artifacts.read_json(run_dir / artifacts.REPORT, "report")
-        left = Path(rep["summary"]["left"]["folder"])
-        if not artifacts.is_detllm_folder(left):
-            raise ArtifactError(f"the diff's left side {str(left)!r} is not a run folder here", hint="diagnose the run folder itself")
-        folder = artifacts.load_run(left)
-        source = {"kind": "diff", "path": str(run_dir), "left": str(left), "status": rep["status"],
-                  "recorded_causes": [c["code"] for c in rep["causes"]]}
-    elif artifacts.is_detllm_folder(run_dir):
-        folder = artifacts.load_run(run_dir)
-        rep = folder.report or {}
-        source = {"kind": "folder", "path": str(run_dir), "status": rep.get("status"), "recorded_causes": [c["code"] for c in rep.get("causes", [])]}
-    else:
+    if not artifacts.is_detllm_folder(run_dir):
         raise ArtifactError(f"{str(run_dir)!r} is not a detllm run or diff folder", hint="pass the folder a failing check or diff wrote")
+    folder = artifacts.load_run(run_dir)
+    rep = folder.report or {}
+    source = {"kind": "folder", "path": str(run_dir), "status": rep.get("status"), "recorded_causes": [c["code"] for c in rep.get("causes", [])]}
     config = RunConfig.from_json(folder.run_config["config"])
-    tier = folder.applied["tier_requested"]
-    return config, tier, folder.records, _prompts_from_records(folder.records, str(run_dir)), source
+    return config, folder.applied["tier_requested"], folder.records, _prompts_from_records(folder.records, str(run_dir)), source
 
 
 def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Path:
@@ -316,168 +306,6 @@ def _setting_text(setting: dict[str, Any]) -> str:
     return " and ".join(f"{k}={v}" for k, v in setting.items()) or "the failing settings"
 
 
-# ------------------------------------------------------------------ ranking and conclusion
-
-
-def rank_knobs(results: list[dict[str, Any]], baseline: dict[str, Any]) -> list[dict[str, Any]]:
-    """One entry per knob: follows (the divergence comes with it), vanishes (setting it removes
-    the divergence), moves (it changes the divergence), not_followed; in that order."""
-    knobs: dict[str, dict[str, Any]] = {}
-    order = {"follows": 0, "vanishes": 1, "moves": 2, "not_followed": 3}
-    base_lp = baseline.get("max_abs_logprob_diff") or 0.0
-    for r in results:
-        if r["status"] != "ran" or r["kind"] == "prefill":
-            continue
-        verdict = {"follows": "follows", "vanish": "vanishes" if r["kind"] == "check" else "not_followed",
-                   "move": "moves", "persist": "not_followed"}[r["outcome"]]
-        k = knobs.setdefault(r["knob"], {"knob": r["knob"], "verdict": verdict, "probes": [], "summary": ""})
-        k["probes"].append(r["name"])
-        if order[verdict] < order[k["verdict"]]:
-            k["verdict"] = verdict
-        k["summary"] = "; ".join(x for x in (k["summary"], _knob_summary(r, base_lp)) if x)
-    ranked = sorted(knobs.values(), key=lambda k: order[k["verdict"]])
-    for i, k in enumerate(ranked, 1):
-        k["rank"] = i
-    return ranked
-
-
-def _knob_summary(r: dict[str, Any], base_lp: float) -> str:
-    ev = r["evidence"]
-    if r["kind"] == "ladder":
-        bad = ev.get("diverged_batch_sizes", [])
-        return (f"batch sizes {', '.join(map(str, bad))} differ from batch 1" if bad else "no batch size differs from batch 1") + _lp(ev)
-    if r["kind"] == "needle":
-        return f"{ev['diverged']}/{ev['total']} random batch placements changed prompt {ev['target']}'s output"
-    if r["kind"] == "fresh_process":
-        return (f"{'outputs differ' if ev['diverged'] else 'outputs equal'} across {ev['processes']} fresh processes") + _lp(ev)
-    word = {"vanish": "divergence vanishes", "move": "divergence moves", "persist": "divergence persists"}[r["outcome"]]
-    return f"{r['name']}: {word}" + _lp(ev) + (f" (was {base_lp:.3g})" if r["outcome"] != "vanish" and base_lp else "")
-
-
-def _lp(ev: dict[str, Any]) -> str:
-    lp = ev.get("max_abs_logprob_diff")
-    first = ev.get("first")
-    where = f", first at prompt {first['prompt_index']} token {first['token_index']}" if first else ""
-    return (f"; max |dlogprob| {lp:.3g}" if lp else "") + where
-
-
-def conclusion(knobs: list[dict[str, Any]], passing: dict[str, Any] | None, kinds: list[str]) -> str:
-    follows = [k for k in knobs if k["verdict"] == "follows"]
-    vanish = [k for k in knobs if k["verdict"] == "vanishes"]
-    parts = []
-    if follows:
-        parts.append("The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + ".")
-    if passing:
-        parts.append(f"Minimal passing setting: {passing['summary']}.")
-    elif vanish:
-        parts.append("It vanishes with " + ", ".join(k["probes"][0] for k in vanish) + " (not confirmed in fresh processes).")
-    else:
-        tried = [k["probes"][0] for k in knobs if k["verdict"] in ("moves", "not_followed") and k["knob"] not in ("batch composition", "process")]
-        parts.append("Nothing isolates it: no setting tried" + (f" ({', '.join(tried)})" if tried else "") + " makes it vanish.")
-        if "batch" in kinds:
-            parts.append("The only workaround left is to serve one request at a time (batch size 1).")
-    return " ".join(parts)
-
-
-# ------------------------------------------------------------------ a diff of two differently recorded sides
-
-
-def _diagnose_diff(diff_dir: Path, out: Path, limits: Budget, progress: Progress | None) -> Diagnosis | None:
-    """Probe the recorded differences of a diff (recorded.py); None when the two sides were
-    recorded with the same settings (the caller then diagnoses the left side as a check)."""
-    from .render import render_markdown, render_text
-
-    rep, left, right = recorded.sides(diff_dir)
-    lrun, rrun = artifacts.load_run(left["path"]), artifacts.load_run(right["path"])
-    lc, rc = RunConfig.from_json(lrun.run_config["config"]), RunConfig.from_json(rrun.run_config["config"])
-    probes, named = recorded.differences(lc, rc, left["batch_size"], right["batch_size"])
-    if not probes and not named:
-        return None
-    tier, atol = rep["tier"]["requested"], rep["summary"].get("atol", 0.0)
-    texts = _prompts_from_records(lrun.records, str(diff_dir))
-    comp = rep["comparisons"][0]
-    first = rep["first_divergence"]
-    dr = comp["drift"]
-    baseline = {"diverged": rep["status"] == "FAIL", "kinds": ["diff"], "diverged_batch_sizes": [],
-                "first": None if first is None else {k: first[k] for k in ("prompt_index", "token_index", "kind")},
-                "max_abs_logprob_diff": dr.get("max_abs_logprob_diff") if dr.get("available") else None,
-                "argmax_flips": dr.get("argmax_flips", 0) if dr.get("available") else 0, "prompts_diverged": comp["prompts_diverged"]}
-    out.mkdir(parents=True, exist_ok=True)
-    prompts_file = out / "prompts.jsonl"
-    artifacts.atomic_write_text(prompts_file, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts))
-    lrec, rrec = recorded.side_records(left), recorded.side_records(right)
-    t0, used, results, not_run = time.monotonic(), 0, [], []
-    plan_ = [None] + probes if baseline["diverged"] else []
-    with Pool(out / "logs") as pool:
-        for probe in plan_:
-            name = probe.name if probe else "left settings again"
-            if (limits.probes is not None and used >= limits.probes) or (limits.seconds is not None and time.monotonic() - t0 >= limits.seconds):
-                not_run.append({"name": name, "reason": "skipped: the --budget is spent"})
-                continue
-            used += 1
-            if progress:
-                progress(f"probe {used}: {name}")
-            batch = right["batch_size"] if probe and probe.knob == "batch_size" else left["batch_size"]
-            cfg = recorded.probe_config(lc, rc, probe, batch)
-            folder = out / "probes" / _slug(name)
-            started = time.monotonic()
-            res = pool.shared().run({"kind": "run", "config": cfg.to_json(), "prompts": str(prompts_file), "tier": tier, "out": str(folder)})
-            entry: dict[str, Any] = {"name": name, "knob": probe.knob if probe else "reproducibility", "kind": "recorded" if probe else "rerun",
-                                     "setting": probe.setting() if probe else {}, "proves": probe.proves if probe else
-                                     "whether the left side's own settings reproduce it (else the diff is run variance)",
-                                     "status": "ran", "outcome": None, "evidence": {}, "folder": str(folder.relative_to(out))}
-            if not res.get("ok"):
-                entry.update(status="error", reason=res.get("error", "the probe failed"))
-            else:
-                got = select(artifacts.load_trace(folder / artifacts.TRACE, validate_records=False), run=0, batch=batch)
-                vs_right = recorded.same(got, rrec, tier=tier, same_batch=batch == right["batch_size"], atol=atol)
-                vs_left = recorded.same(got, lrec, tier=tier, same_batch=batch == left["batch_size"], atol=atol)
-                entry["evidence"] = {"vs_right": vs_right, "vs_left": vs_left, **{k: vs_right[k] for k in ("first", "max_abs_logprob_diff")}}
-                entry["outcome"] = "follows" if not vs_right["diverged"] else ("persist" if not vs_left["diverged"] else "move")
-            entry["seconds"] = round(time.monotonic() - started, 2)
-            results.append(entry)
-    knobs = []
-    for r in results:
-        if r["status"] != "ran" or r["kind"] != "recorded":
-            continue
-        verdict = {"follows": "follows", "move": "moves", "persist": "not_followed"}[r["outcome"]]
-        what = {"follows": "reproduce the right side", "move": "change the output, but not into the right side's",
-                "persist": "change nothing: the output stays the left side's"}[r["outcome"]]
-        knobs.append({"knob": r["knob"], "verdict": verdict, "probes": [r["name"]],
-                      "summary": f"the left side's settings with {r['name']} {what}" + _lp(r["evidence"])})
-    order = {"follows": 0, "moves": 1, "not_followed": 2}
-    knobs.sort(key=lambda k: order[k["verdict"]])
-    for i, k in enumerate(knobs, 1):
-        k["rank"] = i
-    rerun = next((r for r in results if r["kind"] == "rerun" and r["status"] == "ran"), None)
-    follows = [k for k in knobs if k["verdict"] == "follows"]
-    if not baseline["diverged"]:
-        text = f"Nothing to diagnose: the diff passes at tier {tier}."
-    elif named:
-        text = "The sides differ in " + "; ".join(n["reason"].split(": ")[0].removeprefix("the sides differ in ") for n in named) + \
-               ": that recorded difference is the cause; no single setting can be probed across it."
-    elif follows:
-        text = ("The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + ".")
-    else:
-        text = "Nothing isolates it: no single recorded difference reproduces the right side."
-    if rerun is not None and rerun["outcome"] not in ("persist",) and baseline["diverged"] and not named:
-        text += " Note: the left side's own settings did not reproduce the left side, so run variance is also at play."
-    doc = artifacts.stamp("diagnosis", {
-        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(),
-        "source": {"kind": "diff", "path": str(diff_dir), "left": str(left["path"]), "status": rep["status"],
-                   "recorded_causes": [c["code"] for c in rep["causes"]]},
-        "backend": lc.backend, "model": lc.model, "config": lc.to_json(), "tier_requested": tier, "baseline": baseline,
-        "budget": {"probes": limits.probes, "seconds": limits.seconds, "probes_used": used, "seconds_used": round(time.monotonic() - t0, 2),
-                   "exhausted": bool(not_run)},
-        "probes": results, "not_run": not_run, "skipped_knobs": named, "knobs": knobs, "passing_settings": None,
-        "prefill_vs_decode": None, "isolated": bool(follows), "conclusion": text,
-    })
-    artifacts.write_json(out, DIAGNOSIS, doc)
-    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
-    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
-    return Diagnosis(out, doc)
-
-
 # ------------------------------------------------------------------ the command
 
 
@@ -503,12 +331,10 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
     if check_args is not None:  # the CLI: run `detllm check ARGS` as the user would, then diagnose its folder
         run_dir = _run_check_cli(list(check_args), out, progress)
     if run_dir is not None and artifacts.is_diff_folder(Path(run_dir)):
-        got = _diagnose_diff(Path(run_dir), out, limits, progress)
+        got = recorded.diagnose_diff(Path(run_dir), out, limits, progress)
         if got is not None:
             return got
         # the sides were recorded with the same settings: diagnose the left side's as a check
-        from ..prompts import inline_prompts
-
         rep, left, right = recorded.sides(Path(run_dir))
         folder = artifacts.load_run(left["path"])
         texts = _prompts_from_records(folder.records, str(run_dir))

@@ -1,0 +1,69 @@
+"""Ranking a diagnosis: one entry per knob with its verdict (follows, vanishes, moves,
+not_followed), a one-line summary of its evidence, and the plain-words conclusion.
+
+Owns wording and order only; the probes' outcomes come from evidence.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rank_knobs(results: list[dict[str, Any]], baseline: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per knob: follows (the divergence comes with it), vanishes (setting it removes
+    the divergence), moves (it changes the divergence), not_followed; in that order."""
+    knobs: dict[str, dict[str, Any]] = {}
+    order = {"follows": 0, "vanishes": 1, "moves": 2, "not_followed": 3}
+    base_lp = baseline.get("max_abs_logprob_diff") or 0.0
+    for r in results:
+        if r["status"] != "ran" or r["kind"] == "prefill":
+            continue
+        verdict = {"follows": "follows", "vanish": "vanishes" if r["kind"] == "check" else "not_followed",
+                   "move": "moves", "persist": "not_followed"}[r["outcome"]]
+        k = knobs.setdefault(r["knob"], {"knob": r["knob"], "verdict": verdict, "probes": [], "summary": ""})
+        k["probes"].append(r["name"])
+        if order[verdict] < order[k["verdict"]]:
+            k["verdict"] = verdict
+        k["summary"] = "; ".join(x for x in (k["summary"], _knob_summary(r, base_lp)) if x)
+    ranked = sorted(knobs.values(), key=lambda k: order[k["verdict"]])
+    for i, k in enumerate(ranked, 1):
+        k["rank"] = i
+    return ranked
+
+
+def _knob_summary(r: dict[str, Any], base_lp: float) -> str:
+    ev = r["evidence"]
+    if r["kind"] == "ladder":
+        bad = ev.get("diverged_batch_sizes", [])
+        return (f"batch sizes {', '.join(map(str, bad))} differ from batch 1" if bad else "no batch size differs from batch 1") + _lp(ev)
+    if r["kind"] == "needle":
+        return f"{ev['diverged']}/{ev['total']} random batch placements changed prompt {ev['target']}'s output"
+    if r["kind"] == "fresh_process":
+        return (f"{'outputs differ' if ev['diverged'] else 'outputs equal'} across {ev['processes']} fresh processes") + _lp(ev)
+    word = {"vanish": "divergence vanishes", "move": "divergence moves", "persist": "divergence persists"}[r["outcome"]]
+    return f"{r['name']}: {word}" + _lp(ev) + (f" (was {base_lp:.3g})" if r["outcome"] != "vanish" and base_lp else "")
+
+
+def _lp(ev: dict[str, Any]) -> str:
+    lp = ev.get("max_abs_logprob_diff")
+    first = ev.get("first")
+    where = f", first at prompt {first['prompt_index']} token {first['token_index']}" if first else ""
+    return (f"; max |dlogprob| {lp:.3g}" if lp else "") + where
+
+
+def conclusion(knobs: list[dict[str, Any]], passing: dict[str, Any] | None, kinds: list[str]) -> str:
+    follows = [k for k in knobs if k["verdict"] == "follows"]
+    vanish = [k for k in knobs if k["verdict"] == "vanishes"]
+    parts = []
+    if follows:
+        parts.append("The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + ".")
+    if passing:
+        parts.append(f"Minimal passing setting: {passing['summary']}.")
+    elif vanish:
+        parts.append("It vanishes with " + ", ".join(k["probes"][0] for k in vanish) + " (not confirmed in fresh processes).")
+    else:
+        tried = [k["probes"][0] for k in knobs if k["verdict"] in ("moves", "not_followed") and k["knob"] not in ("batch composition", "process")]
+        parts.append("Nothing isolates it: no setting tried" + (f" ({', '.join(tried)})" if tried else "") + " makes it vanish.")
+        if "batch" in kinds:
+            parts.append("The only workaround left is to serve one request at a time (batch size 1).")
+    return " ".join(parts)

@@ -1,8 +1,10 @@
 """Diagnose and sweep: from a FAIL to the knob that causes it, with real probes as evidence.
 
 Modules: probes (the plan per backend), core (`diagnose`), evidence (judging probe folders),
+ranking (knob verdicts and the conclusion), recorded (a diff's recorded differences as knobs),
 needle and prefill (special probes), worker/pool (each probe a real run in a child process),
-control (check --negative-control), sweep (grids with statistics), render (txt/md).
+control (check --negative-control, the sensitivity line), sweep and sweep_render (grids with
+statistics), render (txt/md).
 Nothing here imports an engine in the calling process.
 """
 

@@ -135,7 +135,7 @@ class _Tops(Sequence):
 
 class View(dict):
     """A trace record whose payload lives in a Payload: the header as keys, the generated
-    fields built on access, as the reference code reads them."""
+    fields built on each access (as lists, as the reference code reads them)."""
 
     def __init__(self, rec: TraceRecord, p: Payload) -> None:
         super().__init__({k: dict.__getitem__(rec, k) for k in rec.keys()})
@@ -157,8 +157,7 @@ class View(dict):
             value = p.finish_reason
         else:
             raise KeyError(key)
-        self[key] = value
-        return value
+        return value  # not kept: a diff holds thousands of views, only the arrays stay in memory
 
     def get(self, key: str, default: Any = None) -> Any:
         try:

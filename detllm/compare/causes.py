@@ -502,9 +502,9 @@ def add_server_evidence(report: dict[str, Any], records: list[dict[str, Any]]) -
         if not comps or cause["code"] not in ("BATCH_VARIANCE", "RUN_VARIANCE"):
             continue
         sides = {}
-        for side in ("left", "right"):
-            run, batch = parse_label(comps[0][side])
-            sides[side] = select(records, run=run, batch=batch)
+        for side in ("left", "right"):  # a cause merged over several levels sums up all of their sides
+            labels = {parse_label(c[side]) for c in comps}
+            sides[side] = [r for run, batch in sorted(labels) for r in select(records, run=run, batch=batch)]
         if cause["code"] == "BATCH_VARIANCE":
             served = {side: server_batching(recs) for side, recs in sides.items()}
             if any(served.values()):
@@ -520,8 +520,9 @@ def add_server_evidence(report: dict[str, Any], records: list[dict[str, Any]]) -
 def server_batching(records: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     """A served backend's batching evidence over a selection (trace evidence.server_batch): requests
     in flight and the most the server reported computing at once. None when nothing was recorded."""
-    batches = [r["evidence"]["server_batch"] for r in records or () if isinstance(r.get("evidence"), dict)
-               and isinstance(r["evidence"].get("server_batch"), dict)]
+    groups = {(r["run_index"], r["batch_size"], r["prompt_index"] // r["batch_size"]): r["evidence"]["server_batch"]
+              for r in records or () if isinstance(r.get("evidence"), dict) and isinstance(r["evidence"].get("server_batch"), dict)}
+    batches = list(groups.values())  # one per group of requests sent together (its records share it)
     if not batches:
         return None
     busy = [b["server_busy_max"] for b in batches if "server_busy_max" in b]

@@ -19,7 +19,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import IO, Iterator
 
 from .errors import ArtifactError, IntegrityError, UsageError
 
@@ -146,9 +146,13 @@ def extract(archive: str | Path, dest: Path, limits: Limits = Limits()) -> Path:
     """Safely extract into the empty folder `dest`; returns the run folder (dest or its one subfolder)."""
     archive = Path(archive)
     try:
-        scan_headers(archive, limits)  # bounds what tarfile will read, before it reads anything
-        with tarfile.open(archive, mode="r:gz") as tar:
-            _extract_members(tar, dest, limits, archive.name)
+        # the scan bounds what tarfile will read, before it reads anything; it keeps the stream it
+        # decompressed, so tarfile reads a plain tar and the pack is decompressed once, not twice
+        with tempfile.TemporaryFile() as plain:
+            scan_headers(archive, limits, copy=plain)
+            plain.seek(0)
+            with tarfile.open(fileobj=plain, mode="r:") as tar:
+                _extract_members(tar, dest, limits, archive.name)
     except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
         raise ArtifactError(f"{str(archive)!r} is not a readable .tar.gz pack ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
     except OSError as exc:
@@ -163,17 +167,20 @@ _META_TYPES = {b"x": "a PAX extended header", b"g": "a PAX global header", b"L":
 _BLOCK = 512
 
 
-def scan_headers(archive: Path, limits: Limits) -> None:
+def scan_headers(archive: Path, limits: Limits, copy: IO[bytes] | None = None) -> None:
     """Walk the raw 512-byte tar headers of the decompressed stream without tarfile: refuse
     (IntegrityError) a PAX/GNU metadata member over max_header_bytes, a member over
     max_member_bytes, more than max_members headers, or a stream that decompresses to more
-    than the member limits allow (a gzip bomb). Reads the stream once, in 1 MiB chunks."""
+    than the member limits allow (a gzip bomb). Reads the stream once, in 1 MiB chunks;
+    `copy` receives every decompressed byte read (within those bounds)."""
+    write = copy.write if copy is not None else (lambda b: None)
     label = archive.name
     cap = limits.max_total_bytes + (2 * limits.max_members + 2) * _BLOCK + limits.max_members * limits.max_header_bytes
     read = headers = 0
     with gzip.open(archive, "rb") as gz:
         while True:
             block = gz.read(_BLOCK)
+            write(block)
             if len(block) < _BLOCK or block == b"\0" * _BLOCK:
                 return  # end of archive (or a truncated one: tarfile names it)
             headers += 1
@@ -200,6 +207,7 @@ def scan_headers(archive: Path, limits: Limits) -> None:
                 chunk = gz.read(min(_CHUNK, padded))
                 if not chunk:
                     return
+                write(chunk)
                 padded -= len(chunk)
 
 

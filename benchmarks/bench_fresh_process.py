@@ -9,7 +9,7 @@ For each model, in one process (the parent's engine loaded and warmed first):
 Prints seconds per phase and the extra cost of a fresh repeat over an in-process one.
 
     .venv/bin/python benchmarks/bench_fresh_process.py [--models tiny,smollm2-135m] [--backend hf]
-        [--max-new-tokens 16] [--repeat 2]
+        [--max-new-tokens 16] [--repeat 2] [--ab]   (--ab: end to end with and without the up-front child)
 """
 
 from __future__ import annotations
@@ -87,15 +87,41 @@ def bench_model(model: str, backend_name: str, tokens: int, repeat: int) -> None
     backend.close()
 
 
+def ab_prestart(model: str, backend_name: str, tokens: int, repeat: int) -> None:
+    """End to end `check --runs 2 --fresh-process 1`, with the first child started up front (loads while the
+    parent generates) and without (started when its repeat comes), alternated so both see the same load."""
+    import detllm
+    from detllm import fresh
+
+    walls: dict[str, list[float]] = {"prestart": [], "no prestart": []}
+    original = fresh.Dispatcher._needs_the_device
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeat):
+            for name in walls:
+                fresh.Dispatcher._needs_the_device = original if name == "prestart" else (lambda self: True)
+                t0 = time.perf_counter()
+                detllm.check(backend=backend_name, model=model, runs=2, fresh_process=1, tier=2, max_new_tokens=tokens,
+                             out=Path(tmp) / f"{name}-{i}".replace(" ", "-"))
+                walls[name].append(time.perf_counter() - t0)
+    fresh.Dispatcher._needs_the_device = original
+    print(f"\n== {backend_name} {model}: check --runs 2 --fresh-process 1, end to end (median of {repeat})")
+    for name, w in walls.items():
+        print(f"  {name:<12} {statistics.median(w):8.2f} s   {', '.join(f'{x:.1f}' for x in w)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,smollm2-135m")
     ap.add_argument("--backend", default="hf")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--ab", action="store_true", help="only the prestart A/B, end to end")
     args = ap.parse_args()
     for model in args.models.split(","):
-        bench_model(model, args.backend, args.max_new_tokens, args.repeat)
+        if args.ab:
+            ab_prestart(model, args.backend, args.max_new_tokens, args.repeat)
+        else:
+            bench_model(model, args.backend, args.max_new_tokens, args.repeat)
 
 
 if __name__ == "__main__":

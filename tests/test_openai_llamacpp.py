@@ -25,7 +25,7 @@ def _records(folder):
 def concurrency_check(llama_served, tmp_path_factory, cli):
     out = tmp_path_factory.mktemp("served") / "conc"
     res = cli("check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--concurrency", "1,8",
-              "--tier", "2", "--max-new-tokens", "48", "--runs", "2", "--opt", "sample_interval=0.005", "--out", out,
+              "--tier", "2", "--max-new-tokens", "64", "--runs", "2", "--opt", "sample_interval=0.005", "--out", out,
               "--no-progress")
     return out, res
 
@@ -49,11 +49,14 @@ def test_concurrency_8_is_batched_by_the_server_and_recorded(concurrency_check):
     assert len(at8) == 4 and sorted(r["batch_position"] for r in at8) == [0, 1, 2, 3]
     batch = at8[0]["evidence"]["server_batch"]
     assert batch["in_flight"] == 8 and batch["source"] == "/slots"
-    # proof from the server: more than one slot computing at the same moment
-    assert batch["samples"] >= 1 and batch["server_busy_max"] >= 2, batch
-    # proof from timing: every request of the group started before any of them finished
+    # every request of the group started before any of them finished (client side)
     spans = [r["evidence"]["timing_ms"] for r in at8]
     assert max(s for s, _ in spans) < min(e for _, e in spans), spans
+    # the server computed them together: /slots saw several slots busy at once, or (robust to sampling luck on a
+    # loaded machine) the server's own per-request times add up to more than the group's wall time: disjoint ones cannot
+    wall = max(e for _, e in spans) - min(s for s, _ in spans)
+    server_ms = sum(r["evidence"]["server_ms"] for r in at8)
+    assert (batch.get("server_busy_max") or 0) >= 2 or server_ms > wall, (batch, server_ms, wall)
     assert all(r["evidence"]["tokens_as"] == "ids" and r["evidence"]["prompt_as"] == "ids" for r in recs)
     cfg = json.loads((out / "run_config.json").read_text())
     assert cfg["model"]["weights_sha256"] is None and "remote" in cfg["model"]["remote"]

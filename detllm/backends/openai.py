@@ -321,6 +321,10 @@ class OpenAIBackend(Backend):
             ev["prompt_tokens"] = usage["prompt_tokens"]
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             ev["completion_tokens"] = usage["completion_tokens"]  # more than len(token_ids): the server left steps out
+        timings = reply.doc.get("timings") if isinstance(reply.doc, dict) else None
+        if isinstance(timings, dict) and isinstance(timings.get("predicted_ms"), (int, float)):
+            # llama-server: the time the server spent on this request; overlapping ones add up to more than the wall time
+            ev["server_ms"] = round(float(timings.get("prompt_ms") or 0) + float(timings["predicted_ms"]), 3)
         if isinstance(reply.doc, dict) and reply.doc.get("system_fingerprint"):
             ev["system_fingerprint"] = str(reply.doc["system_fingerprint"])
         ev.update(extra or {})

@@ -17,7 +17,7 @@ How each op is made invariant (docs/backends/hf.md, "Batch-invariant mode"):
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -94,35 +94,35 @@ class _State:
 
 def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Attention of each sequence over its own real keys only: the same shapes, hence the same
-    kernels and reduction order, as that sequence alone in a batch of one. (n, q, heads, d) out."""
+    kernels and reduction order, as that sequence alone in a batch of one. (n, q, heads, d) out.
+    Query heads sharing a key head are stacked as rows of one GEMM (no repeated keys)."""
     import torch
 
     state: _State = module._detllm_invariant
     n, heads, q_len, dim = query.shape
-    kv_len = key.shape[2]
-    groups = module.num_key_value_groups
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
     out = query.new_zeros((n, q_len, heads, dim))
     for row in range(n):
         start = state.starts[row]
         q_from = max(0, start - (kv_len - q_len))  # queries are the last q_len key positions
-        q = query[row:row + 1, :, q_from:].contiguous()
-        k = key[row:row + 1, :, start:].contiguous()
-        v = value[row:row + 1, :, start:].contiguous()
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        lq, lk = q.shape[2], k.shape[2]
+        lq, lk = q_len - q_from, kv_len - start
+        k = key[row, :, start:].contiguous()  # (kv_heads, lk, d), a fresh aligned copy
+        v = value[row, :, start:].contiguous()
         if state.kernel == "sdpa":
-            mask = None
-            if lq > 1:
-                mask = torch.ones((lq, lk), dtype=torch.bool, device=q.device).tril(lk - lq)
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+            mask = torch.ones((lq, lk), dtype=torch.bool, device=query.device).tril(lk - lq) if lq > 1 else None
+            o = torch.nn.functional.scaled_dot_product_attention(
+                query[row:row + 1, :, q_from:].contiguous(), k[None], v[None], attn_mask=mask, scale=scaling,
+                enable_gqa=groups > 1)[0]  # (heads, lq, d)
         else:
-            w = torch.matmul(q, k.transpose(2, 3)) * scaling
+            q = query[row, :, q_from:].reshape(kv_heads, groups * lq, dim)  # head h uses key head h // groups
+            w = torch.bmm(q, k.transpose(1, 2)).mul_(scaling)
             if lq > 1:  # causal: query i sits at key position lk - lq + i
-                w = w + torch.full((lq, lk), torch.finfo(w.dtype).min, device=w.device).triu(lk - lq + 1)
-            w = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-            o = torch.matmul(w, v)
-        out[row, q_from:] = o[0].transpose(0, 1)
+                causal = torch.full((lq, lk), torch.finfo(w.dtype).min, device=w.device).triu(lk - lq + 1)
+                w = (w.view(kv_heads, groups, lq, lk) + causal).view(kv_heads, groups * lq, lk)
+            w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.bmm(w, v).view(heads, lq, dim)
+        out[row, q_from:] = o.transpose(0, 1)
     return out, None
 
 
@@ -267,7 +267,7 @@ def installed(model, attn_implementation: str) -> Iterator[None]:
             setattr(parent, name, child)
         hook.remove()
         for registry in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
-            if ATTENTION_NAME in registry._local_mapping:
+            with suppress(KeyError):  # set above unless the failure came first
                 del registry[ATTENTION_NAME]
 
 

@@ -6,9 +6,10 @@ one flat decode of the top-k section checked against its expected bracket layout
 for the per-step work. Owns no meaning: `pair_drift` mirrors engine._pair_drift step
 for step (same floats, same summation order) and first divergences still come from
 divergence.first_divergence, run on a `View` of the arrays. A record not laid out as
-the runner writes it (nulls, token strings, ragged or duplicated top-k, whitespace) gets
+the runner writes it (nulls, token strings, a ragged top-k, whitespace, evidence) gets
 no view and takes the reference path. tests/test_fast_diff.py holds both paths to the
-same report.
+same report. One liberty: numbers are read by type, so a hand-written `5.0` as a top-k
+id or `0` as a logprob reads as 5 and 0.0 (the runner never writes either).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class Endpoint:
 
     def post(self, path: str, body: Any, *, root: bool = False, what: str = "") -> Reply:
         """POST and raise a detllm error on failure (the same rules as a batch)."""
-        return asyncio.run(self._post_one(path, body, root=root, what=what))
+        return _run(self._post_one(path, body, root=root, what=what))
 
     async def _post_one(self, path: str, body: Any, *, root: bool, what: str) -> Reply:
         httpx = _httpx()
@@ -114,7 +114,7 @@ class Endpoint:
     def send_batch(self, path: str, bodies: Sequence[Any], *, sample: str | None, interval: float) -> tuple[list[Reply], BatchEvidence]:
         """POST every body at once (one connection each) and return the replies in order, with
         the server's own view of its batch sampled from `sample` ("/slots" or "/metrics")."""
-        return asyncio.run(self._batch(path, list(bodies), sample, interval))
+        return _run(self._batch(path, list(bodies), sample, interval))
 
     async def _batch(self, path: str, bodies: list[Any], sample: str | None, interval: float) -> tuple[list[Reply], BatchEvidence]:
         httpx = _httpx()
@@ -191,6 +191,18 @@ class Endpoint:
                                 hint="the server went away; nothing of this run is complete")
         return BackendUnavailableError(f"cannot connect to {url} ({exc or type(exc).__name__})",
                                        hint="is the server running, and is --base-url its /v1 address?")
+
+
+def _run(coro):
+    """asyncio.run, also from code that already runs an event loop (a notebook): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def http_error(url: str, status: int, body: Any, retries: int = 0) -> Exception:

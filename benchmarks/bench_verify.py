@@ -104,7 +104,7 @@ def main() -> None:
     with (contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="detllm-bench-verify-")) as tmp:
         folder = Path(tmp) / "run"
         prompt_list = [f"synthetic prompt {i}" for i in range(args.prompts // 2)]
-        detllm.check(backend="fake", out=folder, runs=2, max_new_tokens=2, prompts=prompt_list)
+        detllm.check(backend="fake", out=folder, runs=2, max_new_tokens=2, prompts=prompt_list, tier=2)
         t0 = time.perf_counter()
         size, digests = synthetic_trace(folder, args.prompts, args.tokens, args.top_k, 1e-7 if args.drift else 0.0)
         t_write = time.perf_counter() - t0

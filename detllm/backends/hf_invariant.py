@@ -78,6 +78,12 @@ def _module_classes(torch):
             self.inner, self.state = inner, state
 
         def forward(self, x):
+            real = self.state.real
+            if real is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(real.shape):
+                # the prompt: only real tokens' rows are computed (padding rows stay zero, never read)
+                out = x.new_zeros((*x.shape[:2], self.inner.out_features))
+                out[real] = block_linear(torch, x[real], self.inner.weight, self.inner.bias, self.state.block)
+                return out
             return block_linear(torch, x, self.inner.weight, self.inner.bias, self.state.block)
 
     return BlockLinear
@@ -89,6 +95,7 @@ class _State:
 
     block: int = PREFILL_BLOCK
     starts: tuple[int, ...] = ()  # per row: index of its first real (unpadded) position
+    real: Any = None  # prompt phase: (n, width) bool tensor of real positions; None while decoding
     kernel: str = "eager"
 
 
@@ -279,6 +286,7 @@ def _observe(torch, state: _State, kwargs: dict[str, Any]) -> None:
     past = kwargs.get("past_key_values")
     prefill = past is None or past.get_seq_length() == 0
     state.block = PREFILL_BLOCK if prefill else DECODE_BLOCK
+    state.real = None
     if mask is None:
         ids = kwargs.get("input_ids")
         state.starts = (0,) * (ids.shape[0] if ids is not None else 1)
@@ -288,6 +296,9 @@ def _observe(torch, state: _State, kwargs: dict[str, Any]) -> None:
     if int(mask.sum()) != int((mask.shape[1] - starts).sum()):
         raise BackendError("batch_invariant needs left padding (a mask of zeros then ones per row)")
     state.starts = tuple(starts.tolist())
+    ids = kwargs.get("input_ids")
+    if prefill and ids is not None and tuple(ids.shape) == tuple(mask.shape):  # the whole prompt in one call
+        state.real = kwargs["attention_mask"].bool()
 
 
 def applied(ops: tuple[Op, ...], *, installed: bool) -> list[Applied]:

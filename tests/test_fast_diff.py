@@ -37,6 +37,8 @@ def both_paths(monkeypatch, a, b, **kw) -> tuple[object, object, int]:
 
     monkeypatch.setattr(fast, "views", counting)
 
+    monkeypatch.setattr(trace, "FAST_PATH_AFTER", 0)
+
     def one(threshold: int):
         monkeypatch.setattr(trace, "FAST_PATH_MIN_BYTES", threshold)
         try:

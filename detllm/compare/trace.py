@@ -81,12 +81,20 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
 # payloads below this many bytes on both sides stay on the reference path: numpy's import
 # (~0.1 s) costs more than the fast path saves (a 1,000-token top-5 payload is ~180 KB)
 FAST_PATH_MIN_BYTES = 16_384
+# ... and the first few such pairs of a comparison too (~20 ms each): a repeat with one flipped
+# prompt should not pay ~0.15 s of imports to parse two records
+FAST_PATH_AFTER = 4
 
 
 def fast_path(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether a differing pair goes through compare/fast.py (read from disk, large payloads)."""
     return (isinstance(a, TraceRecord) and isinstance(b, TraceRecord) and a._src is not None and b._src is not None
             and max(a._end - a._start, b._end - b._start) >= FAST_PATH_MIN_BYTES)
+
+
+def use_fast_path(large_pairs: int) -> bool:
+    """Whether the large_pairs-th large differing pair of a comparison takes compare/fast.py."""
+    return large_pairs > FAST_PATH_AFTER
 
 
 def payload_shape(rec: TraceRecord) -> tuple[int, bool, bool] | None:

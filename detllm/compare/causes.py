@@ -442,8 +442,12 @@ def _env(left: Side, right: Side, notes: Notes, routed: _Routed) -> dict[str, An
     if "torch" in ignore:
         fields = [f for f in fields if not f["field"].startswith("threads.torch_")
                   and not (f["field"].startswith("kernels.torch_") and _ABSENT in (f["left"], f["right"]))]
-    fields = notes.screen(fields, "env")
     same_backend = left.run_config["config"]["backend"] == right.run_config["config"]["backend"]
+    if not same_backend:
+        # a kernel fact only one engine reports (llama.cpp's CPU features, torch's capability) is
+        # part of that engine's record, not a difference of the machine: BACKEND_MISMATCH owns it
+        fields = [f for f in fields if not (f["field"].startswith("kernels.") and _ABSENT in (f["left"], f["right"]))]
+    fields = notes.screen(fields, "env")
     if routed.dtype is not None and same_backend and routed.dtype["requested"]["left"] == routed.dtype["requested"]["right"]:
         fields.append({"field": "dtype in effect (chosen by the machine)", "left": routed.dtype["left"], "right": routed.dtype["right"]})
     fields = sorted(fields + routed.machine, key=_kernel_first)

@@ -210,6 +210,9 @@ def _equal_drift(found: list[tuple[dict[str, Any], list[float]]]) -> dict[str, A
             "first": {"prompt_index": first_prompt, "token_index": first_step}, "growth": _quarters(by_pos)}
 
 
+_drift = drift  # compare() takes a `drift` flag
+
+
 # ------------------------------------------------------------------ comparison
 
 
@@ -227,10 +230,14 @@ def compare(
     noise_floor: float | None = None,
     dtype: str | None = None,
     sampled: bool = False,
+    drift: bool = True,
 ) -> dict[str, Any]:
     """A `comparison` object (schemas/report.schema.json#/$defs/comparison).
     `dtype` is shorthand for noise_floor=divergence.noise_floor(dtype); `sampled`: the
-    tokens were sampled (temperature > 0), which changes how a flip is judged."""
+    tokens were sampled (temperature > 0), which changes how a flip is judged.
+    `drift=False` skips the drift aggregation, for a caller that needs only the status,
+    the divergences and the causes (rederive.py): drift is then {"available": False} and
+    the magnitude's label comes from the divergences alone (never tokens_equal_logprobs_differ)."""
     if noise_floor is None and dtype is not None:
         noise_floor = dtype_noise_floor(dtype)
     pairs, left_only, right_only = align(left, right)
@@ -254,7 +261,7 @@ def compare(
     divs.sort(key=lambda d: (d["prompt_index"], d["token_index"]))
     diverged = bool(divs) or bool(left_only) or bool(right_only)
     moved = [(a, b) for a, b in pairs if a["prompt_index"] != b["prompt_index"]]
-    dr = drift(pairs, identical)
+    dr = _drift(pairs, identical) if drift else {"available": False}
     return {
         "name": name,
         "kind": kind,

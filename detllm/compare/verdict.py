@@ -17,16 +17,18 @@ from .engine import compare, label, parse_label, report_magnitude, select
 
 def check_comparisons(records: list[dict[str, Any]], *, base_batch: int, runs: int, batch_sizes: tuple[int, ...],
                       tier: int, atol: float, floor: float | None, fresh: frozenset[int] = frozenset(),
-                      sampled: bool = False) -> list[dict[str, Any]]:
+                      sampled: bool = False, drift: bool = True) -> list[dict[str, Any]]:
     """Each repeat against run 0 at the base batch size; each other batch size against batch size 1.
-    `fresh`: the repeats that ran in a new process (fresh.py); each comparison says which kind it is."""
+    `fresh`: the repeats that ran in a new process (fresh.py); each comparison says which kind it is.
+    `drift=False`: no drift aggregation (engine.compare), for a caller that needs only the verdict."""
     comps = []
     ref = select(records, run=0, batch=base_batch)
     for r in range(1, runs):
         where = " (fresh process)" if r in fresh else ""
         comp = compare(ref, select(records, run=r, batch=base_batch), name=f"run_{r}{where} vs run_0 @ batch {base_batch}",
                        kind="run", left_label=label(0, base_batch), right_label=label(r, base_batch),
-                       required=tier >= 1, check_logprobs=tier >= 2, atol=atol, noise_floor=floor, sampled=sampled)
+                       required=tier >= 1, check_logprobs=tier >= 2, atol=atol, noise_floor=floor, sampled=sampled,
+                       drift=drift)
         comp["repeat"] = "fresh-process" if r in fresh else "in-process"
         comps.append(comp)
     if 1 not in batch_sizes:
@@ -38,11 +40,13 @@ def check_comparisons(records: list[dict[str, Any]], *, base_batch: int, runs: i
         # tokens must agree across batch sizes from tier 1; logprobs only where tier 3 promises invariance
         comps.append(compare(one, select(records, run=0, batch=b), name=f"batch {b} vs batch 1",
                              kind="batch", left_label=label(0, 1), right_label=label(0, b),
-                             required=tier >= 1, check_logprobs=tier >= 3, atol=atol, noise_floor=floor, sampled=sampled))
+                             required=tier >= 1, check_logprobs=tier >= 3, atol=atol, noise_floor=floor, sampled=sampled,
+                             drift=drift))
         if tier == 2:
             info = compare(one, select(records, run=0, batch=b), name=f"batch {b} vs batch 1 (logprobs)",
                            kind="batch", left_label=label(0, 1), right_label=label(0, b),
-                           required=False, check_logprobs=True, atol=atol, noise_floor=floor, sampled=sampled)
+                           required=False, check_logprobs=True, atol=atol, noise_floor=floor, sampled=sampled,
+                           drift=drift)
             if info["status"] != "PASS":
                 comps.append(info)
     return comps

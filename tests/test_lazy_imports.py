@@ -65,3 +65,24 @@ def test_diff_and_verify_of_small_folders_import_nothing_heavy(fake_run, tmp_pat
     (other / "trace.jsonl").write_text("\n".join([json.dumps(rec, separators=(",", ":")), *lines[1:]]) + "\n")
     assert run_probe(["diff", str(fake_run), str(other), "--tier", "2"]) == "EXIT 1 HEAVY -"
     assert run_probe(["verify", str(fake_run)]) == "EXIT 0 HEAVY -"
+
+
+def test_importing_the_cli_loads_no_engine_code():
+    """`import detllm` resolves its public names on first use (PEP 562), so the CLI's start-up
+    (`detllm --help`) does not load the runner, the integrity checks or the comparison engine."""
+    probe = ("import sys, detllm.cli; print(','.join(sorted(m for m in ('detllm.api', 'detllm.runner', 'detllm.integrity', "
+             "'detllm.compare.engine', 'jsonschema') if m in sys.modules)) or '-')")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "-"
+
+
+def test_the_lazy_package_exports_the_public_api():
+    """Every name in __all__ resolves; `detllm.diff` and `detllm.replay` stay the functions even
+    after their submodules are imported (the submodule's import binds its name on the package)."""
+    probe = ("import detllm, detllm.diff, detllm.replay, inspect; "
+             "print(all(hasattr(detllm, n) for n in detllm.__all__), inspect.isfunction(detllm.diff), "
+             "inspect.isfunction(detllm.replay), set(detllm.__all__) <= set(dir(detllm)))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True True True True"

@@ -78,7 +78,8 @@ def _kl_topk(ta: list[list[Any]], tb: list[list[Any]]) -> float | None:
 def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[dict[str, Any], list[float], int, list[float]] | None:
     """Drift of one aligned prompt over the steps both sides generated from the same
     context: (per-prompt metrics, |dlogprob| per step, steps with top-k on both sides,
-    KL per top-k step), or None without logprobs.
+    KL per top-k step), or None without logprobs. The per-step values are a list, or a numpy
+    array from compare/fast.py (drift() aggregates either).
 
     max |dlogprob| covers steps where both chose the same token; top-k overlap, argmax
     flips and KL also cover the first divergent step, whose context is still shared."""
@@ -121,11 +122,11 @@ def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[
             per_step, counted, kls)
 
 
-def _percentile(nonzero: list[float], zeros: int, q: float) -> float:
+def _percentile(nonzero: Any, zeros: int, q: float) -> float:
     """Nearest-rank percentile of `zeros` zeros plus the sorted `nonzero` values."""
     n = zeros + len(nonzero)
     rank = max(1, math.ceil(q / 100.0 * n))
-    return 0.0 if rank <= zeros else nonzero[rank - zeros - 1]
+    return 0.0 if rank <= zeros else float(nonzero[rank - zeros - 1])
 
 
 def _quarters(by_position: list[float]) -> list[dict[str, Any]]:
@@ -148,6 +149,7 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None) -> 
     nonzero: list[float] = []
     zeros = 0
     equal_drift: list[tuple[dict[str, Any], list[float]]] = []  # tokens equal, logprobs differ
+    arrays = _Steps()  # per-step |dlogprob| the fast path gives as arrays, aggregated with numpy
     for k, (a, b) in enumerate(pairs):
         got = _pair_drift(a, b, k in identical)
         if got is None:
@@ -157,7 +159,12 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None) -> 
         n_steps = p["steps"] if k in identical else len(per_step)  # an identical pair's steps are all zeros
         if len(by_position) < n_steps:
             by_position.extend([0.0] * (n_steps - len(by_position)))
-        if p["max_abs_logprob_diff"] > 0.0:  # else every step is 0.0 and changes no maximum
+        if p["max_abs_logprob_diff"] > 0.0 and not isinstance(per_step, list):  # compare/fast.py: an array
+            arrays.add(per_step)
+            zeros += len(per_step) - arrays.count_nonzero(per_step)
+            if p["tokens_equal"]:
+                equal_drift.append((p, per_step))
+        elif p["max_abs_logprob_diff"] > 0.0:  # else every step is 0.0 and changes no maximum
             for i, d in enumerate(per_step):
                 if d > by_position[i] and d != float("inf"):
                     by_position[i] = d
@@ -176,6 +183,7 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None) -> 
             kl_max = max(kl_max, max(kls, default=0.0))
     if not per_prompt:
         return {"available": False}
+    nonzero = arrays.merge(nonzero, by_position)
     nonzero.sort()
     flips = sum(p["argmax_flips"] for p in per_prompt)
     return {
@@ -194,18 +202,71 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None) -> 
     }
 
 
+def _first_nonzero(steps: Any) -> int:
+    if isinstance(steps, list):
+        return next(i for i, d in enumerate(steps) if d != 0.0)
+    import numpy as np
+
+    return int(np.flatnonzero(steps)[0])
+
+
+class _Steps:
+    """Per-step |dlogprob| arrays (compare/fast.py), aggregated as the list code does: the largest
+    finite value at each position, and the nonzero finite values (max and sort are exact, so
+    the report is the same to the last bit). numpy is imported only when an array comes."""
+
+    def __init__(self) -> None:
+        self.top: Any = None  # the largest value at each position so far (0.0 where none)
+        self.found: list[Any] = []  # each array's nonzero finite values
+
+    def add(self, steps: Any) -> None:
+        import numpy as np
+
+        finite_steps = np.isfinite(steps)
+        if not finite_steps.all():
+            steps = np.where(finite_steps, steps, 0.0)  # inf changes no maximum and is not a value
+        if self.top is None or len(self.top) < len(steps):
+            top = np.zeros(len(steps))
+            if self.top is not None:
+                top[:len(self.top)] = self.top
+            self.top = top
+        np.maximum(self.top[:len(steps)], steps, out=self.top[:len(steps)])
+        self.found.append(steps[steps != 0.0])
+
+    def count_nonzero(self, steps: Any) -> int:
+        """How many of `steps` (the array just added) are nonzero and finite."""
+        return len(self.found[-1])
+
+    def merge(self, nonzero: list[float], by_position: list[float]) -> Any:
+        """Fold the arrays' maxima into by_position (in place); nonzero plus the arrays' values
+        (a numpy array when there were arrays, sorted by the caller)."""
+        if self.top is None:
+            return nonzero
+        import numpy as np
+
+        for i, d in enumerate(self.top.tolist()):
+            if d > by_position[i]:
+                by_position[i] = d
+        return np.concatenate([np.array(nonzero, dtype=np.float64), *self.found])
+
+
 def _equal_drift(found: list[tuple[dict[str, Any], list[float]]]) -> dict[str, Any] | None:
     """"Tokens equal, logprobs differ": how many prompts, how large, where it starts, how it grows."""
     if not found:
         return None
-    starts = [(next(i for i, d in enumerate(steps) if d != 0.0), p["prompt_index"]) for p, steps in found]
+    starts = [(_first_nonzero(steps), p["prompt_index"]) for p, steps in found]
     first_step, first_prompt = min(starts)
     width = max(len(steps) for _, steps in found)
     by_pos = [0.0] * width  # the largest finite |dlogprob| at each position (all are >= 0)
+    arrays = _Steps()
     for _, steps in found:  # one pass over each prompt's steps, not one per position
+        if not isinstance(steps, list):
+            arrays.add(steps)
+            continue
         for i, d in enumerate(steps):
             if d > by_pos[i] and d != float("inf"):
                 by_pos[i] = d
+    arrays.merge([], by_pos)
     return {"prompts": len(found), "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p, _ in found),
             "first": {"prompt_index": first_prompt, "token_index": first_step}, "growth": _quarters(by_pos)}
 

@@ -236,8 +236,8 @@ def _distinct(x: np.ndarray) -> bool:
     return not (y[:, 1:] == y[:, :-1]).any()
 
 
-def pair_drift(a: View, b: View) -> tuple[dict[str, Any], list[float], int, list[float]] | None:
-    """engine._pair_drift on arrays (same result, same floats)."""
+def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[float]] | None:
+    """engine._pair_drift on arrays (same result, same floats; |dlogprob| per step as an array)."""
     pa, pb = a.payload, b.payload
     if pa.lps is None or pb.lps is None or a["input_ids_sha256"] != b["input_ids_sha256"]:
         return None
@@ -270,7 +270,7 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], list[float], int, list
              "max_abs_logprob_diff": float(per.max()) if same else 0.0,
              "mean_topk_overlap": overlap / counted if counted else None, "argmax_flips": flips,
              "tokens_equal": tok is None},
-            per.tolist(), counted, kls)
+            per, counted, kls)  # per: an array, which engine.drift aggregates with numpy
 
 
 __all__ = ["Payload", "View", "kl_rows", "pair_drift", "payload", "views"]

@@ -157,3 +157,24 @@ def test_views_read_as_the_record(tmp_path):
     for key in ("token_ids", "token_texts", "text", "logprobs", "finish_reason"):
         assert v[key] == full[key]
     assert list(v["top_logprobs"]) == full["top_logprobs"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("threshold", [0, 10**15], ids=["fast", "reference"])
+def test_compare_without_drift_keeps_the_verdict(monkeypatch, tmp_path, variant, threshold):
+    """compare(..., drift=False), as verify's re-derivation calls it: the same status, divergences
+    and first divergence as with the drift aggregation, on either path; drift itself is not computed."""
+    from detllm.compare.engine import compare
+
+    monkeypatch.setattr(trace, "FAST_PATH_AFTER", 0)
+    monkeypatch.setattr(trace, "FAST_PATH_MIN_BYTES", threshold)
+    left, right = _pair(tmp_path, variant)
+    a, _ = trace.load_records(left / artifacts.TRACE)
+    b, _ = trace.load_records(right / artifacts.TRACE)
+    kw = dict(name="c", kind="run", left_label="run_0@batch_1", right_label="run_1@batch_1", required=True,
+              check_logprobs=True)
+    full, lean = compare(a, b, **kw), compare(a, b, drift=False, **kw)
+    assert full["drift"]["available"] and lean["drift"] == {"available": False}
+    assert full["status"] == lean["status"] == "FAIL"
+    for key in ("first_divergence", "divergences", "prompts_diverged", "unmatched"):
+        assert json.dumps(full[key], sort_keys=True) == json.dumps(lean[key], sort_keys=True), key

@@ -9,7 +9,9 @@ divergence.first_divergence, run on a `View` of the arrays. A record not laid ou
 the runner writes it (nulls, token strings, a ragged top-k, whitespace, evidence) gets
 no view and takes the reference path. tests/test_fast_diff.py holds both paths to the
 same report. One liberty: numbers are read by type, so a hand-written `5.0` as a top-k
-id or `0` as a logprob reads as 5 and 0.0 (the runner never writes either).
+id or `0` as a logprob reads as 5 and 0.0 (the runner never writes either). A comparison
+without drift (verify's verdict re-derivation) leaves the top-k section as bytes and reads
+only the steps a divergence looks at (_LazyTops), as the reference path would read them.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ class Payload:
     """A record's generated steps as arrays. ids (n,) int64; lps (n,) float64 or None;
     top_ids (n, k) int64 and top_lps (n, k) float64, or None; texts and text as raw JSON."""
 
-    __slots__ = ("ids", "lps", "top_ids", "top_lps", "texts_raw", "text_raw", "finish_reason")
+    __slots__ = ("ids", "lps", "top_ids", "top_lps", "texts_raw", "text_raw", "finish_reason", "tops_raw")
 
-    def __init__(self, ids, lps, top_ids, top_lps, texts_raw: bytes, text_raw: bytes, finish_reason: str) -> None:
+    def __init__(self, ids, lps, top_ids, top_lps, texts_raw: bytes, text_raw: bytes, finish_reason: str,
+                 tops_raw: bytes | None = None) -> None:
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
         self.texts_raw, self.text_raw, self.finish_reason = texts_raw, text_raw, finish_reason
+        self.tops_raw = tops_raw  # the top-k section, not parsed yet (payload(tops=False)); else None
 
 
 def _sections(rec: TraceRecord) -> list[bytes] | None:
@@ -87,9 +91,11 @@ def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     return ids.astype(np.int64), np.ascontiguousarray(lps)
 
 
-def payload(rec: TraceRecord) -> Payload | None:
+def payload(rec: TraceRecord, tops: bool = True) -> Payload | None:
     """The record's payload as arrays, validated as records.check_trace_record would; None
-    when it is not laid out as the runner writes it (the reference path then reads it)."""
+    when it is not laid out as the runner writes it (the reference path then reads it).
+    `tops=False`: the top-k section is kept as bytes and read per step when a divergence needs
+    it (_LazyTops), for a comparison without drift (engine.compare(drift=False))."""
     parts = _sections(rec)
     if parts is None:
         return None
@@ -105,8 +111,12 @@ def payload(rec: TraceRecord) -> Payload | None:
     n = len(ids)
     if (n and ids.min() < 0) or (lps is not None and (len(lps) != n or not np.isfinite(lps).all())):
         return None
+    lazy = None
     if tops_raw == b"null":
         top_ids = top_lps = None
+    elif not tops:
+        top_ids = top_lps = None
+        lazy = tops_raw
     else:
         got = _tops(tops_raw, n)
         if got is None:
@@ -116,7 +126,7 @@ def payload(rec: TraceRecord) -> Payload | None:
         _STRS.decode(texts_raw), _STR.decode(text_raw)
     except msgspec.DecodeError:
         return None
-    return Payload(ids, lps, top_ids, top_lps, texts_raw, text_raw, fin)
+    return Payload(ids, lps, top_ids, top_lps, texts_raw, text_raw, fin, lazy)
 
 
 class _Tops(Sequence):
@@ -134,6 +144,62 @@ class _Tops(Sequence):
         return [[t, lp] for t, lp in zip(self._ids[i].tolist(), self._lps[i].tolist())]
 
 
+_STEP = msgspec.json.Decoder(list[tuple[int, float]])
+_ANY = msgspec.json.Decoder()
+_LAZY_STEPS = 32  # past this many steps, the whole section is read as arrays at once
+
+
+class _LazyTops(Sequence):
+    """top_logprobs of a View made with payload(tops=False): step i decoded from the raw section
+    on access, as the reference path reads it. The section is first checked against the runner's
+    layout (n steps of k pairs); any other layout, an id not an integer, or an access past
+    _LAZY_STEPS reads the whole section at once (as arrays, or as JSON when it is irregular)."""
+
+    def __init__(self, raw: bytes, n: int) -> None:
+        self._raw, self._n = raw, n
+        self._whole: Any = None  # the whole section: a _Tops or a list
+        self._ends = [1]  # raw offsets where the steps found so far end (and the next begins after ",")
+        self._checked = False
+
+    def _all(self) -> Any:
+        if self._whole is None:
+            got = _tops(self._raw, self._n)
+            self._whole = _Tops(*got) if got is not None else _ANY.decode(self._raw)
+        return self._whole
+
+    def _regular(self) -> bool:
+        if not self._checked:
+            self._checked = True
+            skeleton = self._raw.translate(None, _NUMBER_BYTES)
+            first = skeleton.find(b"]]")
+            k = skeleton.count(b"[,]", 0, first + 1) if first >= 0 else 0
+            step = b"[" + b",".join([b"[,]"] * k) + b"]"
+            if not (self._n and k and skeleton == b"[" + b",".join([step] * self._n) + b"]"):
+                self._all()
+        return self._whole is None
+
+    def __len__(self) -> int:
+        return self._n if self._regular() else len(self._whole)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not self._regular() or i >= _LAZY_STEPS or i < 0:
+            return self._all()[i]
+        while len(self._ends) <= i + 1:
+            start = self._ends[-1]
+            end = self._raw.find(b"]]", start) + 2
+            self._ends.append(end + 1)  # past the comma
+        start, end = self._ends[i], self._ends[i + 1] - 1
+        try:
+            step = _STEP.decode(self._raw[start:end])
+        except msgspec.DecodeError:
+            return self._all()[i]
+        if any(t < 0 for t, _ in step):
+            return self._all()[i]
+        return [[t, lp] for t, lp in step]
+
+
 class View(dict):
     """A trace record whose payload lives in a Payload: the header as keys, the generated
     fields built on each access (as lists, as the reference code reads them)."""
@@ -149,7 +215,10 @@ class View(dict):
         elif key == "logprobs":
             value = None if p.lps is None else p.lps.tolist()
         elif key == "top_logprobs":
-            value = None if p.top_ids is None else _Tops(p.top_ids, p.top_lps)
+            if p.tops_raw is not None:
+                value = _LazyTops(p.tops_raw, len(p.ids))
+            else:
+                value = None if p.top_ids is None else _Tops(p.top_ids, p.top_lps)
         elif key == "token_texts":
             value = _STRS.decode(p.texts_raw)
         elif key == "text":
@@ -167,12 +236,13 @@ class View(dict):
             return default
 
 
-def views(a: Any, b: Any) -> tuple[Any, Any]:
-    """Both records as Views when both payloads read as arrays, else both unchanged."""
+def views(a: Any, b: Any, tops: bool = True) -> tuple[Any, Any]:
+    """Both records as Views when both payloads read as arrays, else both unchanged.
+    `tops=False`: their top-k sections are read per step on access (payload)."""
     if not (isinstance(a, TraceRecord) and isinstance(b, TraceRecord)):
         return a, b
-    pa = payload(a)
-    pb = payload(b) if pa is not None else None
+    pa = payload(a, tops)
+    pb = payload(b, tops) if pa is not None else None
     if pa is None or pb is None:
         return a, b
     return View(a, pa), View(b, pb)

@@ -178,3 +178,18 @@ def test_compare_without_drift_keeps_the_verdict(monkeypatch, tmp_path, variant,
     assert full["status"] == lean["status"] == "FAIL"
     for key in ("first_divergence", "divergences", "prompts_diverged", "unmatched"):
         assert json.dumps(full[key], sort_keys=True) == json.dumps(lean[key], sort_keys=True), key
+
+
+@pytest.mark.parametrize("variant,line", [("drift", 3), ("nulls", 1)])
+def test_lazy_top_k_reads_as_the_record(tmp_path, variant, line):
+    """A View without parsed top-k (payload(tops=False)) gives each step as the record holds it,
+    before and past the per-step limit, on the runner's layout and on an irregular one (a null)."""
+    _, right = _pair(tmp_path, variant)
+    records, _ = trace.load_records(right / artifacts.TRACE)
+    r = records[line]
+    v = fast.View(r, fast.payload(r, tops=False))
+    full = json.loads((right / artifacts.TRACE).read_text().splitlines()[line])["top_logprobs"]
+    tops = v["top_logprobs"]
+    assert isinstance(tops, fast._LazyTops)
+    assert [tops[i] for i in (0, 1, 2, fast._LAZY_STEPS + 1, 5)] == [full[i] for i in (0, 1, 2, fast._LAZY_STEPS + 1, 5)]
+    assert len(tops) == len(full) and list(tops) == full

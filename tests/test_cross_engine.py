@@ -16,14 +16,11 @@ import detllm
 from detllm.backends.vllm import installed_vllm
 
 pytestmark = pytest.mark.engine
-PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Numbers: 1 2 3"]
 
 
 @pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))
-    return p
+def prompt_file(cross_prompt_file):
+    return cross_prompt_file  # conftest's session prompt file: the shared smollm2 sides are made from it too
 
 
 def run(tmp, backend, model, prompt_file, **kw):

@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install -c constraints.txt "torch==2.13.0"
 fi
 echo "installing detllm with the hf backend" >&2
-"${PIP[@]}" install -c constraints.txt -e ".[hf,dev,sign,plot]"
+"${PIP[@]}" install -c constraints.txt -e ".[hf,dev,sign,plot,openai]"
 
 if [ "$ENGINES" = 1 ]; then
   PYTHON=.venv/bin/python scripts/build_llamacpp.sh >/dev/null

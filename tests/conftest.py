@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,20 @@ def assert_valid_run(folder: Path, *, failed: bool = False) -> dict:
     assert "trace.jsonl" in checked and "report.json" in checked
     assert not list(folder.glob("*.partial")) and not list(folder.glob(".*.tmp"))
     return json.loads((folder / "report.json").read_text())
+
+
+def llama_server_or_fail() -> Path:
+    """The llama-server binary; a missing one fails the test (CI builds it), or skips it with DETLLM_SKIP_LLAMACPP=1."""
+    from detllm.backends.llamacpp_server import find_server
+    from detllm.errors import BackendUnavailableError
+
+    try:
+        return find_server()
+    except BackendUnavailableError as exc:
+        if os.environ.get("DETLLM_SKIP_LLAMACPP") == "1":
+            pytest.skip("llama.cpp binary missing and DETLLM_SKIP_LLAMACPP=1")
+        pytest.fail(f"{exc.one_line()} -- CI builds it with scripts/build_llamacpp.sh; "
+                    "set DETLLM_SKIP_LLAMACPP=1 to skip these tests", pytrace=False)
 
 
 @pytest.fixture

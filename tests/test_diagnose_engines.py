@@ -6,14 +6,13 @@ real probes; the prefill-vs-decode probe runs on both engines."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from detllm.artifacts import read_json
-from detllm.backends.llamacpp_server import find_server
 from detllm.diagnose.probes import option_fields
-from detllm.errors import BackendUnavailableError
+
+from .conftest import llama_server_or_fail
 
 pytestmark = pytest.mark.engine
 
@@ -32,12 +31,7 @@ def _run(cli, out, *args):
 
 
 def test_llamacpp_batch_drift_follows_batch_composition(cli, tmp_path, two_prompts):
-    try:
-        find_server()
-    except BackendUnavailableError as exc:
-        if os.environ.get("DETLLM_SKIP_LLAMACPP") == "1":
-            pytest.skip("llama.cpp binary missing and DETLLM_SKIP_LLAMACPP=1")
-        pytest.fail(exc.one_line())
+    llama_server_or_fail()
     doc = _run(cli, tmp_path / "d", "--backend", "llamacpp", "--model", "tiny", "--tier", "3", "--vary-batch", "1,4",
                "--prompts", two_prompts, "--probe", "ladder", "--probe", "kv_type", "--probe", "flash_attn", "--probe", "prefill")
     assert doc["source"]["kind"] == "check" and doc["baseline"]["kinds"] == ["batch"]
@@ -125,12 +119,7 @@ def test_negative_control_differs_on_real_engines(backend, tmp_path, two_prompts
     import detllm
 
     if backend == "llamacpp":
-        try:
-            find_server()
-        except BackendUnavailableError as exc:
-            if os.environ.get("DETLLM_SKIP_LLAMACPP") == "1":
-                pytest.skip("llama.cpp binary missing and DETLLM_SKIP_LLAMACPP=1")
-            pytest.fail(exc.one_line())
+        llama_server_or_fail()
     got = detllm.check(backend=backend, model="tiny", tier=2, runs=2, max_new_tokens=4, prompts=two_prompts,
                        negative_control=True, out=tmp_path / "r")
     nc = got.report["negative_control"]

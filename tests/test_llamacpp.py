@@ -20,13 +20,15 @@ from pathlib import Path
 import pytest
 
 from detllm.backends.base import Request
-from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions, find_server, incomplete_utf8, resolve_gguf
+from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions, incomplete_utf8, resolve_gguf
 from detllm.backends.registry import create_backend
 from detllm.config import Decoding, RunConfig
 from detllm.errors import BackendError, BackendUnavailableError, UsageError
 from detllm.hashing import sha256_file
 from detllm.models import builtin_path
 from detllm.models.gguf import read_gguf
+
+from .conftest import llama_server_or_fail
 
 pytestmark = pytest.mark.engine
 
@@ -42,19 +44,9 @@ PROMPTS = [
 GREEDY = Decoding(max_new_tokens=24)
 
 
-def _binary_or_fail() -> Path:
-    try:
-        return find_server()
-    except BackendUnavailableError as exc:
-        if os.environ.get("DETLLM_SKIP_LLAMACPP") == "1":
-            pytest.skip("llama.cpp binary missing and DETLLM_SKIP_LLAMACPP=1")
-        pytest.fail(f"{exc.one_line()} -- CI builds it with scripts/build_llamacpp.sh; "
-                    "set DETLLM_SKIP_LLAMACPP=1 to skip these tests", pytrace=False)
-
-
 @pytest.fixture(scope="module")
 def binary() -> Path:
-    return _binary_or_fail()
+    return llama_server_or_fail()
 
 
 @pytest.fixture(scope="module")

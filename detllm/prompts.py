@@ -47,6 +47,17 @@ class PromptSet:
         return tuple(sha256_text(t) for t in self.texts)
 
     @cached_property
+    def occurrences(self) -> tuple[int, ...]:
+        """Per prompt, how many earlier prompts have the same id: with the id, the key of the
+        per-request seed rule (backends.base.request_seed)."""
+        seen: dict[str, int] = {}
+        out = []
+        for pid in self.ids:
+            out.append(seen.get(pid, 0))
+            seen[pid] = out[-1] + 1
+        return tuple(out)
+
+    @cached_property
     def sha256(self) -> str:
         return sha256_text("\n".join(self.ids))
 

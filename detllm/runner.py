@@ -24,7 +24,7 @@ from .config import RunConfig
 from .env import Redaction, collect_env, detllm_version
 from .errors import EXIT_FAIL, EXIT_PASS, DetllmError, TierUnsupportedError, UsageError
 from .folderlock import exclusive_writer
-from .hashing import canonical_json, sha256_bytes
+from .hashing import canonical_json, sha256_bytes, sha256_text
 from .integrity import seal
 from .prompts import FILLERS, PromptSet, load_prompts
 from .render.markdown import render_markdown
@@ -207,28 +207,31 @@ def _execute(
     return _finish(config, command, out, records, digests, tier, floor, signer, make_report, control)
 
 
+_FILLER_KEYS = tuple("filler:" + sha256_text(t) for t in FILLERS)  # the fillers' seed keys (request_seed)
+
+
+def batch_requests(prompts: PromptSet, batch: Sequence[int], input_ids: Sequence[tuple[int, ...]],
+                   filler_ids: Sequence[tuple[int, ...]]) -> list[Request]:
+    """One batch of plan_batches() as Requests: prompts keyed by (id, occurrence) for the seed
+    rule, fillers (index < 0) by their own text."""
+    return [Request(i, input_ids[i], prompts.texts[i], prompts.ids[i], prompts.occurrences[i]) if i >= 0
+            else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)],
+                         _FILLER_KEYS[(-i - 1) % len(FILLERS)])
+            for i in batch]
+
+
 def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Generate every (batch size, run) and stream the trace; returns the records and their chain digests."""
     schedule = [(b, r) for b in config.batch_sizes for r in range(config.runs if b == config.batch_size else 1)]
     schedule.sort(key=lambda br: backend.is_fresh(*br))  # fresh-process repeats last (fresh.py)
     total = len(schedule) * len(prompts.texts)
     done = tokens = 0
-    ids = prompts.ids
-    seen: dict[str, int] = {}
-    occurrence = []  # per prompt: how many earlier prompts have the same id (the seed rule's key)
-    for pid in ids:
-        occurrence.append(seen.get(pid, 0))
-        seen[pid] = occurrence[-1] + 1
-    filler_keys = ["filler:" + sha256_bytes(t.encode()) for t in FILLERS]
     writer = artifacts.TraceWriter(out)
     records = []
     try:
         for batch_size, run in schedule:
             for batch in plan_batches(len(prompts.texts), batch_size):
-                reqs = [Request(i, input_ids[i], prompts.texts[i], ids[i], occurrence[i]) if i >= 0
-                        else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)],
-                                     filler_keys[(-i - 1) % len(FILLERS)])
-                        for i in batch]
+                reqs = batch_requests(prompts, batch, input_ids, filler_ids)
                 gens = backend.generate(reqs, batch_size=batch_size, run=run, seed=config.seed, n_logprobs=config.logprobs, logprobs=want_logprobs)
                 for pos, (req, gen) in enumerate(zip(reqs, gens)):
                     if req.is_filler:

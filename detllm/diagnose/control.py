@@ -20,11 +20,8 @@ def control_batches(n_prompts: int, size: int) -> list[list[int]]:
 
 def negative_control(config, backend, caps, prompts, input_ids, filler_ids, records) -> dict[str, Any]:
     """Generate the control and compare it with run 0 at batch 1 (else at the base batch size)."""
-    from ..backends.base import Request
     from ..compare.engine import compare, select
-    from ..hashing import sha256_bytes
-    from ..prompts import FILLERS
-    from ..runner import _record
+    from ..runner import _record, batch_requests
 
     size = min(CONTROL_BATCH, getattr(backend, "slots", CONTROL_BATCH) or CONTROL_BATCH)
     setting = f"each prompt last in a batch of {size} (fillers first)"
@@ -37,12 +34,9 @@ def negative_control(config, backend, caps, prompts, input_ids, filler_ids, reco
                 "note": f"the backend was started for batches of 1 ({config.backend} slots); add --vary-batch to allow a batch control"}
     ref_batch = 1 if any(r["batch_size"] == 1 for r in records) else config.batch_size
     ref = select(records, run=0, batch=ref_batch)
-    keys = ["filler:" + sha256_bytes(t.encode()) for t in FILLERS]
     got = []
     for batch in control_batches(len(prompts.texts), size):
-        reqs = [Request(i, input_ids[i], prompts.texts[i], prompts.ids[i], 0) if i >= 0
-                else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)], keys[(-i - 1) % len(FILLERS)])
-                for i in batch]
+        reqs = batch_requests(prompts, batch, input_ids, filler_ids)
         gens = backend.generate(reqs, config.decoding, seed=config.seed, n_logprobs=config.logprobs, logprobs=caps.logprobs)
         got.append(_record(config, prompts, batch[-1], input_ids[batch[-1]], gens[-1], 0, size, size - 1))
     comp = compare(ref, got, name=f"negative control vs batch {ref_batch}", kind="batch", left_label=f"run_0@batch_{ref_batch}",

@@ -57,7 +57,8 @@ def run_needle(config: RunConfig, job: dict[str, Any]) -> dict[str, Any]:
         with backend.determinism(tier=min(tier, caps.max_tier), seed=config.seed, threads=config.threads):
             pool = [(i, t) for i, t in enumerate(prompts.texts) if i != target] + [(None, t) for t in FILLERS]
             ids = prompts.ids
-            req = Request(target, tuple(backend.tokenize(prompts.texts[target])), prompts.texts[target], ids[target], 0)
+            req = Request(target, tuple(backend.tokenize(prompts.texts[target])), prompts.texts[target], ids[target],
+                          prompts.occurrences[target])
             company = [Request(-(k + 1), tuple(backend.tokenize(t)), t, "filler:" + sha256_bytes(t.encode()))
                        for k, (_, t) in enumerate(pool)]
 

@@ -117,3 +117,16 @@ def test_report_formats_import_no_engine(fake_fail, fmt):
     r = subprocess.run([sys.executable, "-c", code, str(fake_fail.out_dir), fmt], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == "[]"
+
+
+def test_raw_call_seed_keys_a_repeated_prompt_by_its_occurrence(tmp_path):
+    """The seed rule keys a request by (prompt id, occurrence): the raw call of the second copy of a
+    prompt must use occurrence 1, as the run did."""
+    from detllm.render.issue import _record
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello\nWorld\nHello\n")
+    detllm.run(backend="fake", prompts=prompts, temperature=0.8, max_new_tokens=4, out=tmp_path / "r")
+    first, second = _record(tmp_path / "r", 0, 1, 0), _record(tmp_path / "r", 0, 1, 2)
+    assert first[0]["prompt_id"] == second[0]["prompt_id"]
+    assert (first[1], second[1]) == (0, 1)

@@ -49,17 +49,23 @@ def _fence(text: str, lang: str = "text") -> list[str]:
     return [fence + lang, text, fence]
 
 
-def _record(folder: Path, run: int, batch: int, prompt_index: int) -> dict[str, Any] | None:
+def _record(folder: Path, run: int, batch: int, prompt_index: int) -> tuple[dict[str, Any] | None, int]:
+    """The record of one prompt and its occurrence (earlier prompts with the same id), the seed rule's key."""
     from ..compare.trace import load_records
 
     trace = folder if folder.is_file() else folder / "trace.jsonl"
     if not trace.is_file():
-        return None
+        return None, 0
     try:
-        recs, _ = load_records(trace, keep=lambda h: (h["run_index"], h["batch_size"], h["prompt_index"]) == (run, batch, prompt_index))
-        return dict(recs[0].load()) if recs else None
+        recs, _ = load_records(trace, keep=lambda h: (h["run_index"], h["batch_size"]) == (run, batch)
+                               and h["prompt_index"] <= prompt_index)
+        target = next((r for r in recs if r["prompt_index"] == prompt_index), None)
+        if target is None:
+            return None, 0
+        occurrence = sum(1 for r in recs if r["prompt_index"] < prompt_index and r["prompt_id"] == target["prompt_id"])
+        return dict(target.load()), occurrence
     except Exception:  # noqa: BLE001 - the raw call is a convenience; the rest of the issue still renders
-        return None
+        return None, 0
 
 
 class _Side:
@@ -166,7 +172,7 @@ def _safe_arg(arg: str) -> str:
     return REDACTED if _SECRET_ARG.search(arg) and "=" in arg else arg
 
 
-def _raw_call(side: _Side, record: dict[str, Any] | None) -> list[str]:
+def _raw_call(side: _Side, record: dict[str, Any] | None, occurrence: int = 0) -> list[str]:
     """The engine call detllm made for the divergent prompt, without detllm."""
     cfg = (side.run_config or {}).get("config")
     if cfg is None:
@@ -179,7 +185,8 @@ def _raw_call(side: _Side, record: dict[str, Any] | None) -> list[str]:
     if record is not None and dec["temperature"] > 0:
         from ..backends.base import Request, request_seed
 
-        seed = request_seed(cfg["seed"], Request(record["prompt_index"], tuple(ids or ()), prompt_id=record["prompt_id"]))
+        seed = request_seed(cfg["seed"], Request(record["prompt_index"], tuple(ids or ()), prompt_id=record["prompt_id"],
+                                                     occurrence=occurrence))
     engine = cfg["backend"]
     if engine == "llamacpp":
         argv = ((side.env or {}).get("backend") or {}).get("argv") or []
@@ -264,14 +271,14 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
                   *_fence("detllm replay left.tar.gz && detllm replay right.tar.gz\n"
                           f"detllm diff left.tar.gz right.tar.gz", "bash")]
     for side in sides:
-        rec = None
+        rec, occurrence = None, 0
         if side.folder is not None:  # the divergent prompt, else the first prompt of the first run
             from ..compare.engine import parse_label
 
             label = d["left"]["label"] if d is not None and side.name == "left" else d["right"]["label"] if d is not None else None
             run, batch = (side.run, side.batch) if report["command"] == "diff" or label is None else parse_label(label)
-            rec = _record(side.folder, run, batch, d["prompt_index"] if d is not None else 0)
-        raw = _raw_call(side, rec)
+            rec, occurrence = _record(side.folder, run, batch, d["prompt_index"] if d is not None else 0)
+        raw = _raw_call(side, rec, occurrence)
         if raw:
             lines += ["", *raw]
         lines += _applied(side)

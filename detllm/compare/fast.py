@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import msgspec
 import numpy as np
+import simdjson
 
 from .trace import TraceRecord
 
@@ -68,6 +69,23 @@ def _sections(rec: TraceRecord) -> list[bytes] | None:
     return [src[a:b] for a, b in zip(bounds, stops)]
 
 
+_PARSER = simdjson.Parser()
+
+
+def _flat(raw: bytes) -> np.ndarray | None:
+    """Every number of a JSON document of nested arrays, flattened into float64 (simdjson);
+    None when it is not valid JSON or holds anything but numbers, or a number out of range."""
+    try:
+        return np.frombuffer(_PARSER.parse(raw).as_buffer(of_type="d"), dtype=np.float64)
+    except RuntimeError:  # the shared parser is still held (another thread, a live document)
+        try:
+            return np.frombuffer(simdjson.Parser().parse(raw).as_buffer(of_type="d"), dtype=np.float64)
+        except (ValueError, TypeError, RuntimeError):
+            return None
+    except (ValueError, TypeError):
+        return None
+
+
 def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(ids, lps) of a top-k section written as n steps of k [id, logprob] pairs each."""
     if n == 0 or not raw.startswith(b"[[["):
@@ -80,9 +98,8 @@ def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     step = b"[" + b",".join([b"[,]"] * k) + b"]"
     if k == 0 or len(skeleton) != n * len(step) + (n - 1) + 2 or skeleton != b"[" + b",".join([step] * n) + b"]":
         return None  # ragged, nested otherwise, nulls or whitespace
-    try:
-        flat = np.array(_FLOATS.decode(b"[" + raw.translate(None, b"[]") + b"]"), dtype=np.float64)
-    except msgspec.DecodeError:
+    flat = _flat(raw)
+    if flat is None or len(flat) != n * k * 2:
         return None
     pairs = flat.reshape(n, k, 2)
     ids, lps = pairs[:, :, 0], pairs[:, :, 1]

@@ -58,6 +58,8 @@ EXTENDED: tuple[Change, ...] = (
            "in place of the digest (tokenizer_sha256 likewise)", "2"),
     Change("trace_record.token_ids", "may hold token strings (a served model that gives no ids; evidence.tokens_as says "
            "which), top_logprobs pairs [token string, logprob]; a record may carry an evidence object", "2"),
+    Change("report.sensitivity.max_abs_logprob_diff", "may be null: no comparison compared logprobs (earlier version-2 "
+           "reports wrote 0 then, so an old 0 may mean not compared)", "2"),
 )
 
 

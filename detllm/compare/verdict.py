@@ -68,7 +68,26 @@ def causes_for(comps: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
         got, extra = explain(c, _side(c["left"]), _side(c["right"]))
         causes += got
         info += extra
-    return merge(causes), merge(info)
+    causes = merge(causes)
+    return causes, _fold(causes, merge(info))
+
+
+def _fold(causes: list[dict[str, Any]], info: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each code once: an info entry whose code is also a cause (at tier 2 a batch size whose tokens
+    FAILed is compared again on logprobs, INFO, and finds BATCH_VARIANCE too) becomes that cause's
+    `evidence.not_required`: the comparisons the tier does not require, their diverged prompts and
+    first divergence. The rest of the info is returned."""
+    by_code = {c["code"]: c for c in causes}
+    kept = []
+    for entry in info:
+        cause, ev = by_code.get(entry["code"]), entry["evidence"]
+        if cause is None:
+            kept.append(entry)
+            continue
+        cause["evidence"]["not_required"] = {k: ev[k] for k in ("comparisons", "prompts_diverged", "first") if k in ev}
+        if "batch_sizes" in ev:
+            cause["evidence"]["batch_sizes"] = sorted(set(cause["evidence"].get("batch_sizes", [])) | set(ev["batch_sizes"]))
+    return kept
 
 
 def _repeat_kinds(causes: list[dict[str, Any]], comps: list[dict[str, Any]]) -> None:

@@ -51,24 +51,40 @@ def negative_control(config, backend, caps, prompts, input_ids, filler_ids, reco
 
 
 def sensitivity(comps: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
-    """Whether any drift was observed anywhere in a check: tokens or logprobs, required or not."""
-    where, worst = [], 0.0
+    """Whether any drift was observed anywhere in a check: tokens or logprobs, required or not.
+    `max_abs_logprob_diff` is over the steps whose logprobs were compared (up to each prompt's first
+    token divergence); null when no comparison compared any, never a 0 that was not measured."""
+    where, worst = [], None
     for c in comps:
         dr = c.get("drift") or {}
         lp = dr.get("max_abs_logprob_diff") if dr.get("available") else None
+        if lp is not None:
+            worst = max(worst or 0.0, lp)
         if c["status"] != "PASS" or (lp or 0.0) > 0.0:
             where.append(c["name"])
-            worst = max(worst, lp or 0.0)
-    if control and control.get("ran") and control["differed"]:
-        where.append("negative control")
-        worst = max(worst, control.get("max_abs_logprob_diff") or 0.0)
+    if control and control.get("ran"):
+        if control.get("max_abs_logprob_diff") is not None:
+            worst = max(worst or 0.0, control["max_abs_logprob_diff"])
+        if control["differed"]:
+            where.append("negative control")
     return {"drift_observed": bool(where), "max_abs_logprob_diff": worst, "where": where}
+
+
+def _logprob_figure(lp: float | None) -> str:
+    """What was measured of the logprobs, in words: a 0 is said as "none moved", never printed as a figure."""
+    if lp is None:
+        return "logprobs not compared"
+    if lp == 0.0:
+        return "tokens diverged; no logprob moved before them"
+    return f"max |dlogprob| {lp:.3g}"
 
 
 def sensitivity_line(sens: dict[str, Any], control: dict[str, Any] | None) -> list[str]:
     """The report's lines: the sensitivity, and the negative control's verdict when one ran."""
     if sens["drift_observed"]:
-        lines = [f"sensitivity: drift observed in {', '.join(sens['where'])} (max |dlogprob| {sens['max_abs_logprob_diff']:.3g})"]
+        lines = [f"sensitivity: drift observed in {', '.join(sens['where'])} ({_logprob_figure(sens['max_abs_logprob_diff'])})"]
+    elif sens["max_abs_logprob_diff"] is None:
+        lines = ["sensitivity: no drift observed anywhere (no token moved in any comparison; logprobs not compared)"]
     else:
         lines = ["sensitivity: no drift observed anywhere (no token and no logprob moved in any comparison)"]
     if control is not None:
@@ -76,7 +92,7 @@ def sensitivity_line(sens: dict[str, Any], control: dict[str, Any] | None) -> li
             lines.append(f"negative control: not run: {control['note']}")
         elif control["differed"]:
             lines.append(f"negative control: {control['setting']} differed as it should "
-                         f"({control['prompts_differed']}/{control['prompts']} prompts, max |dlogprob| {control['max_abs_logprob_diff'] or 0:.3g})")
+                         f"({control['prompts_differed']}/{control['prompts']} prompts, {_logprob_figure(control['max_abs_logprob_diff'])})")
         else:
             lines.append(f"negative control: {control['setting']} did not differ: the prompts/tokens were too few to expose "
                          "variance, so this verdict says little")

@@ -63,6 +63,12 @@ def cause_summary(cause: dict[str, Any]) -> str:
     if first:
         tie = ", a near tie" if first["near_tie"] else ""
         where = f"; {ev['prompts_diverged']} prompt(s) diverged, first prompt {first['prompt_index']} at token {first['token_index']}{tie}"
+    also = ev.get("not_required")  # check: INFO comparisons that found this same cause (verdict._fold)
+    if also:
+        at = also.get("first")
+        n = f" in {also['prompts_diverged']} prompt(s)" if "prompts_diverged" in also else ""
+        at = f" from prompt {at['prompt_index']} token {at['token_index']}" if at else ""
+        where += f"; not required at this tier, also differed: {', '.join(also['comparisons'])},{n}{at}".rstrip(",")
     if code == "BATCH_VARIANCE":
         sizes = ev.get("batch_size")
         what = f"batch size {sizes['left']} vs {sizes['right']}" if sizes else f"batch sizes {ev['batch_sizes']}"
@@ -246,7 +252,7 @@ def render_text(report: dict[str, Any]) -> str:
     if report["causes"]:
         lines.append("causes, most likely first:")
     for n, cause in enumerate(report["causes"], 1):
-        lines.append(f"  {n}. {cause['code']}: {TITLES[cause['code']]}: {cause_summary(cause)}"[:300])
+        lines.append(f"  {n}. {cause['code']}: {TITLES[cause['code']]}: {cause_summary(cause)}"[:400])
     info = report.get("info") or []
     if info:
         lines.append("recorded differences that did not fail the verdict:")

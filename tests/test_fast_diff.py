@@ -30,8 +30,8 @@ def both_paths(monkeypatch, a, b, **kw) -> tuple[object, object, int]:
     built = []
     real = fast.views
 
-    def counting(x, y):
-        got = real(x, y)
+    def counting(x, y, tops=True):
+        got = real(x, y, tops)
         built.append(isinstance(got[0], fast.View))
         return got
 

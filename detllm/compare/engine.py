@@ -136,14 +136,15 @@ def _quarters(by_position: list[float]) -> list[dict[str, Any]]:
     return [{"from": lo, "to": hi - 1, "max_abs_logprob_diff": max(by_position[lo:hi])} for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
 
 
-def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None) -> dict[str, Any]:
+def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None, measured: dict[int, Any] | None = None) -> dict[str, Any]:
     """Logprob drift over aligned steps up to each prompt's first token divergence:
     per prompt, overall, and the largest |dlogprob| at each generated-token position;
     distribution measures (same top-1 share, KL of the top-k distributions, percentiles of
     |dlogprob|); and the prompts whose tokens are all equal while their logprobs differ.
     `identical` holds the indexes (into pairs) of byte-identical pairs: they add zeros
-    without being walked."""
+    without being walked; `measured` the pairs already measured as arrays (pairs.settle)."""
     identical = identical or set()
+    measured = measured or {}
     per_prompt, by_position = [], []
     overlap_sum, overlap_n, kl_sum, kl_n, kl_max = 0.0, 0, 0.0, 0, 0.0
     nonzero: list[float] = []
@@ -151,7 +152,7 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None) -> 
     equal_drift: list[tuple[dict[str, Any], list[float]]] = []  # tokens equal, logprobs differ
     arrays = _Steps()  # per-step |dlogprob| the fast path gives as arrays, aggregated with numpy
     for k, (a, b) in enumerate(pairs):
-        got = _pair_drift(a, b, k in identical)
+        got = measured[k] if k in measured else _pair_drift(a, b, k in identical)
         if got is None:
             continue
         p, per_step, counted, kls = got
@@ -305,27 +306,34 @@ def compare(
     divs: list[dict[str, Any]] = []
     identical: set[int] = set()
     large = 0  # differing pairs with large payloads read from disk, so far
+    jobs: list[int] = []  # those past the first few: settled as arrays (compare/pairs.py, compare/fast.py)
     for k, (a, b) in enumerate(pairs):
         if same_output(a, b) and a["input_ids_sha256"] == b["input_ids_sha256"]:
             identical.add(k)
             continue
-        if fast_path(a, b):  # large payloads read from disk: as arrays (compare/fast.py) once there are a few
+        if fast_path(a, b):
             large += 1
             if use_fast_path(large):
-                from .fast import views
-
-                # without drift, a top-k step is read only where a divergence needs it
-                a, b = views(a, b) if drift else views(a, b, tops=False)
-                if drift:
-                    pairs[k] = (a, b)
+                jobs.append(k)
+                continue
         d = first_divergence(a, b, comparison=name, left_label=left_label, right_label=right_label,
                              check_logprobs=check_logprobs, atol=atol, noise_floor=noise_floor, sampled=sampled)
         if d is not None:
             divs.append(d)
+    measured: dict[int, Any] = {}  # pair index -> fast.pair_drift's result, for drift()
+    if jobs:
+        from .pairs import Spec, settle_pairs
+
+        spec = Spec(name, left_label, right_label, check_logprobs, atol, noise_floor, sampled, drift)
+        for k, (viewed, d, pd) in settle_pairs(pairs, jobs, spec).items():
+            if d is not None:
+                divs.append(d)
+            if viewed and drift:
+                measured[k] = pd
     divs.sort(key=lambda d: (d["prompt_index"], d["token_index"]))
     diverged = bool(divs) or bool(left_only) or bool(right_only)
     moved = [(a, b) for a, b in pairs if a["prompt_index"] != b["prompt_index"]]
-    dr = _drift(pairs, identical) if drift else {"available": False}
+    dr = _drift(pairs, identical, measured) if drift else {"available": False}
     return {
         "name": name,
         "kind": kind,

@@ -1,21 +1,24 @@
 """The fast path of a comparison: payloads that differ are parsed straight into arrays.
 
 compare/trace.py keeps every payload as the bytes the runner wrote; a byte-identical
-pair is settled there. A pair that differs is parsed here: msgspec for the typed lists,
-one flat decode of the top-k section checked against its expected bracket layout, numpy
-for the per-step work. Owns no meaning: `pair_drift` mirrors engine._pair_drift step
-for step (same floats, same summation order) and first divergences still come from
+pair is settled there. A pair that differs is parsed here: simdjson reads the number
+lists (ids, logprobs, and the top-k section, flattened after its bracket layout is
+checked) straight into numpy arrays, msgspec validates the texts, numpy does the per-step
+work. Owns no meaning: `pair_drift` mirrors engine._pair_drift step for step (same
+floats, same summation order) and first divergences still come from
 divergence.first_divergence, run on a `View` of the arrays. A record not laid out as
 the runner writes it (nulls, token strings, a ragged top-k, whitespace, evidence) gets
 no view and takes the reference path. tests/test_fast_diff.py holds both paths to the
-same report. One liberty: numbers are read by type, so a hand-written `5.0` as a top-k
-id or `0` as a logprob reads as 5 and 0.0 (the runner never writes either). A comparison
-without drift (verify's verdict re-derivation) leaves the top-k section as bytes and reads
-only the steps a divergence looks at (_LazyTops), as the reference path would read them.
+same report. One liberty: top-k numbers are read by type, so a hand-written `5.0` as a
+top-k id or `0` as a logprob reads as 5 and 0.0 (the runner never writes either). A
+comparison without drift (verify's verdict re-derivation) leaves the top-k section as
+bytes and reads only the steps a divergence looks at (_LazyTops), as the reference path
+would read them. compare/pairs.py decides which pairs come here, and on which core.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import msgspec
@@ -24,8 +27,6 @@ import simdjson
 
 from .trace import TraceRecord
 
-_INTS = msgspec.json.Decoder(list[int])
-_FLOATS = msgspec.json.Decoder(list[float])
 _STRS = msgspec.json.Decoder(list[str])
 _STR = msgspec.json.Decoder(str)
 _MARKS = (b',"token_ids":', b',"token_texts":', b',"text":', b',"logprobs":', b',"top_logprobs":')
@@ -72,18 +73,36 @@ def _sections(rec: TraceRecord) -> list[bytes] | None:
 _PARSER = simdjson.Parser()
 
 
-def _flat(raw: bytes) -> np.ndarray | None:
-    """Every number of a JSON document of nested arrays, flattened into float64 (simdjson);
-    None when it is not valid JSON or holds anything but numbers, or a number out of range."""
+_AS = {"d": np.float64, "i": np.int64}
+
+
+def _flat(raw: bytes, of_type: str = "d") -> np.ndarray | None:
+    """Every number of a JSON document of nested arrays, flattened (simdjson): float64 ("d"),
+    or int64 ("i": a number written with a fraction or exponent is refused, as msgspec's int
+    is). None when it is not valid JSON, holds anything but numbers, or one out of range."""
     try:
-        return np.frombuffer(_PARSER.parse(raw).as_buffer(of_type="d"), dtype=np.float64)
+        return np.frombuffer(_PARSER.parse(raw).as_buffer(of_type=of_type), dtype=_AS[of_type])
     except RuntimeError:  # the shared parser is still held (another thread, a live document)
         try:
-            return np.frombuffer(simdjson.Parser().parse(raw).as_buffer(of_type="d"), dtype=np.float64)
+            return np.frombuffer(simdjson.Parser().parse(raw).as_buffer(of_type=of_type), dtype=_AS[of_type])
         except (ValueError, TypeError, RuntimeError):
             return None
     except (ValueError, TypeError):
         return None
+
+
+def _list(raw: bytes, of_type: str) -> np.ndarray | None:
+    """A flat JSON list of numbers (token ids, logprobs) as an array; None for anything else."""
+    if not raw.startswith(b"[") or raw.count(b"[") != 1:  # simdjson would flatten [[1], [2]]
+        return None
+    return _flat(raw, of_type)
+
+
+@functools.lru_cache(maxsize=64)
+def _skeleton(n: int, k: int) -> bytes:
+    """The brackets and commas of n steps of k [id, logprob] pairs, as the runner writes them."""
+    step = b"[" + b",".join([b"[,]"] * k) + b"]"
+    return b"[" + b",".join([step] * n) + b"]"
 
 
 def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -95,8 +114,7 @@ def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     if first < 0:
         return None
     k = skeleton.count(b"[,]", 0, first + 1)
-    step = b"[" + b",".join([b"[,]"] * k) + b"]"
-    if k == 0 or len(skeleton) != n * len(step) + (n - 1) + 2 or skeleton != b"[" + b",".join([step] * n) + b"]":
+    if k == 0 or skeleton != _skeleton(n, k):
         return None  # ragged, nested otherwise, nulls or whitespace
     flat = _flat(raw)
     if flat is None or len(flat) != n * k * 2:
@@ -120,10 +138,9 @@ def payload(rec: TraceRecord, tops: bool = True) -> Payload | None:
     fin = {b'"length"': "length", b'"stop"': "stop"}.get(fin_raw)
     if fin is None:
         return None
-    try:
-        ids = np.array(_INTS.decode(ids_raw), dtype=np.int64)
-        lps = None if lps_raw == b"null" else np.array(_FLOATS.decode(lps_raw), dtype=np.float64)
-    except (msgspec.DecodeError, OverflowError):
+    ids = _list(ids_raw, "i")
+    lps = None if lps_raw == b"null" else _list(lps_raw, "d")
+    if ids is None or (lps is None and lps_raw != b"null"):
         return None
     n = len(ids)
     if (n and ids.min() < 0) or (lps is not None and (len(lps) != n or not np.isfinite(lps).all())):
@@ -190,8 +207,7 @@ class _LazyTops(Sequence):
             skeleton = self._raw.translate(None, _NUMBER_BYTES)
             first = skeleton.find(b"]]")
             k = skeleton.count(b"[,]", 0, first + 1) if first >= 0 else 0
-            step = b"[" + b",".join([b"[,]"] * k) + b"]"
-            if not (self._n and k and skeleton == b"[" + b",".join([step] * self._n) + b"]"):
+            if not (self._n and k and skeleton == _skeleton(self._n, k)):
                 self._all()
         return self._whole is None
 
@@ -219,7 +235,7 @@ class _LazyTops(Sequence):
 
 class View(dict):
     """A trace record whose payload lives in a Payload: the header as keys, the generated
-    fields built on each access (as lists, as the reference code reads them)."""
+    fields built on first access (as lists, as the reference code reads them)."""
 
     def __init__(self, rec: TraceRecord, p: Payload) -> None:
         super().__init__({k: dict.__getitem__(rec, k) for k in rec.keys()})
@@ -244,7 +260,8 @@ class View(dict):
             value = p.finish_reason
         else:
             raise KeyError(key)
-        return value  # not kept: a diff holds thousands of views, only the arrays stay in memory
+        self[key] = value  # kept: a View lives while its pair is settled (compare/pairs.py), then goes
+        return value
 
     def get(self, key: str, default: Any = None) -> Any:
         try:

@@ -14,6 +14,8 @@ parses is `detllm verify`'s job. Does not own what the records mean (engine, div
 from __future__ import annotations
 
 import json
+import mmap
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +27,7 @@ PAYLOAD_KEYS = ("token_ids", "token_texts", "text", "logprobs", "top_logprobs", 
 _MARK = b',"token_ids":'  # cannot occur inside a JSON string: a quote there is escaped
 # where each payload field starts, in the order the runner writes them
 _SECTIONS = (b',"token_ids":', b',"token_texts":', b',"text":', b',"logprobs":', b',"top_logprobs":', b',"finish_reason":')
+_BLANK = (b" ", b"\t", b"\r", b"\n", b"\x0b", b"\x0c")  # what bytes.strip() removes
 # stands in for the payload while a header alone is validated
 _EMPTY_PAYLOAD = {"token_ids": [], "token_texts": [], "text": "", "logprobs": None, "top_logprobs": None, "finish_reason": "length"}
 
@@ -32,11 +35,12 @@ _EMPTY_PAYLOAD = {"token_ids": [], "token_texts": [], "text": "", "logprobs": No
 class TraceRecord(dict):
     """A trace record whose payload fields are parsed (and validated) on first access."""
 
-    __slots__ = ("_src", "_start", "_end", "where")
+    __slots__ = ("_src", "_start", "_end", "where", "_file")
 
-    def __init__(self, header: dict[str, Any], src: bytes | None, start: int, end: int, where: str) -> None:
+    def __init__(self, header: dict[str, Any], src: "bytes | mmap.mmap | None", start: int, end: int, where: str) -> None:
         super().__init__(header)
         self._src, self._start, self._end, self.where = src, start, end, where
+        self._file: Any = None  # the open file `src` is mapped from (compare/pairs.py hands it to its worker)
 
     def __missing__(self, key: str) -> Any:
         if self._src is not None and key in PAYLOAD_KEYS:
@@ -75,7 +79,7 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if not (isinstance(a, TraceRecord) and isinstance(b, TraceRecord)) or a._src is None or b._src is None:
         return False
     n = a._end - a._start
-    return n == b._end - b._start and b._src.startswith(a._src[a._start:a._end], b._start)
+    return n == b._end - b._start and a._src[a._start:a._end] == b._src[b._start:b._end]
 
 
 # payloads below this many bytes on both sides stay on the reference path: numpy's import
@@ -120,25 +124,46 @@ def payload_shape(rec: TraceRecord) -> tuple[int, bool, bool] | None:
     def count(a: int, b: int) -> int | None:  # elements of the number array in src[a:b]
         while src[a:a + 1].isspace():
             a += 1
-        if src.startswith(b"null", a):
+        if src[a:a + 4] == b"null":
             return None
-        return 0 if src.startswith(b"[]", a) else src.count(b",", a, b) + 1
+        return 0 if src[a:a + 2] == b"[]" else src[a:b].count(b",") + 1  # (a mapped file has no count())
 
     n = count(ids_at, texts_at - len(_SECTIONS[1]))
     lps = count(lps_at, tops_at - len(_SECTIONS[4]))
     if n is None or (lps is not None and lps != n):
         return None
-    return n, lps is not None, not src.startswith(b"null", tops_at)
+    return n, lps is not None, src[tops_at:tops_at + 4] != b"null"
+
+
+def _map(path: Path) -> "tuple[bytes | mmap.mmap, Any]":
+    """The file's bytes, and the open file they are mapped from (None when read into memory).
+    A large trace is mapped read-only, not read: no copy, and its pages stay the page cache's
+    (two 182 MB traces read into memory cost ~0.3 s and 364 MB of the process's own)."""
+    f = open(path, "rb")
+    try:
+        size = os.fstat(f.fileno()).st_size
+        if size >= _MAP_MIN_BYTES and os.name == "posix":
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # populate: one bulk fault, not 45k
+            return mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ), f
+        data = f.read()
+    except BaseException:
+        f.close()
+        raise
+    f.close()
+    return data, None
+
+
+_MAP_MIN_BYTES = 1 << 22  # below 4 MiB a read is as fast and holds no descriptor
 
 
 def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: True) -> tuple[list[TraceRecord], set[tuple[int, int]]]:
     """Records of trace.jsonl whose header passes `keep`, and every (run_index, batch_size)
     present. The first and last kept records are parsed in full as a sample."""
     try:
-        data = Path(path).read_bytes()
+        data, file = _map(Path(path))
     except FileNotFoundError as exc:
         raise ArtifactError(f"{path}: missing", hint="the run may have been interrupted") from exc
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise ArtifactError(f"{path}: cannot be read ({exc.__class__.__name__})") from exc
     out: list[TraceRecord] = []
     present: set[tuple[int, int]] = set()
@@ -148,8 +173,9 @@ def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: 
         end = n if end < 0 else end
         line_no += 1
         stop = end - 1 if end > pos and data[end - 1:end] == b"\r" else end
-        if data[pos:stop].strip():
+        if stop > pos and (data[pos:pos + 1] not in _BLANK or data[pos:stop].strip()):  # not a blank line
             rec = _read_line(data, pos, stop, f"{path} line {line_no}")
+            rec._file = file
             present.add((rec["run_index"], rec["batch_size"]))
             if keep(rec):
                 out.append(rec)

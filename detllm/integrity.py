@@ -1,8 +1,8 @@
 """Tamper evidence for run folders: manifest.json, the trace's hash chain, sealing and verify.
 
 Owns what manifest.json holds, how it is computed (byte for byte in docs/integrity.md) and
-how a folder is checked against it, including the fast trace-record check. Reads bytes and
-JSON only and never imports an engine, so `detllm verify` runs without torch. Does not own
+how a folder is checked against it. Reads bytes and JSON only and never imports an engine,
+so `detllm verify` runs without torch. Does not own reading trace lines fast (tracescan.py),
 signatures (signing.py), archives (pack.py) or re-running a pack (replay.py).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from .hashing import canonical_json
 from .pack import open_run_path
 from .records import check_trace_record
 from .signing import Signer, check_signature
+from .tracescan import Lines, scan_line
 
 SIG = "manifest.sig"
 SEAL_FILES = (MANIFEST, SIG)  # never listed in the manifest itself
@@ -65,104 +65,6 @@ def step_digest(prev: bytes, record_sha256: bytes, index: int) -> bytes:
 
 def _sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
-
-
-_DECODER = json.JSONDecoder()
-_WS = " \t\n\r"
-PRECHECKED = object()  # stands in for a value validated by its pattern and left unparsed
-
-# Patterns for the big arrays of a trace record, on compact JSON text. A match proves the value
-# is valid JSON *and* valid for its field in schemas/trace_record.schema.json (the numbers are
-# finite: at most 16 integer digits, exponents up to e+99); anything they do not match (spaces,
-# 1.0 as an id, ...) is parsed and checked in full instead. Possessive quantifiers: no backtracking.
-_INT = r"(?:0|[1-9][0-9]*+)"
-_NUM = r"(?:-?+(?:0|[1-9][0-9]{0,15}+)(?:\.[0-9]++)?+(?:[eE](?:-[0-9]{1,3}+|\+?+[0-9]{1,2}+))?+|null)"
-_STR = r'"(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+"'
-_PAIR = rf"\[{_INT},{_NUM}\]"
-_STEP = rf"\[(?:{_PAIR}(?:,{_PAIR})*+)?+\]"
-_PATTERNS = {
-    "input_ids": re.compile(rf"null|\[(?:{_INT}(?:,{_INT})*+)?+\]"),
-    "token_ids": re.compile(rf"\[(?:{_INT}(?:,{_INT})*+)?+\]"),
-    "token_texts": re.compile(rf"\[(?:{_STR}(?:,{_STR})*+)?+\]"),
-    "logprobs": re.compile(rf"null|\[(?:{_NUM}(?:,{_NUM})*+)?+\]"),
-    "top_logprobs": re.compile(rf"null|\[(?:{_STEP}(?:,{_STEP})*+)?+\]"),
-}
-
-
-def scan_line(body: bytes) -> tuple[Any, frozenset[str], bytes]:
-    """One trace line -> (its fields, the fields already validated, a guess at its canonical JSON).
-
-    Parsing ~11,000 numbers per 1,000-token record dominates verify, so the big arrays are
-    matched against `_PATTERNS` on their text and left unparsed (value PRECHECKED); every other
-    value is parsed. The guess is the line's own `"key":value` spans sorted by key: for the
-    compact lines the runner writes it is exactly hashing.canonical_json(record). verify trusts
-    a guess only when its digest lands on the manifest's chain and re-serialises otherwise, so
-    the guess changes the speed, never the answer. Raises ValueError when the line is not JSON."""
-    s = body.decode("utf-8")
-    i, n = 0, len(s)
-    while i < n and s[i] in _WS:
-        i += 1
-    if i >= n or s[i] != "{":
-        return json.loads(s), frozenset(), body  # not an object: check_trace_record names it
-    fields: dict[str, Any] = {}
-    prechecked: set[str] = set()
-    spans: list[tuple[str, int, int]] = []
-    i += 1
-    while True:
-        while i < n and s[i] in _WS:
-            i += 1
-        if i < n and s[i] == "}" and not spans:
-            i += 1
-            break
-        if i >= n or s[i] != '"':
-            raise ValueError("expected a key")
-        start = i
-        key, i = json.decoder.scanstring(s, i + 1)
-        while i < n and s[i] in _WS:
-            i += 1
-        if i >= n or s[i] != ":":
-            raise ValueError("expected ':'")
-        i += 1
-        while i < n and s[i] in _WS:
-            i += 1
-        m = _PATTERNS[key].match(s, i) if key in _PATTERNS else None
-        if m is not None:
-            fields[key], i = PRECHECKED, m.end()
-            prechecked.add(key)
-        else:
-            try:
-                fields[key], i = _DECODER.scan_once(s, i)
-            except StopIteration as exc:
-                raise ValueError("expected a value") from exc
-            prechecked.discard(key)  # a repeated key: the last value is the one that counts
-        spans.append((key, start, i))
-        while i < n and s[i] in _WS:
-            i += 1
-        if i < n and s[i] == ",":
-            i += 1
-            continue
-        if i < n and s[i] == "}":
-            i += 1
-            break
-        raise ValueError("expected ',' or '}'")
-    if s[i:].strip(_WS):
-        raise ValueError("extra data after the object")
-    guess = "{" + ",".join(s[a:b] for _, a, b in sorted(spans)) + "}"
-    return fields, frozenset(prechecked), guess.encode("utf-8")
-
-
-class _Lines:
-    """Streams a file line by line (bytes, newline stripped) while hashing every byte read."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.sha, self.size = path, hashlib.sha256(), 0
-
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        with open(self.path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                self.sha.update(line)
-                self.size += len(line)
-                yield n, line[:-1] if line.endswith(b"\n") else line
 
 
 def file_digest(path: Path) -> tuple[str, int]:
@@ -221,14 +123,14 @@ def _chain_of(folder: Path, digests: list[bytes] | None = None) -> tuple[dict[st
         if not (folder / name).is_file():
             raise ArtifactError(f"{folder}: {name} is missing; the trace's hash chain starts from it")
     h0 = genesis((folder / RUN_CONFIG).read_bytes(), (folder / ENV).read_bytes())
-    h, locators, lines = h0, [], _Lines(folder / TRACE)
+    h, locators, lines = h0, [], Lines(folder / TRACE)
     if digests is not None:
         if sum(1 for _ in lines) == len(digests):  # every byte is still read: the file's sha256 and size
             for n, digest in enumerate(digests, 1):
                 h = step_digest(h, digest, n)
                 locators.append(h.hex()[:LOCATOR_HEX])
             return _trace_entry(h0, h, locators), (lines.sha.hexdigest(), lines.size)
-        lines = _Lines(folder / TRACE)  # not the trace the writer wrote: chain it from disk
+        lines = Lines(folder / TRACE)  # not the trace the writer wrote: chain it from disk
     for n, body in lines:
         try:
             rec = json.loads(body)
@@ -393,7 +295,7 @@ def _check_trace(folder: Path, trace: dict[str, Any], entry: dict[str, Any]) -> 
         out.append(Problem(TRACE, f"chain genesis does not match: {RUN_CONFIG}, {ENV} or the model identity changed"))
     h, locators, expected = bytes.fromhex(trace["genesis"]), trace["record_hashes"], trace["records"]
     first: Problem | None = None
-    lines, n = _Lines(folder / TRACE), 0
+    lines, n = Lines(folder / TRACE), 0
     for n, body in lines:
         if first is not None:
             continue  # keep reading: the file digest still needs every byte
@@ -434,7 +336,7 @@ def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str
         if rel == TRACE or not rel.endswith((".json", ".jsonl")):
             continue
         docs = [(rel, p.read_bytes())] if rel.endswith(".json") else \
-            [(f"{rel} line {n}", body) for n, body in _Lines(p)]
+            [(f"{rel} line {n}", body) for n, body in Lines(p)]
         for where, body in docs:
             try:
                 obj = json.loads(body)

@@ -153,7 +153,7 @@ def extract(archive: str | Path, dest: Path, limits: Limits = Limits()) -> Path:
             plain.seek(0)
             with tarfile.open(fileobj=plain, mode="r:") as tar:
                 _extract_members(tar, dest, limits, archive.name)
-    except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
+    except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError, *_inflate_errors()) as exc:
         raise ArtifactError(f"{str(archive)!r} is not a readable .tar.gz pack ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
     except OSError as exc:
         raise ArtifactError(f"{str(archive)!r} cannot be read ({exc.__class__.__name__})") from exc
@@ -177,7 +177,7 @@ def scan_headers(archive: Path, limits: Limits, copy: IO[bytes] | None = None) -
     label = archive.name
     cap = limits.max_total_bytes + (2 * limits.max_members + 2) * _BLOCK + limits.max_members * limits.max_header_bytes
     read = headers = 0
-    with gzip.open(archive, "rb") as gz:
+    with _open_gzip(archive) as gz:
         while True:
             block = gz.read(_BLOCK)
             write(block)
@@ -209,6 +209,25 @@ def scan_headers(archive: Path, limits: Limits, copy: IO[bytes] | None = None) -
                     return
                 write(chunk)
                 padded -= len(chunk)
+
+
+def _open_gzip(archive: Path) -> IO[bytes]:
+    """The decompressed stream of `archive`: ISA-L's igzip when it is installed (the `isal`
+    dependency: it inflates ~3x faster than zlib, the bulk of reading a pack), else gzip."""
+    try:
+        from isal import igzip
+    except ImportError:
+        return gzip.open(archive, "rb")
+    return igzip.open(archive, "rb")
+
+
+def _inflate_errors() -> tuple[type[BaseException], ...]:
+    """What igzip raises for a corrupt deflate stream (zlib raises zlib.error)."""
+    try:
+        from isal.isal_zlib import error
+    except ImportError:
+        return ()
+    return (error,)
 
 
 def _extract_members(tar: tarfile.TarFile, dest: Path, limits: Limits, label: str) -> None:
@@ -264,11 +283,35 @@ def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -
         raise IntegrityError(f"member {member.name!r} has no data")
     # O_EXCL + O_NOFOLLOW: never overwrite, never write through a link (there are none: we made every folder)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    left = member.size
     with os.fdopen(fd, "wb") as out, src:
-        while left > 0:
+        done = _copy_in_kernel(tar, member, fd)
+        src.seek(done)
+        left = member.size - done
+        while left > 0:  # what the kernel did not copy (none, where the plain tar is a real file)
             chunk = src.read(min(_CHUNK, left))
             if not chunk:
                 raise ArtifactError(f"member {member.name!r} is truncated")
             out.write(chunk)
             left -= len(chunk)
+
+
+def _copy_in_kernel(tar: tarfile.TarFile, member: tarfile.TarInfo, dst: int) -> int:
+    """Copy the member's bytes from the plain tar into `dst` with os.copy_file_range (no trip
+    through Python; a regular, non-sparse member's data is one run of the file); returns how
+    many bytes were copied: all of them, or fewer where the file ends early or the call is
+    not supported (the caller reads the rest, and names a truncated member as before)."""
+    copy = getattr(os, "copy_file_range", None)
+    try:
+        src = tar.fileobj.fileno()
+    except (AttributeError, OSError, ValueError):
+        return 0
+    done = 0
+    while copy is not None and done < member.size:
+        try:
+            n = copy(src, dst, member.size - done, member.offset_data + done)
+        except OSError:  # EXDEV, ENOSYS, EINVAL (an older kernel or another filesystem)
+            break
+        if n <= 0:
+            break
+        done += n
+    return done

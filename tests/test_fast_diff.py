@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +197,115 @@ def test_lazy_top_k_reads_as_the_record(tmp_path, variant, line):
     assert isinstance(tops, fast._LazyTops)
     assert [tops[i] for i in (0, 1, 2, fast._LAZY_STEPS + 1, 5)] == [full[i] for i in (0, 1, 2, fast._LAZY_STEPS + 1, 5)]
     assert len(tops) == len(full) and list(tops) == full
+
+
+# ------------------------------------------------------------------ the second core (compare/pairs.py)
+
+
+class _Parent:
+    """Counts the pairs this process settles; with `slow`, each takes >= 40 ms, so a worker
+    (started in ~0.2 s) surely takes some."""
+
+    def __init__(self, monkeypatch) -> None:
+        from detllm.compare import pairs
+
+        self.mine: list[int] = []
+        self.slow = False
+        real = pairs.settle
+
+        def settle(a, b, spec):
+            if self.slow:
+                time.sleep(0.04)
+            self.mine.append(a["prompt_index"])
+            return real(a, b, spec)
+
+        monkeypatch.setattr(pairs, "settle", settle)
+        monkeypatch.setattr(trace, "_MAP_MIN_BYTES", 0)  # mapped files: what the worker reads through
+        monkeypatch.setattr(trace, "FAST_PATH_AFTER", 0)
+        monkeypatch.setattr(trace, "FAST_PATH_MIN_BYTES", 0)
+        self.pairs, self.monkeypatch = pairs, monkeypatch
+
+    def alone(self) -> None:
+        self.monkeypatch.setattr(self.pairs, "WORKER_MIN_BYTES", 1 << 62)
+        self.slow = False
+        self.mine.clear()
+
+    def shared(self) -> None:
+        self.monkeypatch.setattr(self.pairs, "WORKER_MIN_BYTES", 0)
+        self.slow = True
+        self.mine.clear()
+
+
+@pytest.mark.parametrize("variant,tier", [("mixed", 2), ("nulls", 2), ("flip", 1), ("topk", 2)])
+def test_a_worker_process_gives_the_same_report(monkeypatch, tmp_path, variant, tier):
+    left, right = _pair(tmp_path, variant, prompts=100, tokens=24)
+    parent = _Parent(monkeypatch)
+    parent.alone()
+    reference = json.dumps(diff(left, right, tier=tier).report, sort_keys=True)
+    differing = len(parent.mine)
+    parent.shared()
+    shared = json.dumps(diff(left, right, tier=tier).report, sort_keys=True)
+    assert differing > 20
+    assert 0 < len(parent.mine) < differing, f"this process settled {len(parent.mine)} of {differing} pairs"
+    assert shared == reference
+
+
+def test_a_record_the_worker_cannot_read_is_refused_here(monkeypatch, tmp_path):
+    """A record that breaks the schema (a negative token id) among the pairs the worker takes: the
+    worker leaves it, this process settles it and raises the error the reference path raises."""
+    left, right = _pair(tmp_path, "drift", prompts=60, tokens=24)
+    lines = (right / artifacts.TRACE).read_text().splitlines()
+    bad = json.loads(lines[30])
+    bad["token_ids"][3] = -4
+    lines[30] = json.dumps(bad, separators=(",", ":"))
+    (right / artifacts.TRACE).write_text("\n".join(lines) + "\n")
+    parent = _Parent(monkeypatch)
+    parent.alone()
+    with pytest.raises(DetllmError) as reference:
+        diff(left, right, tier=2)
+    parent.shared()
+    with pytest.raises(DetllmError) as shared:
+        diff(left, right, tier=2)
+    assert str(shared.value) == str(reference.value) and "line 31" in str(shared.value)
+    assert len(parent.mine) < 30, "this process reached the bad record by itself: the worker settled nothing"
+
+
+def test_the_worker_dies_with_its_parent(tmp_path):
+    """A diff killed while its worker settles pairs leaves no process behind."""
+    left, right = _pair(tmp_path, "drift", prompts=400, tokens=24)
+    script = f"""
+import time, sys
+from detllm.compare import pairs, trace
+from detllm.diff import diff
+trace._MAP_MIN_BYTES = trace.FAST_PATH_AFTER = trace.FAST_PATH_MIN_BYTES = pairs.WORKER_MIN_BYTES = 0
+real = pairs.settle
+def slow(a, b, spec):
+    time.sleep(0.05)
+    return real(a, b, spec)
+pairs.settle = slow
+print("started", flush=True)
+diff({str(left)!r}, {str(right)!r}, tier=2)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        worker = None
+        for _ in range(200):  # the worker appears once the first pairs are settled
+            kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            if kids:
+                worker = int(kids[0])
+                break
+            time.sleep(0.05)
+        assert worker is not None, "no worker was started"
+        assert "detllm.compare.pairs" in Path(f"/proc/{worker}/cmdline").read_bytes().decode()
+        time.sleep(0.5)  # it is settling pairs now
+    finally:
+        proc.kill()
+        proc.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(worker, 9)
+        pytest.fail("the worker outlived its parent by 5 s")

@@ -82,7 +82,12 @@ def _long_numbers_ok(key: str, value: bytes) -> bool:
     # pattern allows nothing but number characters, commas and the three levels of brackets. A
     # pair's id leaves nothing, so it was digits only: an integer >= 0 (JSON has no leading zeros).
     # In valid JSON an element is never empty, so each "[,...]" is an array of exactly two numbers.
-    return _TOPS_MARKS.fullmatch(value.translate(None, _DIGITS)) is not None and _json_ok(value)
+    marks = value.translate(None, _DIGITS)
+    if _TOPS_MARKS.fullmatch(marks) is None:
+        return False
+    if b"[]" in marks and marks.count(b"[]") != value.count(b"[]"):
+        return False  # an empty step or list, or a step or list holding one integer ("[5]" leaves "[]")
+    return _json_ok(value)
 
 
 def _long_value_end(key: str, s: str, i: int) -> int | None:

@@ -426,3 +426,65 @@ def test_folders_whose_verdict_cannot_be_re_derived_say_so(cli, failed_check, tm
     assert cli("diff", failed_check, failed_check, "--out", tmp_path / "d").exit_code == 0
     r = cli("verify", tmp_path / "d")
     assert r.exit_code == 0 and "verdict not re-derived: the folder holds no trace" in r.stdout, r.output
+
+
+# ---------------------------------------------------------------- the long-array path (tracescan.py)
+
+LINE_EDITS = {  # edits of trace line 2, each a problem verify names (as a schema error when resealed)
+    "negative top-k id": (b'"top_logprobs":[[[', b'"top_logprobs":[[[-'),
+    "overflowing logprob": (b'"logprobs":[', b'"logprobs":[1e400,'),
+    "leading zero": (b'"token_ids":[', b'"token_ids":[01,'),
+    "an integer for a step": (b'"top_logprobs":[', b'"top_logprobs":[5,'),
+    "an extra step": (b'"top_logprobs":[', b'"top_logprobs":[[],'),  # valid: only the chain breaks
+    "a space": (b'"logprobs":[', b'"logprobs":[ '),  # valid JSON: a changed file, the same record
+}
+
+
+@pytest.mark.parametrize("reseal", [False, True], ids=["tampered", "sealed-as-is"])
+def test_the_long_path_names_the_same_problems(cli, sealed_run, tmp_path, monkeypatch, reseal):
+    """verify says the same thing whether a line's arrays are checked by the patterns or by the
+    long path (simdjson + bytes.translate), for edits that break the schema, the JSON or only the chain."""
+    from detllm import tracescan
+
+    answers = set()
+    for name, (old, new) in LINE_EDITS.items():
+        run = tmp_path / name.replace(" ", "-")
+        shutil.copytree(sealed_run, run)
+        ls = lines(run)
+        assert old in ls[1]
+        ls[1] = ls[1].replace(old, new, 1)
+        write_lines(run, ls)
+        if reseal:
+            try:
+                seal(run)
+            except ArtifactError:  # a line that is not JSON is never sealed
+                assert name == "leading zero"
+                continue
+        said = []
+        for long_value in (4096, 0):
+            monkeypatch.setattr(tracescan, "LONG_VALUE", long_value)
+            r = cli("verify", run)
+            said.append((r.exit_code, r.stderr))
+        assert said[0] == said[1], name
+        answers.add(said[0][0])
+    # tampered: every edit is named as a changed trace line; sealed as-is: schema errors (5), and the
+    # valid edits pass the bytes check (0, or 6 where the verdict no longer follows from the trace)
+    assert answers == {0, 5, 6} if reseal else answers == {6}
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 4 << 20])
+@pytest.mark.parametrize("data", [b"", b"\n", b'{"a":1}\n\n' + b"x" * 300 + b"\r\nlast, no newline", b"one\ntwo\n"])
+def test_lines_yields_every_line_and_hashes_every_byte(tmp_path, monkeypatch, chunk, data):
+    """tracescan.Lines over reads of any size (a line across reads, longer than a read; the
+    hashing thread starts on the first full read) gives what iterating the file gives."""
+    import io
+
+    from detllm import tracescan
+
+    monkeypatch.setattr(tracescan, "_CHUNK", chunk)
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(data)
+    reader = tracescan.Lines(p)
+    expected = [(n, line.removesuffix(b"\n")) for n, line in enumerate(io.BytesIO(data), 1)]
+    assert list(reader) == expected
+    assert (reader.sha.hexdigest(), reader.size) == (hashlib.sha256(data).hexdigest(), len(data))

@@ -13,8 +13,18 @@ import pytest
 import detllm
 from detllm.artifacts import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, _validator
 from detllm.hashing import canonical_json
+from detllm import tracescan
 from detllm.integrity import scan_line
 from detllm.records import check_trace_record
+
+
+@pytest.fixture(params=["patterns", "long-path"])
+def scan_path(request, monkeypatch) -> str:
+    """Each scan_line test runs twice: as on short arrays (regular expressions), and with every
+    array treated as long (simdjson + bytes.translate, tracescan._long_numbers_ok)."""
+    if request.param == "long-path":
+        monkeypatch.setattr(tracescan, "LONG_VALUE", 0)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +81,7 @@ def fast_ok(m) -> bool:
     return as_dict
 
 
-def test_fast_check_agrees_with_jsonschema_on_every_mutation(record):
+def test_fast_check_agrees_with_jsonschema_on_every_mutation(scan_path, record):
     assert fast_ok(record) and schema_ok(record)
     answers = []
     for m in mutations(record):
@@ -81,7 +91,7 @@ def test_fast_check_agrees_with_jsonschema_on_every_mutation(record):
     assert len(answers) > 600 and 50 < sum(answers) < len(answers) - 50, "both answers, many times"
 
 
-def test_fast_check_agrees_on_random_mutations(record):
+def test_fast_check_agrees_on_random_mutations(scan_path, record):
     rng = random.Random(1234)
     answers = set()
     for _ in range(2000):
@@ -116,7 +126,7 @@ def test_fast_check_agrees_on_random_mutations(record):
     ('"top_logprobs":[[],[[1,null]]]', True),
     ('"top_logprobs":[[[1,-0.5,2]]]', False),
 ])
-def test_scan_line_on_edge_cases(record, text, ok):
+def test_scan_line_on_edge_cases(scan_path, record, text, ok):
     key = text.split('"')[1]
     base = {k: v for k, v in record.items() if k != key}
     line = ("{" + json.dumps(base, separators=(",", ":"))[1:-1] + "," + text + "}").encode()
@@ -138,7 +148,7 @@ def test_fast_check_refuses_non_finite_numbers(record):
     assert check_trace_record(m) is not None
 
 
-def test_scan_line_guess_is_canonical_for_runner_lines(record):
+def test_scan_line_guess_is_canonical_for_runner_lines(scan_path, record):
     line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
     fields, prechecked, guess = scan_line(line)
     assert guess == canonical_json(record)
@@ -149,3 +159,75 @@ def test_scan_line_guess_is_canonical_for_runner_lines(record):
     for bad in (b'{"a":1,}', b'{"a":1', b'{"a":1}x', b"{a:1}", b""):
         with pytest.raises(ValueError):
             scan_line(bad)
+
+
+# ---------------------------------------------------------------- long arrays (tracescan._long_numbers_ok)
+
+
+def _field_ok(record: dict, key: str, text: bytes) -> bool:
+    """The reference: the value parsed by the json module, the record judged by check_trace_record."""
+    try:
+        value = json.loads(text)
+        return check_trace_record({**record, key: value}) is None
+    except (ValueError, OverflowError):  # not JSON; an integer too large to be a float
+        return False
+
+
+LONG_CASES = {
+    "top_logprobs": [b"[]", b"[[]]", b"[[],[]]", b"[[[1,-0.5]]]", b"[[[0,0]],[[12,-1e-5],[3,2E+3]]]", b"[[[1,-0]]]",
+                     b"[[[18446744073709551615,-1.5]]]", b"[[[18446744073709551616,-1.5]]]", b"[5]", b"[[5]]", b"[[[5]]]",
+                     b"[[5,[1,2]]]", b"[[[1,2]],[3]]", b"[[[1,2]],5]", b"[[[01,-0.5]]]", b"[[[1,-01]]]", b"[[[-1,0.5]]]",
+                     b"[[[1.0,0.5]]]", b"[[[1e2,0.5]]]", b"[[[1,1e400]]]", b"[[[1,-1.7976931348623159e308]]]",
+                     b"[[[1,1.7976931348623157e308]]]", b"[[[1,0.5,2]]]", b"[[[1]]]", b"[[[,0.5]]]", b"[[[1,]]]",
+                     b"[[[1,null]]]", b"[[[1,NaN]]]", b"[[[1,-.5]]]", b"[[[1,1.]]]", b"[[[1,1e]]]", b"[[[1,--1]]]",
+                     b"[[[1,+1]]]", b"[[[1,0.5]] ]", b"[[[1,0.5]]],", b"[[[1,0.5]]][]", b"[[[1,0.5]],]", b"[[[[1,2]]]]",
+                     b'[[["a",0.5]]]', b"[[[1,0.5]],[]]", b"[[[1,1e-400]]]", b"[[[1,100000000000000000000000]]]"],
+    "logprobs": [b"[]", b"[-0.5,1e-5,0,-0]", b"[5]", b"[1,]", b"[,1]", b"[1e400]", b"[1,null]", b"[[1]]", b"[01]",
+                 b"[1 ,2]", b"[100000000000000000000000]", b"[-.5]", b"[1]x"],
+    "token_ids": [b"[]", b"[0,1,22]", b"[01]", b"[-1]", b"[1.0]", b"[1,,2]", b"[1,]", b"[,]", b"[18446744073709551616]",
+                  b"[[1]]", b"[1e2]", b"[1]2"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(LONG_CASES))
+def test_long_path_accepts_only_valid_arrays(record, key):
+    """Every array the long path accepts is valid by the reference (it may leave valid ones to it),
+    on hand-made edge cases and on thousands of random edits of valid arrays."""
+    rng = random.Random(7)
+    cases = list(LONG_CASES[key])
+    alphabet = b"0123456789-+.eE[],0 n\"1"
+    valid_text = json.dumps(record[key], separators=(",", ":")).encode()
+    for _ in range(4000):
+        base = bytearray(valid_text)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(base))
+            op = rng.random()
+            if op < 0.4:
+                base[at] = rng.choice(alphabet)
+            elif op < 0.7:
+                del base[at]
+            else:
+                base.insert(at, rng.choice(alphabet))
+        cases.append(bytes(base))
+    accepted = 0
+    for text in cases:
+        fast = tracescan._long_numbers_ok(key, text)
+        assert not fast or _field_ok(record, key, text), text
+        accepted += fast
+    valid = sum(_field_ok(record, key, t) for t in cases)
+    assert accepted > 20 and len(cases) - valid > 1000, "both answers, many times"
+
+
+def test_runner_lines_take_the_long_path(record, monkeypatch):
+    """On a record as the runner writes it the long path accepts every number array: the patterns
+    are never consulted for them (so the tests above compare two real paths)."""
+    big = copy.deepcopy(record)
+    reps = 1 + tracescan.LONG_VALUE // 8
+    for key in ("token_ids", "token_texts", "logprobs", "top_logprobs"):
+        big[key] = big[key] * reps
+    line = json.dumps(big, ensure_ascii=False, separators=(",", ":")).encode()
+    for key in ("input_ids", "token_ids", "logprobs", "top_logprobs"):
+        monkeypatch.setitem(tracescan._PATTERNS, key, __import__("re").compile(r"(?!)"))  # matches nothing
+    fields, prechecked, guess = scan_line(line)
+    assert {"token_ids", "logprobs", "top_logprobs"} <= prechecked
+    assert check_trace_record(fields, prechecked) is None and guess == canonical_json(big)

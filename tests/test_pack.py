@@ -269,3 +269,58 @@ def test_verify_of_a_pax_bomb_stays_in_bounded_memory(tmp_path):
     message, peak_kib = out.stdout.strip().splitlines()
     assert "PAX extended header" in message, out.stderr
     assert int(peak_kib) < 200 * 1024, f"verify peaked at {int(peak_kib) // 1024} MiB"
+
+
+# ---------------------------------------------------------------- the fast reading path (issue 12)
+
+
+def test_a_corrupt_deflate_stream_is_an_artifact_error(cli, pack, tmp_path, monkeypatch):
+    """Flipped bits inside the compressed data: igzip's own error class is caught like zlib's, and
+    each damaged pack gets the answer it gets through the stdlib's gzip (exit code, first words)."""
+    import sys
+
+    data = pack.read_bytes()
+    damaged = []
+    for at in range(20, len(data) - 16, max(1, (len(data) - 36) // 16)):
+        bad = bytearray(data)
+        bad[at] ^= 0x55
+        damaged.append(tmp_path / f"bad{at}.tar.gz")
+        damaged[-1].write_bytes(bytes(bad))
+
+    def answers() -> list[tuple[int, str]]:
+        out = []
+        for p in damaged:
+            r = cli("verify", p)
+            assert r.exit_code in (0, 5, 6) and "Traceback" not in r.output, r.output
+            out.append((r.exit_code, r.stderr.split("(")[0]))
+        return out
+
+    with_isal = answers()
+    monkeypatch.setitem(sys.modules, "isal", None)  # import isal -> ImportError: the stdlib's gzip
+    assert with_isal == answers()
+    assert any(code == 5 and "not a readable .tar.gz pack" in err for code, err in with_isal)
+
+
+@pytest.mark.parametrize("without", ["isal", "copy_file_range"])
+def test_packs_read_the_same_without_isal_or_copy_file_range(cli, pack, monkeypatch, without):
+    """The fallbacks (stdlib gzip; reading members through tarfile) give the same answers."""
+    import os
+    import sys
+
+    said = [cli("verify", pack)]
+    if without == "isal":
+        monkeypatch.setitem(sys.modules, "isal", None)  # import isal -> ImportError
+    else:
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    said.append(cli("verify", pack))
+    assert [(r.exit_code, r.stdout) for r in said] == [(said[0].exit_code, said[0].stdout)] * 2 and said[0].exit_code == 0
+
+
+def test_a_pack_whose_member_data_is_cut_short_is_refused(cli, pack, tmp_path):
+    import gzip
+
+    raw = gzip.decompress(pack.read_bytes())
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(gzip.compress(raw[: len(raw) // 2]))  # ends inside a member, no end-of-archive blocks
+    r = cli("verify", cut)
+    assert r.exit_code == 5 and "not a readable .tar.gz pack" in r.stderr, r.output

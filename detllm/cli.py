@@ -16,6 +16,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from .artifacts import check_output_file
+from .schema_io import to_json
 from .errors import EXIT_CODES, DetllmError, UsageError
 
 EXIT_HELP = "Exit codes (every command): " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
@@ -92,7 +93,7 @@ def emit(outcome, *, as_json: bool, junit: Path | None = None) -> int:
     """Publish CI outputs, print report.json or the verdict, return the exit code."""
     publish(outcome.report, junit)
     if as_json:
-        typer.echo(json.dumps(outcome.report, indent=2))
+        typer.echo(to_json(outcome.report))  # json.dumps(indent=2)'s bytes, faster on a large report
     else:
         print_verdict(outcome.report, outcome.out_dir)
     return outcome.exit_code

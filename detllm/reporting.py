@@ -7,12 +7,12 @@ Reads artifacts only, never an engine.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 from . import artifacts
 from .errors import ArtifactError, UsageError
+from .schema_io import to_json
 from .tracefiles import refuse_seed_layout
 
 FORMATS = ("txt", "json", "md", "html", "issue")
@@ -30,7 +30,7 @@ def pick_format(fmt: str | None, out: Path | None) -> str:
 
 def _renderer(fmt: str) -> Callable[[dict[str, Any], Path | None], str]:
     if fmt == "json":
-        return lambda r, _: json.dumps(r, indent=2) + "\n"
+        return lambda r, _: to_json(r) + "\n"
     if fmt == "md":
         from .render.markdown import render_markdown
 

@@ -303,14 +303,6 @@ def _last_of_id(x: np.ndarray) -> np.ndarray:
     return _first_of_id(x[:, ::-1])[:, ::-1]
 
 
-def _seqsum(x: np.ndarray) -> np.ndarray:
-    """Row sums of (m, k) added left to right, as Python's sum() over a row."""
-    out = x[:, 0].copy()
-    for j in range(1, x.shape[1]):
-        out += x[:, j]
-    return out
-
-
 def _right_values(pa_ids: np.ndarray, pb_ids: np.ndarray, pb_lps: np.ndarray) -> np.ndarray:
     """(m, ka): the right's logprob of each left top-k id, as engine._kl_topk looks it up: the
     right's {id: logprob} (an id's last entry wins), the right's k-th value for a missing id."""
@@ -325,19 +317,37 @@ def _right_values(pa_ids: np.ndarray, pb_ids: np.ndarray, pb_lps: np.ndarray) ->
 def kl_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """engine._kl_topk for m steps at once: KL(left || right) over the left's top-k ids, p the
     left's logprobs (m, k) and q the right's of the same ids, each side renormalised over them.
-    numpy's exp and log on both paths; sums run left to right, as Python's sum."""
-    zp = np.log(_seqsum(np.exp(p)))[:, None]
-    zq = np.log(_seqsum(np.exp(q)))[:, None]
-    s = _seqsum(np.exp(p - zp) * ((p - zp) - (q - zq)))
+    numpy's exp and log on both paths; sums run left to right, as Python's sum. Worked on the
+    k columns (contiguous copies): numpy reduces a short last axis slowly."""
+    pt, qt = np.ascontiguousarray(p.T), np.ascontiguousarray(q.T)  # (k, m)
+    zp = np.log(_colsum(np.exp(pt)))
+    zq = np.log(_colsum(np.exp(qt)))
+    pt -= zp
+    qt -= zq
+    s = _colsum(np.exp(pt) * (pt - qt))
     return np.where(s > 0.0, s, 0.0)
 
 
+def _colsum(x: np.ndarray) -> np.ndarray:
+    """Sums of the k rows of (k, m), added first to last: each step's sum as Python's sum()."""
+    out = x[0].copy()
+    for row in x[1:]:
+        out += row
+    return out
+
+
+def _rows_equal(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(m,) bool: row i of x equals row i of y (both (m, k)), column by column."""
+    out = x[:, 0] == y[:, 0]
+    for j in range(1, x.shape[1]):
+        out &= x[:, j] == y[:, j]
+    return out
+
+
 def _distinct(x: np.ndarray) -> bool:
-    """No id twice within any step."""
-    if x.shape[1] < 2:
-        return True
-    y = np.sort(x, axis=1)
-    return not (y[:, 1:] == y[:, :-1]).any()
+    """No id twice within any step (each pair of columns compared)."""
+    k = x.shape[1]
+    return not any((x[:, i] == x[:, j]).any() for j in range(1, k) for i in range(j))
 
 
 def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[float]] | None:
@@ -358,7 +368,8 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[
             ka, kb = A.shape[1], B.shape[1]
             la, lb = pa.top_lps[:m], pb.top_lps[:m]
             counted = m
-            if ka == kb and np.array_equal(A, B) and _distinct(A):  # the usual drift: same ids, values moved
+            same_ids = ka == kb and np.array_equal(A, B)
+            if same_ids and _distinct(A):  # the usual drift: same ids, values moved
                 overlap = float(m)  # m steps of 1.0, added one by one: exact
                 q = lb
             else:
@@ -368,7 +379,8 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[
                 q = _right_values(A, B, lb)
             kl = kl_rows(la, q)
             if ka == kb:  # a step whose top-k lists are equal is 0.0 without computing
-                kl = np.where((A == B).all(axis=1) & (la == lb).all(axis=1), 0.0, kl)
+                equal = _rows_equal(la, lb) if same_ids else _rows_equal(A, B) & _rows_equal(la, lb)
+                kl = np.where(equal, 0.0, kl)
             kls = kl.tolist()
     return ({"prompt_index": a["prompt_index"], "steps": shared,
              "max_abs_logprob_diff": float(per.max()) if same else 0.0,

@@ -227,27 +227,36 @@ class _Parent:
 
     def alone(self) -> None:
         self.monkeypatch.setattr(self.pairs, "WORKER_MIN_BYTES", 1 << 62)
+        self.monkeypatch.setattr(trace, "_WARM_MIN_BYTES", 1 << 62)
         self.slow = False
         self.mine.clear()
 
-    def shared(self) -> None:
+    def shared(self, warm: bool = False) -> None:
+        """With `warm`, the worker is started while the traces load (a spare that opens them
+        through /proc), else when the pairs are handed over (it inherits their descriptors)."""
         self.monkeypatch.setattr(self.pairs, "WORKER_MIN_BYTES", 0)
+        self.monkeypatch.setattr(trace, "_WARM_MIN_BYTES", 0 if warm else 1 << 62)
         self.slow = True
         self.mine.clear()
 
 
-@pytest.mark.parametrize("variant,tier", [("mixed", 2), ("nulls", 2), ("flip", 1), ("topk", 2)])
-def test_a_worker_process_gives_the_same_report(monkeypatch, tmp_path, variant, tier):
+@pytest.mark.parametrize("variant,tier,warm", [("mixed", 2, False), ("nulls", 2, True), ("flip", 1, True), ("topk", 2, False)])
+def test_a_worker_process_gives_the_same_report(monkeypatch, tmp_path, variant, tier, warm):
+    from detllm.compare import pairs
+
     left, right = _pair(tmp_path, variant, prompts=100, tokens=24)
     parent = _Parent(monkeypatch)
     parent.alone()
     reference = json.dumps(diff(left, right, tier=tier).report, sort_keys=True)
     differing = len(parent.mine)
-    parent.shared()
+    parent.shared(warm)
+    spares = []
+    monkeypatch.setattr(pairs, "_take_spare", lambda real=pairs._take_spare: spares.append(real()) or spares[-1])
     shared = json.dumps(diff(left, right, tier=tier).report, sort_keys=True)
     assert differing > 20
     assert 0 < len(parent.mine) < differing, f"this process settled {len(parent.mine)} of {differing} pairs"
     assert shared == reference
+    assert (spares[0] is not None) == warm and pairs._spare is None  # a spare was taken, when there was one
 
 
 def test_a_record_the_worker_cannot_read_is_refused_here(monkeypatch, tmp_path):

@@ -122,11 +122,30 @@ def _pair_drift(a: dict[str, Any], b: dict[str, Any], identical: bool) -> tuple[
             per_step, counted, kls)
 
 
+_QUANTILES = (50, 90, 99)
+
+
+def _rank(q: float, n: int) -> int:
+    return max(1, math.ceil(q / 100.0 * n))
+
+
 def _percentile(nonzero: Any, zeros: int, q: float) -> float:
-    """Nearest-rank percentile of `zeros` zeros plus the sorted `nonzero` values."""
-    n = zeros + len(nonzero)
-    rank = max(1, math.ceil(q / 100.0 * n))
+    """Nearest-rank percentile of `zeros` zeros plus the `nonzero` values, sorted (or, an array,
+    partitioned at the ranks of _QUANTILES: the same order statistics without a full sort)."""
+    rank = _rank(q, zeros + len(nonzero))
     return 0.0 if rank <= zeros else float(nonzero[rank - zeros - 1])
+
+
+def _order(nonzero: Any, zeros: int) -> Any:
+    """nonzero, ready for _percentile: a list sorted, an array partitioned at the ranks it needs."""
+    if isinstance(nonzero, list):
+        nonzero.sort()
+        return nonzero
+    n = zeros + len(nonzero)
+    at = sorted(i for i in {_rank(q, n) - zeros - 1 for q in _QUANTILES} if 0 <= i < len(nonzero))
+    if at:
+        nonzero.partition(at)  # in place: each of these positions holds what a sort would put there
+    return nonzero
 
 
 def _quarters(by_position: list[float]) -> list[dict[str, Any]]:
@@ -184,8 +203,7 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None, mea
             kl_max = max(kl_max, max(kls, default=0.0))
     if not per_prompt:
         return {"available": False}
-    nonzero = arrays.merge(nonzero, by_position)
-    nonzero.sort()
+    nonzero = _order(arrays.merge(nonzero, by_position), zeros)
     flips = sum(p["argmax_flips"] for p in per_prompt)
     return {
         "available": True,
@@ -195,8 +213,8 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None, mea
         "argmax_flips": flips,
         "same_top1_share": (overlap_n - flips) / overlap_n if overlap_n else None,
         "kl_topk": {"mean": kl_sum / kl_n, "max": kl_max} if kl_n else None,
-        "abs_logprob_diff_percentiles": ({"p50": _percentile(nonzero, zeros, 50), "p90": _percentile(nonzero, zeros, 90),
-                                          "p99": _percentile(nonzero, zeros, 99)} if zeros + len(nonzero) else None),
+        "abs_logprob_diff_percentiles": ({f"p{q}": _percentile(nonzero, zeros, q) for q in _QUANTILES}
+                                         if zeros + len(nonzero) else None),
         "per_prompt": per_prompt,
         "max_abs_logprob_diff_by_position": by_position,
         "tokens_equal_logprobs_differ": _equal_drift(equal_drift),
@@ -305,23 +323,24 @@ def compare(
     pairs, left_only, right_only = align(left, right)
     divs: list[dict[str, Any]] = []
     identical: set[int] = set()
-    large = 0  # differing pairs with large payloads read from disk, so far
-    jobs: list[int] = []  # those past the first few: settled as arrays (compare/pairs.py, compare/fast.py)
+    jobs: list[int] = []  # differing pairs with large payloads read from disk: as arrays when there are a few
     for k, (a, b) in enumerate(pairs):
         if same_output(a, b) and a["input_ids_sha256"] == b["input_ids_sha256"]:
             identical.add(k)
+        elif fast_path(a, b):
+            jobs.append(k)
+    if not use_fast_path(len(jobs)):
+        jobs = []
+    fast = set(jobs)
+    for k, (a, b) in enumerate(pairs):
+        if k in identical or k in fast:
             continue
-        if fast_path(a, b):
-            large += 1
-            if use_fast_path(large):
-                jobs.append(k)
-                continue
         d = first_divergence(a, b, comparison=name, left_label=left_label, right_label=right_label,
                              check_logprobs=check_logprobs, atol=atol, noise_floor=noise_floor, sampled=sampled)
         if d is not None:
             divs.append(d)
     measured: dict[int, Any] = {}  # pair index -> fast.pair_drift's result, for drift()
-    if jobs:
+    if jobs:  # compare/pairs.py settles them (on two cores when they are many), compare/fast.py reads them
         from .pairs import Spec, settle_pairs
 
         spec = Spec(name, left_label, right_label, check_logprobs, atol, noise_floor, sampled, drift)

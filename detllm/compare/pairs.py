@@ -14,6 +14,7 @@ raised. Owns no meaning: what a divergence or a drift is stays in divergence.py 
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import select
@@ -89,6 +90,56 @@ def settle_pairs(pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> d
     return out
 
 
+_spare: "subprocess.Popen | None" = None  # a worker started ahead (warm()), waiting for its setup
+_SPARE_WAIT_S = 60  # a spare nobody takes exits after this long
+_PROC_FD = f"/proc/{os.getpid()}/fd"  # how a spare opens this process's descriptors (Linux)
+
+
+def warm() -> None:
+    """Start a worker now, ahead of a comparison that may need one (compare/trace.load_records
+    of a large trace): it imports numpy and simdjson while this process reads the headers. Only
+    where a spare can reach this process's descriptors (/proc); else one starts when needed."""
+    global _spare
+    if (_spare is not None and _spare.poll() is None) or _cpus() < 2 or not os.path.isdir(_PROC_FD):
+        return
+    _spare = _spawn([])
+
+
+def _spawn(fds: list[int]) -> "subprocess.Popen | None":
+    try:
+        return subprocess.Popen([sys.executable, "-m", "detllm.compare.pairs"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=fds, close_fds=True)
+    except OSError:
+        return None  # no worker: this process settles every pair
+
+
+def _take_spare() -> "subprocess.Popen | None":
+    global _spare
+    spare, _spare = _spare, None
+    if spare is not None and spare.poll() is None and _PROC_FD == f"/proc/{os.getpid()}/fd":
+        return spare
+    if spare is not None:
+        _end(spare)
+    return None
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()  # it only reads: nothing to finish
+    proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        try:
+            f.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+
+
+@atexit.register
+def _end_spare() -> None:
+    if _spare is not None:
+        _end(_spare)
+
+
 def _worth_a_worker(pairs: list[tuple[Any, Any]], jobs: list[int]) -> bool:
     if len(jobs) < 8 or _cpus() < 2:
         return False
@@ -120,7 +171,7 @@ class _Worker:
 
     @classmethod
     def start(cls, pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> "_Worker | None":
-        files: dict[int, int] = {}  # id(file) -> descriptor passed to the worker
+        files: dict[int, int] = {}  # id(file) -> its descriptor here
         order = list(range(len(jobs) - 1, -1, -1))
         tasks = []
         for pos in order:
@@ -130,13 +181,16 @@ class _Worker:
                 fd = files.setdefault(id(rec._file), rec._file.fileno())
                 task.append((dict.copy(rec), fd, rec._start, rec._end, rec.where))
             tasks.append(task)
-        setup = pickle.dumps((spec, tasks), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "detllm.compare.pairs"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=sorted(set(files.values())),
-                                    close_fds=True)
-        except OSError:
-            return None  # no worker: this process settles every pair
+        proc = _take_spare()
+        fds = sorted(set(files.values()))
+        # a spare opens each file again through /proc (it was started before they were opened);
+        # a worker started now inherits the descriptors themselves
+        opened = {fd: f"{_PROC_FD}/{fd}" if proc is not None else None for fd in fds}
+        if proc is None:
+            proc = _spawn(fds)
+            if proc is None:
+                return None
+        setup = pickle.dumps((spec, opened, tasks), protocol=pickle.HIGHEST_PROTOCOL)
         self = cls(proc, order)
         # the setup is written from a thread: the worker reads it only once its imports are done
         def send_setup() -> None:
@@ -182,14 +236,7 @@ class _Worker:
         return back
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()  # it only reads: nothing to finish
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()  # type: ignore[union-attr]
-            except OSError:
-                pass
+        _end(self.proc)
 
 
 # ------------------------------------------------------------------ the worker process
@@ -217,14 +264,21 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 def _worker_main() -> int:
     import mmap
 
+    import importlib
+
+    importlib.import_module(".fast", __package__)  # numpy and simdjson, imported while the parent reads its traces
+
     fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
+    if not select.select([fd_in], [], [], _SPARE_WAIT_S)[0]:
+        return 0  # a spare nobody took
     head = _read_exact(fd_in, _FRAME.size)
     if head is None:
         return 0
     setup = _read_exact(fd_in, _FRAME.unpack(head)[0])
     if setup is None:
         return 0
-    spec, tasks = pickle.loads(setup)
+    spec, opened, tasks = pickle.loads(setup)
+    fds = {fd: (os.open(path, os.O_RDONLY) if path else fd) for fd, path in opened.items()}
     maps: dict[int, Any] = {}
     front = 0  # how many jobs the parent has settled from the front
     pending = b""
@@ -244,7 +298,7 @@ def _worker_main() -> int:
         recs = []
         for header, fd, start, end, where in sides:
             if fd not in maps:
-                maps[fd] = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                maps[fd] = mmap.mmap(fds[fd], 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             rec = TraceRecord(header, maps[fd], start, end, where)
             recs.append(rec)
         try:

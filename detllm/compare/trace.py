@@ -85,8 +85,8 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
 # payloads below this many bytes on both sides stay on the reference path: numpy's import
 # (~0.1 s) costs more than the fast path saves (a 1,000-token top-5 payload is ~180 KB)
 FAST_PATH_MIN_BYTES = 16_384
-# ... and the first few such pairs of a comparison too (~20 ms each): a repeat with one flipped
-# prompt should not pay ~0.15 s of imports to parse two records
+# ... and only when a comparison has more than this many such pairs (~20 ms each on the reference
+# path): a repeat with one flipped prompt should not pay ~0.15 s of imports to parse two records
 FAST_PATH_AFTER = 4
 
 
@@ -97,7 +97,7 @@ def fast_path(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def use_fast_path(large_pairs: int) -> bool:
-    """Whether the large_pairs-th large differing pair of a comparison takes compare/fast.py."""
+    """Whether a comparison with large_pairs large differing pairs reads them through compare/fast.py."""
     return large_pairs > FAST_PATH_AFTER
 
 
@@ -154,6 +154,7 @@ def _map(path: Path) -> "tuple[bytes | mmap.mmap, Any]":
 
 
 _MAP_MIN_BYTES = 1 << 22  # below 4 MiB a read is as fast and holds no descriptor
+_WARM_MIN_BYTES = 1 << 24  # a trace this large may well need compare/pairs.py's worker: start it early
 
 
 def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: True) -> tuple[list[TraceRecord], set[tuple[int, int]]]:
@@ -180,6 +181,10 @@ def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: 
             if keep(rec):
                 out.append(rec)
         pos = end + 1
+    if file is not None and n >= _WARM_MIN_BYTES:
+        from .pairs import warm
+
+        warm()  # a worker for the comparison that may follow starts importing now (compare/pairs.py)
     for rec in out[:1] + out[-1:]:
         rec.load()
     return out, present

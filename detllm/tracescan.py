@@ -16,8 +16,9 @@ import json
 import queue
 import re
 import threading
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 _DECODER = json.JSONDecoder()
 _WS = " \t\n\r"
@@ -90,24 +91,30 @@ def _long_numbers_ok(key: str, value: bytes) -> bool:
     return _json_ok(value)
 
 
-def _long_value_end(key: str, s: str, i: int) -> int | None:
+def _long_value_end(key: str, s: str, i: int, body: bytes | None) -> int | None:
     """Where the long number array of `key` starting at s[i] ends, if its text was shown valid
     by _long_numbers_ok; None otherwise. Such an array holds no '"', so in compact JSON it ends
-    right before the ',"' of the next key, or before the closing '}' when it is the last field."""
+    right before the ',"' of the next key, or before the closing '}' when it is the last field.
+    `body`: the line's bytes when it is ASCII (then an offset in s is one in body)."""
     if key not in ("token_ids", "input_ids", "logprobs", "top_logprobs") or s[i:i + 1] != "[":
         return None
     j = s.find('"', i)
     if j < 0:
-        tail = s.rstrip(_WS)
-        end = len(tail) - 1 if tail.endswith("}") else -1
+        k = len(s) - 1
+        while k > i and s[k] in _WS:
+            k -= 1
+        end = k if s[k] == "}" else -1
     else:
         end = j - 1 if s[j - 1] == "," else -1
     if end - i < LONG_VALUE:
         return None
-    try:
-        value = s[i:end].encode("ascii")
-    except UnicodeEncodeError:
-        return None
+    if body is not None:
+        value = body[i:end]
+    else:
+        try:
+            value = s[i:end].encode("ascii")
+        except UnicodeEncodeError:
+            return None
     return end if _long_numbers_ok(key, value) else None
 
 
@@ -124,12 +131,48 @@ def scan_line(body: bytes) -> tuple[Any, frozenset[str], bytes]:
     hashing.canonical_json(record). verify trusts a guess only when its digest lands on the
     manifest's chain and re-serialises otherwise, so the guess changes the speed, never the
     answer. Raises ValueError when the line is not JSON."""
+    fields, prechecked, spans, s = _scan(body)
+    return fields, prechecked, body if spans is None else _guess(spans, s)
+
+
+def _guess(spans: list[tuple[str, int, int]], s: str) -> bytes:
+    return ("{" + ",".join(s[a:b] for _, a, b in sorted(spans)) + "}").encode("utf-8")
+
+
+def scan_record(body: bytes) -> tuple[Any, frozenset[str], list[bytes | memoryview]]:
+    """scan_line with the guess as the pieces it is made of (digest(pieces) is its sha256). An
+    ASCII line (what the runner writes for ASCII text) gives views into its own bytes: the guess
+    is never copied, and can be hashed on another thread."""
+    fields, prechecked, spans, s = _scan(body)
+    if spans is None:
+        return fields, prechecked, [body]
+    if len(s) != len(body):  # not ASCII: offsets in s are not offsets in body
+        return fields, prechecked, [_guess(spans, s)]
+    view, pieces = memoryview(body), [b"{"]
+    for _, a, b in sorted(spans):
+        pieces += (view[a:b], b",")
+    pieces[-1] = b"}"
+    return fields, prechecked, pieces
+
+
+def digest(pieces: list[bytes | memoryview]) -> bytes:
+    """sha256 of the pieces joined (hashlib releases the GIL on the long ones)."""
+    sha = hashlib.sha256()
+    for piece in pieces:
+        sha.update(piece)
+    return sha.digest()
+
+
+def _scan(body: bytes) -> tuple[Any, frozenset[str], list[tuple[str, int, int]] | None, str]:
+    """(fields, prechecked, the `"key":value` spans in s, s): the work of scan_line; spans is
+    None when the line is not a JSON object (then fields is whatever it parses to)."""
     s = body.decode("utf-8")
+    ascii_body = body if len(s) == len(body) else None  # one byte per character: offsets agree
     i, n = 0, len(s)
     while i < n and s[i] in _WS:
         i += 1
     if i >= n or s[i] != "{":
-        return json.loads(s), frozenset(), body  # not an object: check_trace_record names it
+        return json.loads(s), frozenset(), None, s  # not an object: check_trace_record names it
     fields: dict[str, Any] = {}
     prechecked: set[str] = set()
     spans: list[tuple[str, int, int]] = []
@@ -151,7 +194,7 @@ def scan_line(body: bytes) -> tuple[Any, frozenset[str], bytes]:
         i += 1
         while i < n and s[i] in _WS:
             i += 1
-        end = _long_value_end(key, s, i)
+        end = _long_value_end(key, s, i, ascii_body)
         if end is None and key in _PATTERNS:
             m = _PATTERNS[key].match(s, i)
             end = None if m is None else m.end()
@@ -176,8 +219,7 @@ def scan_line(body: bytes) -> tuple[Any, frozenset[str], bytes]:
         raise ValueError("expected ',' or '}'")
     if s[i:].strip(_WS):
         raise ValueError("extra data after the object")
-    guess = "{" + ",".join(s[a:b] for _, a, b in sorted(spans)) + "}"
-    return fields, frozenset(prechecked), guess.encode("utf-8")
+    return fields, frozenset(prechecked), spans, s
 
 
 # ---------------------------------------------------------------- the file
@@ -185,22 +227,34 @@ def scan_line(body: bytes) -> tuple[Any, frozenset[str], bytes]:
 
 class Lines:
     """Streams a file line by line (bytes, newline stripped) while hashing every byte read.
-    Reads 4 MiB at a time; a file longer than that is hashed by a second thread (hashlib
-    releases the GIL on large buffers) while the caller works on its lines."""
+    Reads 4 MiB at a time; a file longer than that is hashed on a second thread (hashlib
+    releases the GIL on large buffers) while the caller works on its lines, and `submit` runs
+    the caller's own hashing there too."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.sha, self.size = path, hashlib.sha256(), 0
+        self._worker: _Worker | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """fn(*args) on the hashing thread, in order with the reads (inline while there is none)."""
+        if self._worker is None:
+            done: Future = Future()
+            done.set_result(fn(*args))
+            return done
+        return self._worker.submit(fn, *args)
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         n, pending = 0, []  # pending: the pieces of a line that started in an earlier read
-        hasher: _Hasher | None = None
         try:
             with open(self.path, "rb") as f:
                 while chunk := f.read(_CHUNK):
                     self.size += len(chunk)
-                    if hasher is None and len(chunk) == _CHUNK:
-                        hasher = _Hasher(self.sha)
-                    (hasher.put if hasher is not None else self.sha.update)(chunk)
+                    if self._worker is None and len(chunk) == _CHUNK:
+                        self._worker = _Worker()
+                    if self._worker is None:
+                        self.sha.update(chunk)
+                    else:
+                        self._worker.submit(self.sha.update, chunk)
                     pos = 0
                     while (nl := chunk.find(b"\n", pos)) >= 0:
                         n += 1
@@ -216,24 +270,31 @@ class Lines:
             if pending:
                 yield n + 1, b"".join(pending)  # a last line without a newline
         finally:
-            if hasher is not None:
-                hasher.finish()  # self.sha holds every byte read once the loop is left
+            if self._worker is not None:
+                self._worker.finish()  # every job done: self.sha holds every byte read
+                self._worker = None
 
 
-class _Hasher:
-    """sha.update on another thread, in order; a bounded queue keeps at most 8 reads in memory."""
+class _Worker:
+    """One thread running jobs in order; a bounded queue keeps at most 8 waiting (8 reads: 32 MiB)."""
 
-    def __init__(self, sha: Any) -> None:
-        self.queue: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
-        self.thread = threading.Thread(target=self._run, args=(sha,), name="detllm-sha256", daemon=True)
+    def __init__(self) -> None:
+        self.queue: queue.Queue[tuple[Callable[..., Any], tuple, Future] | None] = queue.Queue(maxsize=8)
+        self.thread = threading.Thread(target=self._run, name="detllm-sha256", daemon=True)
         self.thread.start()
 
-    def _run(self, sha: Any) -> None:
-        while (chunk := self.queue.get()) is not None:
-            sha.update(chunk)
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            fn, args, fut = job
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever asks for the result
+                fut.set_exception(exc)
 
-    def put(self, chunk: bytes) -> None:
-        self.queue.put(chunk)
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self.queue.put((fn, args, fut))
+        return fut
 
     def finish(self) -> None:
         self.queue.put(None)

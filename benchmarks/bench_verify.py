@@ -9,6 +9,7 @@ accepts it. verify runs as a CLI subprocess (a fresh interpreter, no torch), on 
 on the .tar.gz.
 
     .venv/bin/python benchmarks/bench_verify.py [--prompts 1000] [--tokens 1000] [--top-k 5] [--drift] [--keep DIR]
+    .venv/bin/python benchmarks/bench_verify.py --reuse DIR   # time a pack built with --keep DIR again
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import resource
 import subprocess
@@ -100,7 +102,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--drift", action="store_true", help="run 1 drifted by 1e-7 (a FAIL verdict to re-derive)")
     ap.add_argument("--keep", type=Path, help="build the pack in this (new) folder and keep it")
+    ap.add_argument("--reuse", type=Path, help="time the pack an earlier --keep built in this folder (no rebuild)")
     args = ap.parse_args()
+    if args.reuse:
+        folder, pack = args.reuse / "run", args.reuse / "run.tar.gz"
+        manifest = json.loads((folder / artifacts.MANIFEST).read_text())
+        size = next(f["size"] for f in manifest["files"] if f["path"] == artifacts.TRACE)
+        print(f"reusing {args.reuse}: {manifest['trace']['records']} records, trace.jsonl {size / 1e6:.0f} MB, "
+              f"pack {pack.stat().st_size / 1e6:.0f} MB")
+        time_both(folder, pack, size, None, args.repeats)
+        return
     with (contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="detllm-bench-verify-")) as tmp:
         folder = Path(tmp) / "run"
         prompt_list = [f"synthetic prompt {i}" for i in range(args.prompts // 2)]
@@ -121,12 +132,17 @@ def main() -> None:
               f"trace.jsonl {size / 1e6:.0f} MB, pack {pack.stat().st_size / 1e6:.0f} MB (written in {t_write:.1f} s)")
         print(f"seal with the writer's digests (what a run does): {t_seal:.2f} s; "
               f"seal re-reading the trace from disk: {t_seal_disk:.2f} s")
-        t_dir, c_dir = time_verify(folder, args.repeats)
-        print(f"detllm verify <folder>:  {t_dir:.2f} s wall, {c_dir:.2f} s CPU  ({steps / t_dir / 1e6:.2f} M steps/s, "
-              f"{size / t_dir / 1e6:.0f} MB/s)")
-        t_tar, c_tar = time_verify(pack, args.repeats)
-        print(f"detllm verify <.tar.gz>: {t_tar:.2f} s wall, {c_tar:.2f} s CPU  (includes safe extraction)")
+        time_both(folder, pack, size, steps, args.repeats)
 
+
+def time_both(folder: Path, pack: Path, size: int, steps: int | None, repeats: int) -> None:
+    print(f"load average before timing: {os.getloadavg()[0]:.1f} (2 cores: above ~1 the wall times wait for a core)")
+    t_dir, c_dir = time_verify(folder, repeats)
+    rate = f"{steps / t_dir / 1e6:.2f} M steps/s, " if steps else ""
+    print(f"detllm verify <folder>:  {t_dir:.2f} s wall, {c_dir:.2f} s CPU  ({rate}{size / t_dir / 1e6:.0f} MB/s)")
+    t_tar, c_tar = time_verify(pack, repeats)
+    print(f"detllm verify <.tar.gz>: {t_tar:.2f} s wall, {c_tar:.2f} s CPU  (includes safe extraction)")
+    print(f"load average after timing: {os.getloadavg()[0]:.1f}")
 
 if __name__ == "__main__":
     main()

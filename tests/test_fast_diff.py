@@ -7,6 +7,7 @@ equal as JSON, and the fast run must really have built its arrays."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -299,14 +300,15 @@ diff({str(left)!r}, {str(right)!r}, tier=2)
     try:
         assert proc.stdout.readline().strip() == "started"
         worker = None
-        for _ in range(200):  # the worker appears once the first pairs are settled
-            kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-            if kids:
-                worker = int(kids[0])
+        for _ in range(200):  # the worker appears once the pairs are handed over (exec'd: not a bare fork)
+            for kid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+                with contextlib.suppress(OSError):
+                    if b"detllm.compare.pairs" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                        worker = int(kid)
+            if worker is not None:
                 break
             time.sleep(0.05)
         assert worker is not None, "no worker was started"
-        assert "detllm.compare.pairs" in Path(f"/proc/{worker}/cmdline").read_bytes().decode()
         time.sleep(0.5)  # it is settling pairs now
     finally:
         proc.kill()

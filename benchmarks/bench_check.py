@@ -8,18 +8,17 @@ Measured side by side in one process, in this order (model built/cached and torc
           compare, report
   decode: ms per decoding step of the hf backend's loop vs model.generate on the same batch
           (forced to --max-new-tokens steps), at batch 1 and at each --vary-batch size
-Prints each wall time and the ratios. The per-process model cache is cleared before each load.
+Prints wall and CPU times and the ratios (_overhead.py). The per-process model cache is cleared before each load.
 
     .venv/bin/python benchmarks/bench_check.py [--model smollm2-135m] [--runs 5] [--vary-batch 1,8]
-        [--max-new-tokens 32] [--repeat 2]
+        [--max-new-tokens 32] [--repeat 2] [--threads N]
 """
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 import time
-from pathlib import Path
+
+from _overhead import alternate, arguments, check_fields
 
 
 def _batches(n: int, b: int) -> list[list[int]]:
@@ -28,12 +27,11 @@ def _batches(n: int, b: int) -> list[list[int]]:
     return plan_batches(n, b)
 
 
-def bare(path: str, prompts: list[str], fillers: list[str], runs: int, sizes: list[int], tokens: int) -> float:
-    """Seconds for load + the generations `check` performs, through plain transformers."""
+def bare(path: str, prompts: list[str], fillers: list[str], runs: int, sizes: list[int], tokens: int) -> None:
+    """Load + the generations `check` performs, through plain transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -46,7 +44,6 @@ def bare(path: str, prompts: list[str], fillers: list[str], runs: int, sizes: li
                 texts = [prompts[i] if i >= 0 else fillers[-i - 1] for i in batch]
                 enc = tok(texts, return_tensors="pt", padding=True)
                 model.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    return time.perf_counter() - t0
 
 
 def decode_ms(backend, model, tok, texts: list[str], tokens: int) -> tuple[float, float]:
@@ -75,53 +72,26 @@ def decode_ms(backend, model, tok, texts: list[str], tokens: int) -> tuple[float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--vary-batch", default="1,8", help="batch sizes, the first is the base (as check's --batch-size)")
-    ap.add_argument("--repeat", type=int, default=2, help="bare/detllm pairs, alternated")
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    args = ap.parse_args()
-    sizes = [int(s) for s in args.vary_batch.split(",")]
+    args = arguments(__doc__, decode_tokens=64)
+    sizes = args.sizes
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    import detllm
     from detllm.backends import hf
     from detllm.models import resolve_model
     from detllm.prompts import BUILTIN_PROMPTS, FILLERS
 
+    if args.threads:
+        torch.set_num_threads(args.threads)  # for the bare side; detllm sets the same for its runs
     path = str(resolve_model(args.model).path)  # build/cache the model outside every timing
     warm = AutoModelForCausalLM.from_pretrained(path)  # warm torch's kernels and thread pool, and the page cache
     with torch.inference_mode():
         warm(torch.tensor([[1, 2, 3]]))
     del warm
-    print(f"model {args.model}, {len(BUILTIN_PROMPTS)} prompts x {args.max_new_tokens} tokens, runs {args.runs} at batch "
-          f"{sizes[0]}" + (f" + 1 run at batch {', '.join(map(str, sizes[1:]))}" if sizes[1:] else "")
-          + f", torch threads {torch.get_num_threads()}")
-    ratios, cpu_ratios = [], []
-    for rep in range(args.repeat):
-        c0 = time.process_time()  # CPU of every thread of this process: steadier than wall on a shared machine
-        t_bare = bare(path, list(BUILTIN_PROMPTS), list(FILLERS), args.runs, sizes, args.max_new_tokens)
-        c_bare = time.process_time() - c0
-        hf._LOADED.clear()
-        with tempfile.TemporaryDirectory() as tmp:
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            out = detllm.check(backend="hf", model=args.model, runs=args.runs, batch_size=sizes[0],
-                               vary_batch=tuple(sizes) if len(sizes) > 1 else (), max_new_tokens=args.max_new_tokens,
-                               tier=2, out=Path(tmp) / "check")
-            t_ours = time.perf_counter() - t0
-            c_ours = time.process_time() - c0
-        hf._LOADED.clear()
-        ratios.append(t_ours / t_bare)
-        cpu_ratios.append(c_ours / c_bare)
-        print(f"[{rep + 1}] bare load + generate: {t_bare:.2f} s ({c_bare:.2f} s CPU) | detllm check (tier 2) {t_ours:.2f} s "
-              f"({c_ours:.2f} s CPU) [{out.status}] | ratio {t_ours / t_bare:.2f} wall, {c_ours / c_bare:.2f} CPU")
-    print(f"check overhead ratio detllm / bare: wall best {min(ratios):.2f}, worst {max(ratios):.2f}; "
-          f"CPU best {min(cpu_ratios):.2f}, worst {max(cpu_ratios):.2f}")
+    print(f"torch threads {torch.get_num_threads()}")
+    alternate("hf check", lambda: bare(path, list(BUILTIN_PROMPTS), list(FILLERS), args.runs, sizes, args.max_new_tokens),
+              check_fields("hf", args), args.repeat, bare_name="bare load + generate", after=hf._LOADED.clear)
 
     from detllm.backends.hf import HFBackend
 

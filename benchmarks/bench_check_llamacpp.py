@@ -7,33 +7,25 @@ Side by side in one process, alternated --repeat times:
   detllm: detllm.check(backend="llamacpp", runs, vary_batch=(1, 8), tier 2): server start, the
           same calls (plus the slot touches that pin prompt i to slot i), trace, seal, compare,
           report
-Prints wall and CPU (this process + its children: the server) times and the ratios.
+Prints wall and CPU (this process + its children: the server) times and the ratios (_overhead.py).
 
-    .venv/bin/python benchmarks/bench_check_llamacpp.py [--model smollm2-135m] [--runs 5] [--max-new-tokens 32]
+    .venv/bin/python benchmarks/bench_check_llamacpp.py [--model smollm2-135m] [--runs 5] [--vary-batch 1,8]
+        [--max-new-tokens 32] [--repeat 2] [--threads N]
 """
 
 from __future__ import annotations
 
-import argparse
-import resource
-import tempfile
-import time
-from pathlib import Path
+from _overhead import alternate, arguments, check_fields
 
 
-def _cpu() -> float:
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def bare(model: str, runs: int, sizes: list[int], tokens: int) -> None:
+def bare(model: str, runs: int, sizes: list[int], tokens: int, threads: int | None) -> None:
     from detllm.backends.llamacpp import LlamaCppBackend, batch_seed
     from detllm.backends.llamacpp_server import Server, free_port
     from detllm.config import Decoding
     from detllm.prompts import BUILTIN_PROMPTS, FILLERS
     from detllm.runner import plan_batches
 
-    be = LlamaCppBackend(model, slots=max(sizes))  # for its argv and request bodies; its own server is never started
+    be = LlamaCppBackend(model, slots=max(sizes), threads=threads)  # for its argv and request bodies; its own server is never started
     port = free_port()
     srv = Server(be.argv(port), port, be.options.request_timeout)
     try:
@@ -51,35 +43,10 @@ def bare(model: str, runs: int, sizes: list[int], tokens: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--vary-batch", default="1,8")
-    ap.add_argument("--repeat", type=int, default=2)
-    args = ap.parse_args()
-    sizes = [int(s) for s in args.vary_batch.split(",")]
-
-    import detllm
-
-    bare(args.model, 1, sizes[:1], 2)  # warm the page cache and the binary outside the timings
-    walls, cpus = [], []
-    for rep in range(args.repeat):
-        t0, c0 = time.perf_counter(), _cpu()
-        bare(args.model, args.runs, sizes, args.max_new_tokens)
-        t_bare, c_bare = time.perf_counter() - t0, _cpu() - c0
-        with tempfile.TemporaryDirectory() as tmp:
-            t0, c0 = time.perf_counter(), _cpu()
-            out = detllm.check(backend="llamacpp", model=args.model, runs=args.runs, batch_size=sizes[0],
-                               vary_batch=tuple(sizes) if len(sizes) > 1 else (), max_new_tokens=args.max_new_tokens,
-                               tier=2, out=Path(tmp) / "check")
-            t_ours, c_ours = time.perf_counter() - t0, _cpu() - c0
-        walls.append(t_ours / t_bare)
-        cpus.append(c_ours / c_bare)
-        print(f"[{rep + 1}] bare llama-server: {t_bare:.2f} s ({c_bare:.2f} s CPU) | detllm check (tier 2): {t_ours:.2f} s "
-              f"({c_ours:.2f} s CPU) [{out.status}] | ratio {walls[-1]:.2f} wall, {cpus[-1]:.2f} CPU")
-    print(f"llama.cpp check overhead detllm / bare: wall best {min(walls):.2f}, worst {max(walls):.2f}; "
-          f"CPU best {min(cpus):.2f}, worst {max(cpus):.2f}")
+    args = arguments(__doc__)
+    bare(args.model, 1, args.sizes[:1], 2, args.threads)  # warm the page cache and the binary outside the timings
+    alternate("llama.cpp check", lambda: bare(args.model, args.runs, args.sizes, args.max_new_tokens, args.threads),
+              check_fields("llamacpp", args), args.repeat, bare_name="bare llama-server")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import stat
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -295,41 +294,28 @@ def _check_trace(folder: Path, trace: dict[str, Any], entry: dict[str, Any]) -> 
     if h0 is not None and not genesis_ok:
         out.append(Problem(TRACE, f"chain genesis does not match: {RUN_CONFIG}, {ENV} or the model identity changed"))
     h, locators, expected = bytes.fromhex(trace["genesis"]), trace["record_hashes"], trace["records"]
-
-    def chain(n: int, body: bytes, guess_sha256: Future) -> Problem | None:
-        """Line n's step of the chain, from its guess's digest (hashed on Lines' thread)."""
-        nonlocal h
-        nxt = step_digest(h, guess_sha256.result(), n)
-        if n <= expected and nxt.hex()[:LOCATOR_HEX] != locators[n - 1]:
-            nxt = step(h, json.loads(body), n)  # the guess was not canonical: re-serialise (at most once)
-        h = nxt
-        if n > expected or h.hex()[:LOCATOR_HEX] != locators[n - 1]:
-            return Problem(f"{TRACE} line {n}", "record does not match the hash chain (edited, reordered, inserted or removed)")
-        return None
-
-    # Line n's guess is hashed while line n+1 is scanned; line n's chain step still comes before
-    # anything line n+1 says, so the first problem named is the one a line-by-line check finds.
     first: Problem | None = None
-    waiting: tuple[int, bytes, Future] | None = None  # a scanned line whose chain step is still to do
     lines, n = Lines(folder / TRACE), 0
     for n, body in lines:
         if first is not None:
             continue  # keep reading: the file digest still needs every byte
         try:
-            fields, prechecked, pieces = scan_record(body)
+            fields, prechecked, guess = scan_record(body)
         except ValueError:
-            problem = Problem(f"{TRACE} line {n}", "not valid JSON", schema=True)
-        else:
-            bad = check_trace_record(fields, prechecked)
-            problem = None if bad is None else Problem(f"{TRACE} line {n}", f"schema violation: {bad}", schema=True)
-        if waiting is not None:
-            first, waiting = chain(*waiting), None
-        if first is None and problem is not None:
-            first = problem
-        if first is None:
-            waiting = (n, body, lines.submit(digest, pieces))
-    if waiting is not None and first is None:
-        first = chain(*waiting)
+            first = Problem(f"{TRACE} line {n}", "not valid JSON", schema=True)
+            continue
+        bad = check_trace_record(fields, prechecked)
+        if bad is not None:
+            first = Problem(f"{TRACE} line {n}", f"schema violation: {bad}", schema=True)
+            continue
+        # hashed here, not on Lines' thread: hashlib lets go of the GIL on the long pieces, which is
+        # when that thread gets it to hash the file (handing lines to it stalls both on the GIL)
+        nxt = step_digest(h, digest(guess), n)
+        if n <= expected and nxt.hex()[:LOCATOR_HEX] != locators[n - 1]:
+            nxt = step(h, json.loads(body), n)  # the guess was not canonical: re-serialise (at most once)
+        h = nxt
+        if n > expected or h.hex()[:LOCATOR_HEX] != locators[n - 1]:
+            first = Problem(f"{TRACE} line {n}", "record does not match the hash chain (edited, reordered, inserted or removed)")
     sha, size = lines.sha.hexdigest(), lines.size
     changed = (sha, size) != (entry["sha256"], entry["size"])
     if first is not None:

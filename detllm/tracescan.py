@@ -16,9 +16,8 @@ import json
 import queue
 import re
 import threading
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 _DECODER = json.JSONDecoder()
 _WS = " \t\n\r"
@@ -141,7 +140,7 @@ def _guess(spans: list[tuple[str, int, int]], s: str) -> bytes:
 def scan_record(body: bytes) -> tuple[Any, frozenset[str], list[bytes | memoryview]]:
     """scan_line with the guess as the pieces it is made of (digest(pieces) is its sha256). An
     ASCII line (what the runner writes for ASCII text) gives views into its own bytes: the guess
-    is never copied, and can be hashed on another thread."""
+    is never copied."""
     fields, prechecked, spans, s = _scan(body)
     if spans is None:
         return fields, prechecked, [body]
@@ -229,34 +228,22 @@ _CHUNK = 4 << 20  # bytes per read of the trace
 
 class Lines:
     """Streams a file line by line (bytes, newline stripped) while hashing every byte read.
-    Reads 4 MiB at a time; a file longer than that is hashed on a second thread (hashlib
-    releases the GIL on large buffers) while the caller works on its lines, and `submit` runs
-    the caller's own hashing there too."""
+    Reads 4 MiB at a time; a file longer than that is hashed on a second thread (hashlib lets
+    go of the GIL on large buffers) while the caller works on its lines."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.sha, self.size = path, hashlib.sha256(), 0
-        self._worker: _Worker | None = None
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """fn(*args) on the hashing thread, in order with the reads (inline while there is none)."""
-        if self._worker is None:
-            done: Future = Future()
-            done.set_result(fn(*args))
-            return done
-        return self._worker.submit(fn, *args)
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         n, pending = 0, []  # pending: the pieces of a line that started in an earlier read
+        hasher: _Hasher | None = None
         try:
             with open(self.path, "rb") as f:
                 while chunk := f.read(_CHUNK):
                     self.size += len(chunk)
-                    if self._worker is None and len(chunk) == _CHUNK:
-                        self._worker = _Worker()
-                    if self._worker is None:
-                        self.sha.update(chunk)
-                    else:
-                        self._worker.submit(self.sha.update, chunk)
+                    if hasher is None and len(chunk) == _CHUNK:
+                        hasher = _Hasher(self.sha)
+                    (hasher.put if hasher is not None else self.sha.update)(chunk)
                     pos = 0
                     while (nl := chunk.find(b"\n", pos)) >= 0:
                         n += 1
@@ -272,31 +259,24 @@ class Lines:
             if pending:
                 yield n + 1, b"".join(pending)  # a last line without a newline
         finally:
-            if self._worker is not None:
-                self._worker.finish()  # every job done: self.sha holds every byte read
-                self._worker = None
+            if hasher is not None:
+                hasher.finish()  # self.sha holds every byte read once the loop is left
 
 
-class _Worker:
-    """One thread running jobs in order; a bounded queue keeps at most 8 waiting (8 reads: 32 MiB)."""
+class _Hasher:
+    """sha.update on another thread, in order; a bounded queue keeps at most 8 reads (32 MiB) waiting."""
 
-    def __init__(self) -> None:
-        self.queue: queue.Queue[tuple[Callable[..., Any], tuple, Future] | None] = queue.Queue(maxsize=8)
-        self.thread = threading.Thread(target=self._run, name="detllm-sha256", daemon=True)
+    def __init__(self, sha: Any) -> None:
+        self.queue: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
+        self.thread = threading.Thread(target=self._run, args=(sha,), name="detllm-sha256", daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
-        while (job := self.queue.get()) is not None:
-            fn, args, fut = job
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # handed to whoever asks for the result
-                fut.set_exception(exc)
+    def _run(self, sha: Any) -> None:
+        while (chunk := self.queue.get()) is not None:
+            sha.update(chunk)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        fut: Future = Future()
-        self.queue.put((fn, args, fut))
-        return fut
+    def put(self, chunk: bytes) -> None:
+        self.queue.put(chunk)
 
     def finish(self) -> None:
         self.queue.put(None)

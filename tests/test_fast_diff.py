@@ -127,6 +127,10 @@ def _pair(root: Path, variant: str, prompts: int = 12, tokens: int = 40, k: int 
         if variant == "fewer_k" and i % 2:
             b["top_logprobs"] = [s[:3] for s in b["top_logprobs"]]
             b["logprobs"] = [lp + 2e-6 for lp in b["logprobs"]]
+        if variant == "no_tops" and i % 3 == 2:  # one side recorded no top-k (logprobs 0): every step differs
+            b["top_logprobs"] = None
+        if variant == "no_tops" and i % 3 == 1:
+            b["logprobs"] = [lp + 3e-7 for lp in b["logprobs"]]
         if variant == "nulls" and i % 3 == 1:  # not the runner's layout: the reference path reads it
             b["top_logprobs"][2][1][1] = None
         left.append(a)
@@ -134,7 +138,7 @@ def _pair(root: Path, variant: str, prompts: int = 12, tokens: int = 40, k: int 
     return _folder(root, f"{variant}_l", left), _folder(root, f"{variant}_r", right)
 
 
-VARIANTS = ["drift", "flip", "mixed", "topk", "short", "fewer_k", "nulls"]
+VARIANTS = ["drift", "flip", "mixed", "topk", "short", "fewer_k", "nulls", "no_tops"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

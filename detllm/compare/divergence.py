@@ -149,6 +149,12 @@ def _topk_diff(ta: list[list[Any]] | None, tb: list[list[Any]] | None, atol: flo
 def _logprob_step(left: dict[str, Any], right: dict[str, Any], stop: int, atol: float) -> tuple[int, float] | None:
     """First step < stop whose chosen-token logprob or top-k differs by more than atol
     (bitwise when atol is 0), with that difference; None when all agree."""
+    if hasattr(left, "payload") and hasattr(right, "payload"):  # compare/fast.py Views: the same on arrays
+        from .fast import logprob_step
+
+        got = logprob_step(left, right, stop, atol)  # type: ignore[arg-type]
+        if got is not NotImplemented:
+            return got
     la, lb = left.get("logprobs"), right.get("logprobs")
     if la is None or lb is None:
         return None

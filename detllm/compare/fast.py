@@ -271,6 +271,61 @@ class View(dict):
             return default
 
 
+def _top_arrays(p: Payload) -> Any:
+    """(ids, lps) of the top-k section, None without one, _IRREGULAR when it is not laid out as n x k pairs."""
+    if p.tops_raw is not None:
+        got = _tops(p.tops_raw, len(p.ids))
+        return _IRREGULAR if got is None else got
+    return None if p.top_ids is None else (p.top_ids, p.top_lps)
+
+
+_IRREGULAR = object()
+
+
+def logprob_step(a: View, b: View, stop: int, atol: float) -> Any:
+    """divergence._logprob_step on arrays: the first step < stop whose chosen-token logprob or
+    top-k differs by more than atol, with that difference, or None; NotImplemented when a top-k
+    section is irregular (the reference loop then reads it). A step whose two top-k lists hold
+    the same distinct ids in the same order is measured on the arrays; any other step (ids moved,
+    swapped in or repeated) by divergence._topk_diff itself, as the reference loop would."""
+    from .divergence import _topk_diff
+
+    pa, pb = a.payload, b.payload
+    if pa.lps is None or pb.lps is None:
+        return None
+    ta, tb = _top_arrays(pa), _top_arrays(pb)
+    if ta is _IRREGULAR or tb is _IRREGULAR:
+        return NotImplemented
+    m = min(stop, len(pa.lps), len(pb.lps))
+    if m <= 0:
+        return None
+    d = np.abs(pa.lps[:m] - pb.lps[:m])
+    na, nb = (0 if ta is None else len(ta[0])), (0 if tb is None else len(tb[0]))
+    both = min(m, na, nb)
+    d[both:min(m, max(na, nb))] = np.inf  # one side has a top-k list at the step, the other none
+    other: np.ndarray = np.zeros(0, dtype=np.int64)  # steps measured by the reference function
+    if both:
+        k = min(ta[0].shape[1], tb[0].shape[1])
+        A, B = ta[0][:both, :k], tb[0][:both, :k]
+        simple = _rows_equal(A, B)
+        for j in range(1, k):
+            for i in range(j):
+                simple &= A[:, i] != A[:, j]
+        gap = np.abs(ta[1][:both, :k] - tb[1][:both, :k]).max(axis=1)
+        np.maximum(d[:both], np.where(simple, gap, 0.0), out=d[:both])
+        other = np.flatnonzero(~simple)
+    over = np.flatnonzero(d > atol)
+    first = int(over[0]) if over.size else m
+    for i in other.tolist():  # up to and including `first`, whose top-k term is not in d yet if it is here
+        if i > first:
+            break
+        rows = _Tops(*ta)[i], _Tops(*tb)[i]
+        di = max(float(d[i]), _topk_diff(rows[0], rows[1], atol)) if rows[0] != rows[1] else float(d[i])
+        if di > atol:
+            return i, di
+    return (first, float(d[first])) if first < m else None
+
+
 def views(a: Any, b: Any, tops: bool = True) -> tuple[Any, Any]:
     """Both records as Views when both payloads read as arrays, else both unchanged.
     `tops=False`: their top-k sections are read per step on access (payload)."""
@@ -390,4 +445,4 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[
             per, counted, kls)  # per: an array, which engine.drift aggregates with numpy
 
 
-__all__ = ["Payload", "View", "kl_rows", "pair_drift", "payload", "views"]
+__all__ = ["Payload", "View", "kl_rows", "logprob_step", "pair_drift", "payload", "views"]

@@ -2,7 +2,10 @@
 
 Each folder holds PROMPTS records of TOKENS generated tokens with top-K logprobs, as
 the runner writes them; the right folder is a copy of the left with one divergence
-planted (prompt PROMPTS/2, token TOKENS*7/10). Target on a 2-core machine: < 2 s.
+planted (prompt PROMPTS/2, token TOKENS*7/10), and in the second pair every logprob of
+the right side also drifted by 1e-7 (no record byte-identical). Each case runs as
+shipped (compare/pairs.py's worker on the second core) and in one process, alternated.
+Target on a 2-core machine: < 2 s.
 
     .venv/bin/python benchmarks/bench_diff.py [--prompts 1000] [--tokens 1000] [--top-k 5] [--repeat 3]
 """
@@ -122,40 +125,71 @@ def _cpu() -> str:
     return f"; CPU (user + sys) best {min(CPU):.2f} s"
 
 
+# `detllm diff` in one process: compare/pairs.py's worker never starts (the two-core split measured against it)
+ONE_PROCESS = ("import sys; from detllm.compare import pairs; pairs.WORKER_MIN_BYTES = 1 << 62; "
+               "from detllm.cli import main; sys.argv[0] = 'detllm'; main()")
+
+
+def _pair_folders(root: Path, args: argparse.Namespace, drift: float) -> tuple[Path, Path, tuple[int, int]]:
+    """The pair under root/(planted|drifted), generated unless an earlier --keep run left it there."""
+    where = root / ("drifted" if drift else "planted")
+    planted = (args.prompts // 2, args.tokens * 7 // 10)
+    stamp = where / f"{args.prompts}x{args.tokens}x{args.top_k}"
+    if stamp.exists():
+        return where / "left", where / "right", planted
+    shutil.rmtree(where, ignore_errors=True)
+    t = time.perf_counter()
+    left, right, planted = make_pair(where, args.prompts, args.tokens, args.top_k, drift=drift)
+    stamp.touch()
+    print(f"generated 2 x {args.prompts} prompts x {args.tokens} tokens x top-{args.top_k} "
+          f"({(left / artifacts.TRACE).stat().st_size / 1e6:.0f} MB per trace{', every logprob drifted by 1e-7' if drift else ''}) "
+          f"in {time.perf_counter() - t:.1f} s; planted divergence at {planted}")
+    return left, right, planted
+
+
+def _case(name: str, argv: list[str], repeat: int, expect: tuple[int, int] | None) -> None:
+    """Two cores (as shipped) and one process, alternated; best and median wall, best CPU, the ratio."""
+    walls: dict[str, list[float]] = {"two cores": [], "one process": []}
+    cpus: dict[str, list[float]] = {"two cores": [], "one process": []}
+    found = None
+    for _ in range(repeat):
+        for mode, cmd in (("two cores", [sys.executable, "-m", "detllm", *argv]),
+                          ("one process", [sys.executable, "-c", ONE_PROCESS, *argv])):
+            times, proc = _time(cmd, 1)
+            if proc.returncode not in (0, 1):
+                raise SystemExit(f"{name}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+            walls[mode] += times
+            cpus[mode] += CPU
+            if "--json" in argv:
+                d = json.loads(proc.stdout)["first_divergence"]
+                found = (d["prompt_index"], d["token_index"], d["kind"]) if d else None
+    if expect is not None:
+        assert found is not None and found[:2] == expect, (found, expect)
+    two, one = walls["two cores"], walls["one process"]
+    print(f"{name}: best {min(two):.2f} s (median {statistics.median(two):.2f}, CPU {min(cpus['two cores']):.2f} s) | "
+          f"one process {min(one):.2f} s (CPU {min(cpus['one process']):.2f} s) | one / two {min(one) / min(two):.2f}x"
+          + (f"; first divergence {found}" if found else ""))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--top-k", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--keep", type=Path, help="generate into this folder and keep it")
+    ap.add_argument("--keep", type=Path, help="generate into this folder and keep it (a later run reuses it)")
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="detllm-bench-diff-"))
     try:
-        t = time.perf_counter()
-        left, right, planted = make_pair(root, args.prompts, args.tokens, args.top_k)
-        size = (left / artifacts.TRACE).stat().st_size
-        print(f"generated 2 x {args.prompts} prompts x {args.tokens} tokens x top-{args.top_k} "
-              f"({size / 1e6:.0f} MB per trace) in {time.perf_counter() - t:.1f} s; planted divergence at {planted}")
-        detllm = [sys.executable, "-m", "detllm", "diff", str(left), str(right)]
-        times, proc = _time(detllm + ["--json"], args.repeat)
-        if proc.returncode != 1:
-            print(proc.stdout[-2000:], proc.stderr[-2000:])
-            return 2
-        d = json.loads(proc.stdout)["first_divergence"]
-        assert (d["prompt_index"], d["token_index"]) == planted, (d["prompt_index"], d["token_index"])
-        print(f"detllm diff (CLI, subprocess): best {min(times):.2f} s, median {statistics.median(times):.2f} s "
-              f"over {args.repeat} runs; found the divergence at {planted} ({d['kind']}), category {json.loads(proc.stdout)['category']}" + _cpu())
-        out_times, _ = _time(detllm + ["--out", str(root / "diff"), "--force"], args.repeat)
-        print(f"detllm diff --out (writes report.json/.txt/.md): best {min(out_times):.2f} s, median {statistics.median(out_times):.2f} s" + _cpu())
+        left, right, planted = _pair_folders(root, args, 0.0)
+        _case("diff, one planted flip", ["diff", str(left), str(right), "--json"], args.repeat, planted)
+        _case("diff --out (writes report.json/.txt/.md)", ["diff", str(left), str(right), "--out", str(root / "diff"), "--force"],
+              args.repeat, None)
         # the other extreme: every logprob drifted by 1e-7 (batch or engine numerics), no record byte-identical
-        shutil.rmtree(left.parent / "left"), shutil.rmtree(right)
-        left, right, _ = make_pair(root, args.prompts, args.tokens, args.top_k, drift=1e-7)
-        for tier in ("1", "2"):
-            times, proc = _time([sys.executable, "-m", "detllm", "diff", str(left), str(right), "--json", "--tier", tier], args.repeat)
-            d = json.loads(proc.stdout)["first_divergence"]
-            print(f"detllm diff --tier {tier}, every record drifted by 1e-7: best {min(times):.2f} s, median {statistics.median(times):.2f} s; "
-                  f"first divergence ({d['prompt_index']}, {d['token_index']}) kind {d['kind']}" + _cpu())
+        left, right, _ = _pair_folders(root, args, 1e-7)
+        for extra in (["--tier", "1"], ["--tier", "2"], ["--tier", "2", "--atol", "1e-6"]):
+            _case(f"diff {' '.join(extra)}, every record drifted", ["diff", str(left), str(right), "--json", *extra],
+                  args.repeat, planted if "--atol" in extra or extra[1] == "1" else (0, 0))
         return 0
     finally:
         if args.keep is None:

@@ -338,6 +338,11 @@ def views(a: Any, b: Any, tops: bool = True) -> tuple[Any, Any]:
     return View(a, pa), View(b, pb)
 
 
+def same_tokens(a: View, b: View) -> bool:
+    """The same input and the same generated ids on both sides (no token or length divergence)."""
+    return a["input_ids_sha256"] == b["input_ids_sha256"] and np.array_equal(a.payload.ids, b.payload.ids)
+
+
 def first_token_difference(a: np.ndarray, b: np.ndarray) -> int | None:
     n = min(len(a), len(b))
     neq = np.flatnonzero(a[:n] != b[:n])
@@ -445,4 +450,4 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[
             per, counted, kls)  # per: an array, which engine.drift aggregates with numpy
 
 
-__all__ = ["Payload", "View", "kl_rows", "logprob_step", "pair_drift", "payload", "views"]
+__all__ = ["Payload", "View", "kl_rows", "logprob_step", "pair_drift", "payload", "same_tokens", "views"]

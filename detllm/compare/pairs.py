@@ -55,13 +55,16 @@ Settled = tuple[bool, "dict[str, Any] | None", Any]
 
 def settle(a: TraceRecord, b: TraceRecord, spec: Spec) -> Settled:
     """One pair: as arrays when both payloads read as such, else as parsed records."""
-    from .fast import pair_drift, views
+    from .fast import pair_drift, same_tokens, views
 
     va, vb = views(a, b, tops=spec.drift)  # without drift, a top-k step is read only where a divergence needs it
-    d = first_divergence(va, vb, comparison=spec.name, left_label=spec.left_label, right_label=spec.right_label,
-                         check_logprobs=spec.check_logprobs, atol=spec.atol, noise_floor=spec.noise_floor,
-                         sampled=spec.sampled)
     viewed = va is not a
+    if viewed and not spec.check_logprobs and same_tokens(va, vb):
+        d = None  # what first_divergence finds without logprobs when the input and every token agree
+    else:
+        d = first_divergence(va, vb, comparison=spec.name, left_label=spec.left_label, right_label=spec.right_label,
+                             check_logprobs=spec.check_logprobs, atol=spec.atol, noise_floor=spec.noise_floor,
+                             sampled=spec.sampled)
     return viewed, d, pair_drift(va, vb) if viewed and spec.drift else None
 
 

@@ -301,7 +301,8 @@ def _worker_main() -> int:
         recs = []
         for header, fd, start, end, where in sides:
             if fd not in maps:
-                maps[fd] = mmap.mmap(fds[fd], 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one bulk fault, as trace._map
+                maps[fd] = mmap.mmap(fds[fd], 0, flags=flags, prot=mmap.PROT_READ)
             rec = TraceRecord(header, maps[fd], start, end, where)
             recs.append(rec)
         try:

@@ -169,6 +169,10 @@ def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: 
     out: list[TraceRecord] = []
     present: set[tuple[int, int]] = set()
     pos, n, line_no = 0, len(data), 0
+    if file is not None and n >= _WARM_MIN_BYTES:
+        from .pairs import warm
+
+        warm()  # a worker for the comparison that may follow imports while the headers are read (compare/pairs.py)
     while pos < n:
         end = data.find(b"\n", pos)
         end = n if end < 0 else end
@@ -181,10 +185,6 @@ def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: 
             if keep(rec):
                 out.append(rec)
         pos = end + 1
-    if file is not None and n >= _WARM_MIN_BYTES:
-        from .pairs import warm
-
-        warm()  # a worker for the comparison that may follow starts importing now (compare/pairs.py)
     for rec in out[:1] + out[-1:]:
         rec.load()
     return out, present

@@ -161,7 +161,8 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None, mea
     distribution measures (same top-1 share, KL of the top-k distributions, percentiles of
     |dlogprob|); and the prompts whose tokens are all equal while their logprobs differ.
     `identical` holds the indexes (into pairs) of byte-identical pairs: they add zeros
-    without being walked; `measured` the pairs already measured as arrays (pairs.settle)."""
+    without being walked; `measured` the pairs already measured as arrays (pairs.settle),
+    whose KL list may come summed as (count, sum(), max()), computed where it was measured."""
     identical = identical or set()
     measured = measured or {}
     per_prompt, by_position = [], []
@@ -198,9 +199,10 @@ def drift(pairs: list[tuple[dict, dict]], identical: set[int] | None = None, mea
         if counted:
             overlap_sum += p["mean_topk_overlap"] * counted
             overlap_n += counted
-            kl_n += counted if k in identical else len(kls)
-            kl_sum += sum(kls)
-            kl_max = max(kl_max, max(kls, default=0.0))
+            n_kl, total, top = kls if isinstance(kls, tuple) else (len(kls), sum(kls), max(kls, default=0.0))
+            kl_n += counted if k in identical else n_kl
+            kl_sum += total
+            kl_max = max(kl_max, top)
     if not per_prompt:
         return {"available": False}
     nonzero = _order(arrays.merge(nonzero, by_position), zeros)

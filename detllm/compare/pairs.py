@@ -59,13 +59,17 @@ def settle(a: TraceRecord, b: TraceRecord, spec: Spec) -> Settled:
 
     va, vb = views(a, b, tops=spec.drift)  # without drift, a top-k step is read only where a divergence needs it
     viewed = va is not a
+    measured = pair_drift(va, vb) if viewed and spec.drift else None
+    if measured is not None:  # the KL list as engine.drift folds it in: (count, sum(), max()), here, not there
+        p, per, counted, kls = measured
+        measured = (p, per, counted, (len(kls), sum(kls), max(kls, default=0.0)))
     if viewed and not spec.check_logprobs and same_tokens(va, vb):
         d = None  # what first_divergence finds without logprobs when the input and every token agree
     else:
         d = first_divergence(va, vb, comparison=spec.name, left_label=spec.left_label, right_label=spec.right_label,
                              check_logprobs=spec.check_logprobs, atol=spec.atol, noise_floor=spec.noise_floor,
                              sampled=spec.sampled)
-    return viewed, d, pair_drift(va, vb) if viewed and spec.drift else None
+    return viewed, d, measured
 
 
 def settle_pairs(pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> dict[int, Settled]:

@@ -146,11 +146,11 @@ def scan_record(body: bytes) -> tuple[Any, frozenset[str], list[bytes | memoryvi
         return fields, prechecked, [body]
     if len(s) != len(body):  # not ASCII: offsets in s are not offsets in body
         return fields, prechecked, [_guess(spans, s)]
-    view, pieces = memoryview(body), [b"{"]
+    view, pieces = memoryview(body), []
     for _, a, b in sorted(spans):
-        pieces += (view[a:b], b",")
-    pieces[-1] = b"}"
-    return fields, prechecked, pieces
+        pieces += (b",", view[a:b])
+    pieces[:1] = [b"{"]  # the first "," (or nothing: "{}")
+    return fields, prechecked, pieces + [b"}"]
 
 
 def digest(pieces: list[bytes | memoryview]) -> bytes:

@@ -233,15 +233,15 @@ def test_runner_lines_take_the_long_path(record, monkeypatch):
     assert check_trace_record(fields, prechecked) is None and guess == canonical_json(big)
 
 
-@pytest.mark.parametrize("text", ["ascii", "non-ascii", "spaced", "not an object"])
+@pytest.mark.parametrize("text", ["ascii", "non-ascii", "spaced", "not an object", "empty object"])
 def test_scan_record_hashes_the_same_guess(record, text):
     """scan_record's pieces (views into an ASCII line) hash to scan_line's guess."""
     import hashlib
 
     rec = dict(record, prompt_text="caf\u00e9 \u2603") if text == "non-ascii" else record
     line = json.dumps(rec, ensure_ascii=False, separators=(", ", ": ") if text == "spaced" else (",", ":")).encode()
-    if text == "not an object":
-        line = b"[1,2]"
+    if text in ("not an object", "empty object"):
+        line = b"[1,2]" if text == "not an object" else b"{}"
     fields, prechecked, guess = scan_line(line)
     fields2, prechecked2, pieces = tracescan.scan_record(line)
     assert (fields2, prechecked2) == (fields, prechecked)

@@ -113,6 +113,8 @@ def warm() -> None:
 
 
 def _spawn(fds: list[int]) -> "subprocess.Popen | None":
+    if not sys.executable:  # an embedded interpreter: no program to start
+        return None
     try:
         return subprocess.Popen([sys.executable, "-m", "detllm.compare.pairs"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=fds, close_fds=True)

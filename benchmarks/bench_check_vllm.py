@@ -4,9 +4,9 @@ Side by side in one process, alternated --repeat times (vLLM imported and one en
 stopped first, outside the timings, so both sides start from the same warm process and page cache):
   bare:   vllm.LLM(...) with the engine arguments and env vars detllm's vllm backend uses (read from
           the backend itself, not copied), then LLM.generate of the same prompts in the same batches
-          (greedy, logprobs 5, max_tokens --max-new-tokens): --runs runs at the first batch size (one
-          call per batch), one run at each other size of --vary-batch, short batches topped up with
-          detllm's fillers
+          (greedy, logprobs 5, max_tokens --max-new-tokens; prompts as text, which vLLM tokenizes as
+          detllm does before it passes ids): --runs runs at the first batch size (one call per batch),
+          one run at each other size of --vary-batch, short batches topped up with detllm's fillers
   detllm: detllm.check(backend="vllm", runs, vary_batch, tier 2): engine start, the same calls,
           trace (logprobs + top-5), seal, compare, report
 Each engine is shut down after its side, untimed (check keeps its engine up for the process).

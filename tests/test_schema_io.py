@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import random
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +34,85 @@ def test_dumps_of_an_artifact_turns_non_finite_into_null():
     text = schema_io.dumps(big)
     assert json.loads(text)["nan"] is None
     assert text == json.dumps(schema_io.finite(big), indent=2, ensure_ascii=False)
+
+
+# ------------------------------------------------------------------ jsonschema-rs agrees with jsonschema
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _artifacts() -> list[tuple[str, dict]]:
+    out = []
+    for p in sorted(FIXTURES.rglob("*.json")):
+        try:
+            obj = json.loads(p.read_text())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("artifact_type"), str) and obj.get("schema_version") in schema_io.READABLE_SCHEMA_VERSIONS:
+            out.append((str(p.relative_to(FIXTURES)), obj))
+    return out
+
+
+def _mutations(obj: dict, rng: random.Random, n: int) -> list[dict]:
+    """n copies of obj, each with one leaf or key changed the ways a bug would change it."""
+    paths = []
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                paths.append(path + [k])
+                walk(v, path + [k])
+        elif isinstance(x, list):
+            for i, v in enumerate(x[:3]):
+                paths.append(path + [i])
+                walk(v, path + [i])
+
+    walk(obj, [])
+    out = []
+    for _ in range(n):
+        y = copy.deepcopy(obj)
+        path = rng.choice(paths)
+        parent = y
+        for key in path[:-1]:
+            parent = parent[key]
+        how = rng.choice(["type", "delete", "extra", "negative", "float"])
+        if how == "delete":
+            del parent[path[-1]]
+        elif how == "extra" and isinstance(parent, dict):
+            parent["not_in_the_schema"] = 1
+        elif how == "negative":
+            parent[path[-1]] = -1
+        elif how == "float":
+            parent[path[-1]] = 1.5
+        else:
+            parent[path[-1]] = rng.choice(["a string", None, True, [], {}, 2**70])
+        out.append(y)
+    return out
+
+
+def test_jsonschema_rs_agrees_with_jsonschema_on_every_fixture_and_its_mutations():
+    rng = random.Random(0)
+    checked = invalid = 0
+    for name, obj in _artifacts():
+        kind, version = obj["artifact_type"], obj["schema_version"]
+        fast, reference = schema_io._fast_validator(kind, version), schema_io._validator(kind, version)
+        assert fast is not None, f"jsonschema-rs cannot build the {kind} schema of version {version}"
+        for y in [obj, *_mutations(obj, rng, 12)]:
+            want = reference.is_valid(y)
+            try:
+                got = fast.is_valid(y)
+            except (ValueError, TypeError, OverflowError):
+                got = False  # validate() then asks jsonschema
+            assert got == want, f"{name}: jsonschema-rs says {got}, jsonschema {want} on {json.dumps(y)[:300]}"
+            checked += 1
+            invalid += not want
+    assert checked > 300 and invalid > 100, (checked, invalid)
+
+
+def test_validate_names_the_violation_as_jsonschema_does():
+    obj = next(o for _, o in _artifacts() if o["artifact_type"] == "report")
+    bad = copy.deepcopy(obj)
+    bad["status"] = 7
+    with pytest.raises(Exception) as got:
+        schema_io.validate(bad, "report", where="report.json")
+    assert str(got.value).startswith("report.json: schema violation at status: 7 is not one of ['PASS'")  # jsonschema's words

@@ -293,13 +293,17 @@ def logprob_step(a: View, b: View, stop: int, atol: float) -> Any:
     pa, pb = a.payload, b.payload
     if pa.lps is None or pb.lps is None:
         return None
-    ta, tb = _top_arrays(pa), _top_arrays(pb)
-    if ta is _IRREGULAR or tb is _IRREGULAR:
-        return NotImplemented
     m = min(stop, len(pa.lps), len(pb.lps))
     if m <= 0:
         return None
     d = np.abs(pa.lps[:m] - pb.lps[:m])
+    if pa.tops_raw is not None or pb.tops_raw is not None:  # top-k kept as bytes (a comparison without drift)
+        over = np.flatnonzero(d > atol)
+        if over.size and over[0] < _LAZY_STEPS:
+            return NotImplemented  # the reference loop stops by that step, reading only the steps before it
+    ta, tb = _top_arrays(pa), _top_arrays(pb)
+    if ta is _IRREGULAR or tb is _IRREGULAR:
+        return NotImplemented
     na, nb = (0 if ta is None else len(ta[0])), (0 if tb is None else len(tb[0]))
     both = min(m, na, nb)
     d[both:min(m, max(na, nb))] = np.inf  # one side has a top-k list at the step, the other none

@@ -484,7 +484,7 @@ def verify(
 ) -> None:
     def body() -> int:
         from .integrity import verify as verify_pack
-        from .tracefiles import refuse_seed_layout
+        from .seedlayout import refuse_seed_layout
 
         refuse_seed_layout(pack)
         res = verify_pack(pack, pubkey=pubkey)
@@ -512,7 +512,7 @@ def replay(
 ) -> None:
     def body() -> int:
         from .replay import replay as replay_pack
-        from .tracefiles import refuse_seed_layout
+        from .seedlayout import refuse_seed_layout
 
         refuse_seed_layout(pack)
         with _progress(progress and not as_json) as bar:

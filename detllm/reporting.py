@@ -13,7 +13,7 @@ from typing import Any, Callable
 from . import artifacts
 from .errors import ArtifactError, UsageError
 from .schema_io import to_json
-from .tracefiles import refuse_seed_layout
+from .seedlayout import refuse_seed_layout
 
 FORMATS = ("txt", "json", "md", "html", "issue")
 _SUFFIX = {".txt": "txt", ".json": "json", ".md": "md", ".html": "html", ".htm": "html"}

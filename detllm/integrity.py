@@ -215,6 +215,17 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verifica
     raw = _read_manifest_bytes(folder)
     manifest = _parse_manifest(raw)
     signature, key_sha = check_signature(folder / SIG, raw, pubkey)
+    from .rederive import Ahead  # the verdict re-derived on the other core while the bytes are checked
+
+    ahead = Ahead.start(folder) if manifest["trace"] is not None else None
+    try:
+        return _verify_folder(folder, manifest, signature, key_sha, ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _verify_folder(folder: Path, manifest: dict[str, Any], signature: str, key_sha: str | None, ahead: Any) -> Verification:
     problems: list[Problem] = []
     files, odd = walk(folder)
     problems += [Problem(rel, "is a symlink or special file; a pack holds regular files only") for rel in odd]
@@ -241,7 +252,7 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verifica
     _raise_first([p for p in problems if not p.schema], IntegrityError, "the pack changed after it was sealed")
     problems += [Problem(rel, msg, schema=True) for rel, msg in _schema_problems(folder, files)]
     _raise_first(problems, ArtifactError, "the pack was sealed with invalid content")
-    verdict = check_verdict(folder)
+    verdict = ahead.result() if ahead is not None else check_verdict(folder)
     notes = [] if signature == "verified" else [UNSIGNED_NOTE]
     return Verification(folder, len(listed), trace["records"] if trace else None, trace["head"] if trace else None,
                         signature, key_sha, notes, verdict)

@@ -89,3 +89,82 @@ def _show(value: Any) -> str:
         where = {k: value[k] for k in ("comparison", "prompt_index", "token_index") if k in value}
         return f"a divergence at {where}" if where else "a divergence"
     return repr(value)
+
+
+# ------------------------------------------------------------------ on the other core
+
+
+AHEAD_MIN_BYTES = 1 << 24  # a trace this large: re-derive in a second process while verify hashes and scans
+
+
+class Ahead:
+    """rederive_verdict(folder) started now in another process (`python -m detllm.rederive`),
+    so that it runs on the other core while verify checks the bytes; `result()` is what
+    rederive_verdict would return or raise. verify asks for it only once the bytes check out,
+    so it names the first problem as before. Anything unexpected from the child (it died, it
+    printed no answer) is answered by rederive_verdict here instead. The child dies with us
+    (PR_SET_PDEATHSIG) and is killed by `close()`; it writes nothing but its answer."""
+
+    def __init__(self, proc: Any, folder: Path) -> None:
+        self.proc, self.folder = proc, folder
+
+    @classmethod
+    def start(cls, folder: Path) -> "Ahead | None":
+        import os
+        import subprocess
+        import sys
+
+        try:
+            if (folder / TRACE).stat().st_size < AHEAD_MIN_BYTES or len(os.sched_getaffinity(0)) < 2 or not sys.executable:
+                return None
+        except (OSError, AttributeError):
+            return None
+        from .backends.llamacpp_server import _death_signal_hook
+
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "detllm.rederive", str(folder)], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=_death_signal_hook())
+        except OSError:
+            return None
+        return cls(proc, folder)
+
+    def result(self) -> str:
+        from . import errors
+
+        out, _ = self.proc.communicate()
+        try:
+            got = json.loads(out)
+            if "ok" in got:
+                return str(got["ok"])
+            cls = getattr(errors, got["error"], None)
+            if isinstance(cls, type) and issubclass(cls, errors.DetllmError):
+                raise cls(got["message"], hint=got.get("hint"))
+        except (ValueError, KeyError, TypeError):
+            pass
+        return rederive_verdict(self.folder)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # verify stopped at an earlier problem: its answer is not needed
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _main(argv: list[str]) -> int:
+    from .compare import pairs, trace
+    from .errors import DetllmError
+
+    pairs.WORKER_MIN_BYTES = trace._WARM_MIN_BYTES = 1 << 62  # verify's own process has the other core
+    try:
+        answer: dict[str, Any] = {"ok": rederive_verdict(Path(argv[0]))}
+    except DetllmError as exc:
+        answer = {"error": type(exc).__name__, "message": exc.message, "hint": exc.hint}
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))

@@ -15,7 +15,7 @@ import pytest
 
 import detllm
 from detllm import artifacts, schema_io
-from detllm.errors import ArtifactError, IntegrityError
+from detllm.errors import ArtifactError, DetllmError, IntegrityError
 from detllm.integrity import SIG, seal, verify
 
 from .conftest import assert_valid_run
@@ -416,6 +416,38 @@ def test_a_run_report_edited_to_pass_is_refused(cli, tmp_path):
     out = detllm.run(backend="fake", out=tmp_path / "run").out_dir
     r = cli("verify", forge(out, tmp_path / "forged", status="PASS", category="PASS"))
     assert r.exit_code == 6 and "report.json: status is 'PASS', but the sealed trace gives 'RECORDED'" in r.stderr
+
+
+def test_the_verdict_re_derived_in_a_second_process_says_the_same(monkeypatch, failed_check, tmp_path):
+    """verify re-derives a large trace's verdict in a second process while it checks the bytes
+    (rederive.Ahead): the same answers, the same errors, and an early problem still named first."""
+    from detllm import rederive
+
+    forged = forge(failed_check, tmp_path / "forged", status="PASS", category="PASS", first_divergence=None, causes=[])
+    tampered = tmp_path / "tampered"
+    shutil.copytree(failed_check, tampered)
+    lines = (tampered / "trace.jsonl").read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].replace(b'"token_ids":[', b'"token_ids":[7,', 1)
+    (tampered / "trace.jsonl").write_bytes(b"".join(lines))
+
+    def outcome(folder):
+        try:
+            return verify(folder).verdict
+        except DetllmError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    here = [outcome(f) for f in (failed_check, forged, tampered)]
+    started = []
+    real = rederive.Ahead.start
+    monkeypatch.setattr(rederive.Ahead, "start", classmethod(lambda cls, folder: started.append(real(folder)) or started[-1]))
+    monkeypatch.setattr(rederive, "AHEAD_MIN_BYTES", 0)
+    ahead = [outcome(f) for f in (failed_check, forged, tampered)]
+    assert ahead == here
+    assert here[0].startswith("verdict re-derived from the trace: FAIL")
+    assert here[1].startswith("IntegrityError: report.json: status is 'PASS'")
+    assert here[2].startswith("IntegrityError: trace.jsonl line 2")
+    assert len(started) == 3 and all(a is not None for a in started), "no second process was started"
+    assert all(a.proc.poll() is not None for a in started), "a re-deriving process outlived verify"
 
 
 def test_folders_whose_verdict_cannot_be_re_derived_say_so(cli, failed_check, tmp_path):

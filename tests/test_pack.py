@@ -297,7 +297,10 @@ def test_a_corrupt_deflate_stream_is_an_artifact_error(cli, pack, tmp_path, monk
 
     with_isal = answers()
     monkeypatch.setitem(sys.modules, "isal", None)  # import isal -> ImportError: the stdlib's gzip
-    assert with_isal == answers()
+    with_gzip = answers()
+    # the same packs refused; the words may differ: igzip can meet the bad checksum before the stdlib's
+    # streaming reader meets a garbled tar header (a member "over the size limit", exit 6) or the reverse
+    assert [code != 0 for code, _ in with_isal] == [code != 0 for code, _ in with_gzip]
     assert any(code == 5 and "not a readable .tar.gz pack" in err for code, err in with_isal)
 
 

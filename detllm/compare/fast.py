@@ -311,10 +311,7 @@ def logprob_step(a: View, b: View, stop: int, atol: float) -> Any:
     if both:
         k = min(ta[0].shape[1], tb[0].shape[1])
         A, B = ta[0][:both, :k], tb[0][:both, :k]
-        simple = _rows_equal(A, B)
-        for j in range(1, k):
-            for i in range(j):
-                simple &= A[:, i] != A[:, j]
+        simple = _rows_equal(A, B) & ~_repeats(A)
         gap = np.abs(ta[1][:both, :k] - tb[1][:both, :k]).max(axis=1)
         np.maximum(d[:both], np.where(simple, gap, 0.0), out=d[:both])
         other = np.flatnonzero(~simple)
@@ -409,10 +406,13 @@ def _rows_equal(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
-def _distinct(x: np.ndarray) -> bool:
-    """No id twice within any step (each pair of columns compared)."""
-    k = x.shape[1]
-    return not any((x[:, i] == x[:, j]).any() for j in range(1, k) for i in range(j))
+def _repeats(x: np.ndarray) -> np.ndarray:
+    """(m,) bool: the step lists some id twice (each pair of columns compared)."""
+    out = np.zeros(len(x), dtype=bool)
+    for j in range(1, x.shape[1]):
+        for i in range(j):
+            out |= x[:, i] == x[:, j]
+    return out
 
 
 def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[float]] | None:
@@ -434,9 +434,17 @@ def pair_drift(a: View, b: View) -> tuple[dict[str, Any], np.ndarray, int, list[
             la, lb = pa.top_lps[:m], pb.top_lps[:m]
             counted = m
             same_ids = ka == kb and np.array_equal(A, B)
-            if same_ids and _distinct(A):  # the usual drift: same ids, values moved
+            repeats = _repeats(A) if same_ids else None
+            if same_ids and not repeats.any():  # the usual drift: same ids, values moved
                 overlap = float(m)  # m steps of 1.0, added one by one: exact
                 q = lb
+            elif same_ids:  # the same, but some steps list an id twice: those steps as the general case below
+                rows = np.flatnonzero(repeats)
+                inter = np.full(m, ka, dtype=np.int64)
+                inter[rows] = _first_of_id(A[rows]).sum(axis=1)  # |set & set| = the distinct ids of the step
+                overlap = float(np.cumsum(inter / ka)[-1])
+                q = lb.copy()
+                q[rows] = _right_values(A[rows], B[rows], lb[rows])
             else:
                 inter = ((A[:, :, None] == B[:, None, :]).any(axis=2) & _first_of_id(A)).sum(axis=1)  # |set & set|
                 overlap = float(np.cumsum(inter / max(ka, kb))[-1])  # left to right, as the reference's +=

@@ -1,6 +1,6 @@
 """`python -m detllm` runs the CLI."""
 
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

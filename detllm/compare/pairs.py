@@ -307,8 +307,8 @@ def _worker_main() -> int:
         recs = []
         for header, fd, start, end, where in sides:
             if fd not in maps:
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one bulk fault, as trace._map
-                maps[fd] = mmap.mmap(fds[fd], 0, flags=flags, prot=mmap.PROT_READ)
+                # not populated: it reads about half the pages, faulted in as it goes
+                maps[fd] = mmap.mmap(fds[fd], 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             rec = TraceRecord(header, maps[fd], start, end, where)
             recs.append(rec)
         try:

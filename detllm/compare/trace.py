@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ..artifacts import check_header
+from ..schema_io import check_header  # (not artifacts: the pair worker imports this module, and should start fast)
 from ..errors import ArtifactError
 from ..records import check_trace_record
 

@@ -324,3 +324,39 @@ diff({str(left)!r}, {str(right)!r}, tier=2)
     else:
         os.kill(worker, 9)
         pytest.fail("the worker outlived its parent by 5 s")
+
+
+# ------------------------------------------------------------------ check compares a large trace from disk
+
+
+@pytest.mark.parametrize("options,vary,tier", [
+    ({"diverge": "prompt=2,pos=5,run=1"}, (), 2),
+    ({"diverge": "prompt=1,pos=3,run=2,what=logprob"}, (), 2),
+    ({"diverge": "prompt=0,pos=2,batch=8", "batch_drift": 0.001}, (1, 8), 2),
+    ({"batch_drift": 0.001}, (1, 8), 1),
+    ({}, (), 2),
+])
+def test_check_compares_a_large_trace_from_disk_with_the_same_report(monkeypatch, tmp_path, options, vary, tier):
+    """runner.compared_records: past COMPARE_FROM_DISK_BYTES the check's comparisons read the trace it
+    just wrote (through the fast path, forced here for small payloads), and the report is the one the
+    records in memory give."""
+    import detllm
+    from detllm import runner
+
+    def report(name: str) -> str:
+        out = detllm.check(backend="fake", options=options, vary_batch=vary, tier=tier, runs=3, max_new_tokens=24,
+                           out=tmp_path / name)
+        rep = json.loads((out.out_dir / "report.json").read_text())
+        return json.dumps({k: rep[k] for k in ("status", "category", "causes", "info", "first_divergence", "comparisons", "magnitude")},
+                          sort_keys=True)
+
+    memory = report("memory")
+    read = []
+    real = trace.load_records
+    monkeypatch.setattr(trace, "load_records", lambda *a, **k: read.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(runner, "COMPARE_FROM_DISK_BYTES", 0)
+    monkeypatch.setattr(trace, "FAST_PATH_MIN_BYTES", 0)
+    monkeypatch.setattr(trace, "FAST_PATH_AFTER", 0)
+    disk = report("disk")
+    assert read and read[0].name == "trace.jsonl", "the check did not read its trace back"
+    assert disk == memory

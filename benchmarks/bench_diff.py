@@ -190,6 +190,8 @@ def main() -> int:
         for extra in (["--tier", "1"], ["--tier", "2"], ["--tier", "2", "--atol", "1e-6"]):
             _case(f"diff {' '.join(extra)}, every record drifted", ["diff", str(left), str(right), "--json", *extra],
                   args.repeat, planted if "--atol" in extra or extra[1] == "1" else (0, 0))
+        _case("diff --tier 2 --out, every record drifted (a 2.5 MB report.json, validated)",
+              ["diff", str(left), str(right), "--tier", "2", "--out", str(root / "diff_drifted"), "--force"], args.repeat, None)
         return 0
     finally:
         if args.keep is None:

@@ -24,12 +24,13 @@ from pathlib import Path
 HEAVY = ("torch", "transformers", "vllm", "numpy", "jsonschema", "rich", "msgspec")
 
 PROBE = """
-import sys, runpy, time
+import sys, time
 t0 = time.perf_counter()
 sys.argv = ["detllm", *{args!r}]
 code = 0
 try:
-    runpy.run_module("detllm", run_name="__main__")
+    from detllm.cli import main  # not entry(): it leaves diff, verify and report with os._exit
+    main()
 except SystemExit as exc:
     code = exc.code or 0
 mods = sorted(sys.modules)

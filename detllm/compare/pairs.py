@@ -76,6 +76,8 @@ def settle_pairs(pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> d
     """settle() for pairs[k] of each k in jobs, with a worker process when they are many and large."""
     out: dict[int, Settled] = {}
     worker = _Worker.start(pairs, jobs, spec) if _worth_a_worker(pairs, jobs) else None
+    if worker is None:
+        drop_spare()
     try:
         front, back = 0, len(jobs)  # this process settles jobs[:front], the worker jobs[back:]
         while front < back:
@@ -110,6 +112,15 @@ def warm() -> None:
     if (_spare is not None and _spare.poll() is None) or _cpus() < 2 or not os.path.isdir(_PROC_FD):
         return
     _spare = _spawn([])
+
+
+def drop_spare() -> None:
+    """No worker will be needed (the comparison found few large differing pairs): end the spare
+    now, so its imports stop competing with this process for the other core."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is not None:
+        _end(spare)
 
 
 def _spawn(fds: list[int]) -> "subprocess.Popen | None":

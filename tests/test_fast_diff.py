@@ -208,8 +208,8 @@ def test_lazy_top_k_reads_as_the_record(tmp_path, variant, line):
 
 
 class _Parent:
-    """Counts the pairs this process settles; with `slow`, each takes >= 40 ms, so a worker
-    (started in ~0.2 s) surely takes some."""
+    """Counts the pairs this process settles; with `slow`, its first pair takes 2 s and each
+    other >= 20 ms, so a worker (started in ~0.2 s, ~1 s on a loaded machine) surely takes some."""
 
     def __init__(self, monkeypatch) -> None:
         from detllm.compare import pairs
@@ -220,7 +220,7 @@ class _Parent:
 
         def settle(a, b, spec):
             if self.slow:
-                time.sleep(0.04)
+                time.sleep(0.02 if self.mine else 2.0)
             self.mine.append(a["prompt_index"])
             return real(a, b, spec)
 

@@ -186,7 +186,8 @@ class _Worker:
     def __init__(self, proc: subprocess.Popen, order: list[int]) -> None:
         self.proc, self.order = proc, order  # order[i]: the position (in jobs) of the worker's i-th job
         self.buf = b""
-        self.dead = False
+        self.deaf = False  # its input is closed (it finished, or died): progress is no longer sent
+        self.done = False  # its output reached its end: nothing more will come
         self.ready = threading.Event()  # the setup frame is written: progress may follow it
 
     @classmethod
@@ -224,24 +225,22 @@ class _Worker:
         try:
             _write_all(self.proc.stdin.fileno(), data)  # type: ignore[union-attr]
         except (OSError, ValueError):
-            self.dead = True
+            self.deaf = True  # what it already sent is still read (collect)
 
     def tell(self, front: int) -> None:
         """How many jobs this process has settled from the front (the worker stops there). Only
         the latest count matters, so none is sent until the setup is through (never waits)."""
-        if not self.dead and self.ready.is_set():
+        if not self.deaf and self.ready.is_set():
             self._send(_FRAME.pack(front))
 
     def collect(self, out: dict[int, Settled], back: int) -> int:
         """Take the results that have arrived (without waiting); the new lowest position the
         worker has settled, or tried to (a failed job is left out of `out` and settled here)."""
-        if self.dead:
-            return back
         fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
-        while select.select([fd], [], [], 0)[0]:
+        while not self.done and select.select([fd], [], [], 0)[0]:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
-                self.dead = True  # exited: what it did not send is settled here
+                self.done = True  # exited: what it did not send is settled here
                 break
             self.buf += chunk
         while len(self.buf) >= _FRAME.size:

@@ -126,8 +126,8 @@ def _chain_of(folder: Path, digests: list[bytes] | None = None) -> tuple[dict[st
     h, locators, lines = h0, [], Lines(folder / TRACE)
     if digests is not None:
         if sum(1 for _ in lines) == len(digests):  # every byte is still read: the file's sha256 and size
-            for n, digest in enumerate(digests, 1):
-                h = step_digest(h, digest, n)
+            for n, record_sha in enumerate(digests, 1):
+                h = step_digest(h, record_sha, n)
                 locators.append(h.hex()[:LOCATOR_HEX])
             return _trace_entry(h0, h, locators), (lines.sha.hexdigest(), lines.size)
         lines = Lines(folder / TRACE)  # not the trace the writer wrote: chain it from disk

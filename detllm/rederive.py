@@ -110,14 +110,15 @@ class Ahead:
 
     @classmethod
     def start(cls, folder: Path) -> "Ahead | None":
-        import os
         import subprocess
         import sys
 
+        from .compare.pairs import usable_cpus
+
         try:
-            if (folder / TRACE).stat().st_size < AHEAD_MIN_BYTES or len(os.sched_getaffinity(0)) < 2 or not sys.executable:
+            if (folder / TRACE).stat().st_size < AHEAD_MIN_BYTES or usable_cpus() < 2 or not sys.executable:
                 return None
-        except (OSError, AttributeError):
+        except OSError:
             return None
         from .backends.llamacpp_server import _death_signal_hook
 

@@ -41,8 +41,10 @@ def load_schema(artifact_type: str, version: str = SCHEMA_VERSION) -> dict[str, 
     return json.loads(path.read_text())
 
 
-def _schemas(version: str) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(schema_dir(version).glob("*.schema.json"))]
+@lru_cache(maxsize=None)
+def _schemas(version: str) -> tuple[dict[str, Any], ...]:
+    """Every schema of a version, read once for both validators of every artifact type."""
+    return tuple(json.loads(p.read_text()) for p in sorted(schema_dir(version).glob("*.schema.json")))
 
 
 @lru_cache(maxsize=None)

@@ -105,17 +105,23 @@ def _skeleton(n: int, k: int) -> bytes:
     return b"[" + b",".join([step] * n) + b"]"
 
 
-def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(ids, lps) of a top-k section written as n steps of k [id, logprob] pairs each."""
+def _pairs_per_step(raw: bytes, n: int) -> int:
+    """k when a top-k section is laid out as the runner writes it, n steps of k [id, logprob]
+    pairs (nothing but numbers between its brackets and commas); else 0 (ragged, nested
+    otherwise, nulls or whitespace)."""
     if n == 0 or not raw.startswith(b"[[["):
-        return None
+        return 0
     skeleton = raw.translate(None, _NUMBER_BYTES)  # the brackets and commas alone
     first = skeleton.find(b"]]")
-    if first < 0:
+    k = skeleton.count(b"[,]", 0, first + 1) if first >= 0 else 0
+    return k if k and skeleton == _skeleton(n, k) else 0
+
+
+def _tops(raw: bytes, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids, lps) of a top-k section written as n steps of k [id, logprob] pairs each."""
+    k = _pairs_per_step(raw, n)
+    if not k:
         return None
-    k = skeleton.count(b"[,]", 0, first + 1)
-    if k == 0 or skeleton != _skeleton(n, k):
-        return None  # ragged, nested otherwise, nulls or whitespace
     flat = _flat(raw)
     if flat is None or len(flat) != n * k * 2:
         return None
@@ -205,10 +211,7 @@ class _LazyTops(Sequence):
     def _regular(self) -> bool:
         if not self._checked:
             self._checked = True
-            skeleton = self._raw.translate(None, _NUMBER_BYTES)
-            first = skeleton.find(b"]]")
-            k = skeleton.count(b"[,]", 0, first + 1) if first >= 0 else 0
-            if not (self._n and k and skeleton == _skeleton(self._n, k)):
+            if not _pairs_per_step(self._raw, self._n):
                 self._all()
         return self._whole is None
 

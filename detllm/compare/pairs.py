@@ -109,7 +109,7 @@ def warm() -> None:
     of a large trace): it imports numpy and simdjson while this process reads the headers. Only
     where a spare can reach this process's descriptors (/proc); else one starts when needed."""
     global _spare
-    if (_spare is not None and _spare.poll() is None) or _cpus() < 2 or not os.path.isdir(_PROC_FD):
+    if (_spare is not None and _spare.poll() is None) or usable_cpus() < 2 or not os.path.isdir(_PROC_FD):
         return
     _spare = _spawn([])
 
@@ -161,7 +161,7 @@ def _end_spare() -> None:
 
 
 def _worth_a_worker(pairs: list[tuple[Any, Any]], jobs: list[int]) -> bool:
-    if len(jobs) < 8 or _cpus() < 2:
+    if len(jobs) < 8 or usable_cpus() < 2:
         return False
     total = 0
     for k in jobs:
@@ -172,7 +172,8 @@ def _worth_a_worker(pairs: list[tuple[Any, Any]], jobs: list[int]) -> bool:
     return total >= WORKER_MIN_BYTES
 
 
-def _cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), else every CPU the machine has."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -183,8 +184,8 @@ class _Worker:
     """The other process: given the jobs in reverse order, it settles them one by one and sends
     each result back; before each job it reads how far this process got, and stops there."""
 
-    def __init__(self, proc: subprocess.Popen, order: list[int]) -> None:
-        self.proc, self.order = proc, order  # order[i]: the position (in jobs) of the worker's i-th job
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
         self.buf = b""
         self.deaf = False  # its input is closed (it finished, or died): progress is no longer sent
         self.done = False  # its output reached its end: nothing more will come
@@ -193,10 +194,8 @@ class _Worker:
     @classmethod
     def start(cls, pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> "_Worker | None":
         files: dict[int, int] = {}  # id(file) -> its descriptor here
-        order = list(range(len(jobs) - 1, -1, -1))
-        tasks = []
-        for pos in order:
-            k = jobs[pos]
+        tasks = []  # the jobs from the last to the first
+        for k in reversed(jobs):
             task = [k]
             for rec in pairs[k]:
                 fd = files.setdefault(id(rec._file), rec._file.fileno())
@@ -212,7 +211,7 @@ class _Worker:
             if proc is None:
                 return None
         setup = pickle.dumps((spec, opened, tasks), protocol=pickle.HIGHEST_PROTOCOL)
-        self = cls(proc, order)
+        self = cls(proc)
         # the setup is written from a thread: the worker reads it only once its imports are done
         def send_setup() -> None:
             self._send(_FRAME.pack(len(setup)) + setup)
@@ -281,9 +280,8 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 
 def _worker_main() -> int:
-    import mmap
-
     import importlib
+    import mmap
 
     importlib.import_module(".fast", __package__)  # numpy and simdjson, imported while the parent reads its traces
 

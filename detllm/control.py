@@ -1,0 +1,1 @@
+"""(being moved here: issue 19)"""

@@ -16,7 +16,7 @@ _EXPORTS = {
     "Decoding": ".config", "RunConfig": ".config",
     "diff": ".diff",
     "DetllmError": ".errors",
-    "Verification": ".integrity", "verify": ".integrity",
+    "Verification": ".verify", "verify": ".verify",
     "create_pack": ".pack",
     "replay": ".replay",
     "Outcome": ".runner",
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .config import Decoding, RunConfig
     from .diff import diff
     from .errors import DetllmError
-    from .integrity import Verification, verify
+    from .verify import Verification, verify
     from .pack import create_pack
     from .replay import replay
     from .runner import Outcome

@@ -77,7 +77,7 @@ def _execute(command: str, config: RunConfig | None, prompts: Any, out: Any, out
     cfg = make_config(config, **fields)
     make_report = None
     if command == "check":
-        from .backends.openai_cache import cache_report, probe_config, wants_probe
+        from .cacheprobe import cache_report, probe_config, wants_probe
 
         if wants_probe(cfg):  # check --cache-probe (backend openai): cold/warm runs, CACHE_VARIANCE verdict
             cfg = probe_config(cfg)

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .archive import is_archive, open_run_path  # noqa: F401 (open_run_path: a run path, folder or pack)
 from .errors import ArtifactError, UsageError
 from .hashing import canonical_json
 from .records import check_trace_record  # the schema's fast equivalent: jsonschema is ~100x slower on traces
@@ -256,12 +257,13 @@ def load_trace(path: Path, *, validate_records: bool = True) -> list[dict[str, A
 
 def load_run(path: Path, *, validate_records: bool = True) -> RunFolder:
     """Load and validate a run folder; ArtifactError names the first bad file. A .tar.gz pack is
-    opened by pack.load_run (opening archives is pack.py's job, not the run folder's)."""
+    safely extracted (archive.py), read into memory, and its extracted copy removed."""
     path = Path(path)
-    if str(path).lower().endswith((".tar.gz", ".tgz")) and path.is_file():
-        from .pack import load_run as load_pack  # lazy: pack builds on this module
-
-        return load_pack(path, validate_records=validate_records)
+    if is_archive(path):
+        with open_run_path(path) as folder:
+            run = load_run(folder, validate_records=validate_records)
+        run.path = path  # everything is in memory; the extracted copy is gone
+        return run
     check_complete(path)
     if not path.is_dir():
         raise ArtifactError(f"{str(path)!r} is not a folder", hint="pass a detllm run folder")
@@ -297,11 +299,3 @@ def validate_folder(folder: Path) -> list[str]:
         checked.append(TRACE)
     return checked
 
-
-def __getattr__(name: str) -> Any:
-    # open_run_path moved to pack.py (opening a .tar.gz is the pack's job); the old name still works
-    if name == "open_run_path":
-        from .pack import open_run_path
-
-        return open_run_path
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -139,7 +139,7 @@ class RunConfig:
     logprobs: int = ranged(5, ints(1, 100))  # (id, logprob) pairs recorded per step, best first (OpenAI: top_logprobs); not a sampling filter
     record_prompt_text: bool = True  # False keeps only the sha256 of each prompt
     fresh_process: int = 0  # check: this many repeats each run in a new process (fresh.py); 0: all share one process
-    negative_control: bool = False  # check: also run one deliberately non-invariant setting, which must differ (diagnose/control.py)
+    negative_control: bool = False  # check: also run one deliberately non-invariant setting, which must differ (control.py)
     threads: int | None = ranged(None, ints(1, 1024))  # intra-op threads; None keeps the backend default
     atol: float = ranged(0.0, floats(0, 1000))  # logprob tolerance at tier 2; 0 means bitwise
     options: tuple[tuple[str, str], ...] = ()  # backend-specific key=value, typed by the backend

@@ -1,9 +1,11 @@
-"""Tamper evidence for run folders: manifest.json, the trace's hash chain, sealing and verify.
+"""Tamper evidence for run folders: manifest.json, the trace's hash chain, sealing, and the
+check of a folder's bytes against its seal.
 
 Owns what manifest.json holds, how it is computed (byte for byte in docs/integrity.md) and
-how a folder is checked against it. Reads bytes and JSON only and never imports an engine,
-so `detllm verify` runs without torch. Does not own reading trace lines fast (tracescan.py),
-signatures (signing.py), archives (pack.py) or re-running a pack (replay.py).
+how a folder's bytes are checked against it. Reads bytes and JSON only and never imports an
+engine. Does not own reading trace lines fast (tracescan.py), signatures (signing.py),
+archives (archive.py), the verdict check and the `verify` command (verify.py, rederive.py)
+or re-running a pack (replay.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from .artifacts import ENV, MANIFEST, RUN_CONFIG, TRACE
 from .env import detllm_version
 from .errors import ArtifactError, IntegrityError
 from .hashing import canonical_json
-from .pack import open_run_path
 from .records import check_trace_record
 from .signing import Signer, check_signature
 from .tracescan import Lines, digest, scan_line, scan_record
@@ -197,17 +198,9 @@ class Verification:
                 "signature": self.signature, "key_sha256": self.key_sha256, "verdict": self.verdict, "notes": self.notes}
 
 
-def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verification:
-    """Check a run folder or .tar.gz pack against its manifest, chain, schemas and (optionally)
-    signature. Raises IntegrityError (exit 6) naming the first changed file or trace line,
-    ArtifactError (exit 5) when it is not a pack or a file breaks its schema."""
-    with open_run_path(Path(path)) as folder:
-        result = verify_folder(folder, pubkey=pubkey)
-    result.path = Path(path)
-    return result
-
-
-def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verification:
+def open_seal(folder: Path, pubkey: str | Path | None = None) -> Seal:
+    """The folder's manifest and signature, read and checked before any file is: a folder with
+    no manifest, a manifest that is not one, or a bad signature is refused here."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"{str(folder)!r} is not a folder or a .tar.gz pack")
@@ -215,17 +208,24 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verifica
     raw = _read_manifest_bytes(folder)
     manifest = _parse_manifest(raw)
     signature, key_sha = check_signature(folder / SIG, raw, pubkey)
-    from .rederive import Ahead  # the verdict re-derived on the other core while the bytes are checked
-
-    ahead = Ahead.start(folder) if manifest["trace"] is not None else None
-    try:
-        return _verify_folder(folder, manifest, signature, key_sha, ahead)
-    finally:
-        if ahead is not None:
-            ahead.close()
+    return Seal(folder, manifest, signature, key_sha)
 
 
-def _verify_folder(folder: Path, manifest: dict[str, Any], signature: str, key_sha: str | None, ahead: Any) -> Verification:
+@dataclass(frozen=True)
+class Seal:
+    """A folder's manifest and what its signature check found (open_seal)."""
+
+    folder: Path
+    manifest: dict[str, Any]
+    signature: str  # "verified", "not checked" or "absent"
+    key_sha256: str | None
+
+
+def check_bytes(seal: Seal) -> Verification:
+    """Every file against the manifest, the trace against its hash chain, every JSON file against its
+    schema. Raises IntegrityError (exit 6) naming the first changed file or trace line, ArtifactError
+    (exit 5) for a schema or JSON error in unchanged bytes. The verdict is not checked here (verify.py)."""
+    folder, manifest = seal.folder, seal.manifest
     problems: list[Problem] = []
     files, odd = walk(folder)
     problems += [Problem(rel, "is a symlink or special file; a pack holds regular files only") for rel in odd]
@@ -252,21 +252,13 @@ def _verify_folder(folder: Path, manifest: dict[str, Any], signature: str, key_s
     _raise_first([p for p in problems if not p.schema], IntegrityError, "the pack changed after it was sealed")
     problems += [Problem(rel, msg, schema=True) for rel, msg in _schema_problems(folder, files)]
     _raise_first(problems, ArtifactError, "the pack was sealed with invalid content")
-    verdict = ahead.result() if ahead is not None else check_verdict(folder)
-    notes = [] if signature == "verified" else [UNSIGNED_NOTE]
+    notes = [] if seal.signature == "verified" else [UNSIGNED_NOTE]
     return Verification(folder, len(listed), trace["records"] if trace else None, trace["head"] if trace else None,
-                        signature, key_sha, notes, verdict)
+                        seal.signature, seal.key_sha256, notes)
 
 
 UNSIGNED_NOTE = ("unsigned: this shows the files are unchanged since sealing and consistent with each other, "
                  "not who wrote them; anyone can write such a folder, only a signature (--pubkey) says who")
-
-
-def check_verdict(folder: Path) -> str:
-    """report.json's verdict against the sealed trace (rederive.py); IntegrityError names the field."""
-    from .rederive import rederive_verdict  # lazy: it loads the compare engine
-
-    return rederive_verdict(folder)
 
 
 def _raise_first(problems: list[Problem], cls: type, why: str) -> None:
@@ -369,5 +361,5 @@ def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str
 
 
 
-__all__ = ["CHAIN", "Problem", "Verification", "build_manifest", "check_trace_record", "genesis", "scan_line", "seal",
-           "step", "verify", "verify_folder"]
+__all__ = ["CHAIN", "Problem", "Seal", "Verification", "build_manifest", "check_bytes", "check_trace_record", "genesis",
+           "open_seal", "scan_line", "seal", "step"]

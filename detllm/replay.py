@@ -17,8 +17,8 @@ from .backends.registry import create_backend
 from .config import RunConfig
 from .errors import DetllmError, IntegrityError, ModelChangedError, UsageError
 from .hashing import sha256_text
-from .integrity import verify_folder
-from .pack import open_run_path
+from .archive import open_run_path
+from .verify import verify_folder
 from .prompts import PromptSet
 from .runner import Outcome, Progress, execute
 from .signing import load_signing_key

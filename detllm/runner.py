@@ -10,21 +10,21 @@ generated b at a time, the last batch topped up with built-in fillers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import artifacts, fresh
-from .backends.base import Backend, Capabilities, Request, options_json
+from .backends.base import Backend, Capabilities, options_json
+from .batching import batch_requests, plan_batches, trace_record
 from .backends.registry import create_backend
 from .compare.divergence import run_noise_floor
 from .compare.causes import add_server_evidence
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
+from .control import negative_control
 from .env import Redaction, collect_env, detllm_version
 from .errors import EXIT_FAIL, EXIT_PASS, DetllmError, TierUnsupportedError, UsageError
 from .folderlock import exclusive_writer
-from .hashing import canonical_json, sha256_bytes, sha256_text
 from .integrity import seal
 from .prompts import FILLERS, PromptSet, load_prompts
 from .render.markdown import render_markdown
@@ -78,45 +78,6 @@ def check_fits(input_ids: Sequence[Sequence[int]], max_new_tokens: int, limit: i
         if len(ids) + max_new_tokens > limit:
             raise UsageError(f"prompt {i} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} it exceeds "
                              f"the model's context of {limit} tokens", hint="shorten the prompt or lower --max-new-tokens")
-
-
-def plan_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
-    """Prompt indexes per batch; short batches are topped up with fillers (index < 0)."""
-    batches = []
-    for start in range(0, n_prompts, batch_size):
-        idx = list(range(start, min(start + batch_size, n_prompts)))
-        idx += [-(k + 1) for k in range(batch_size - len(idx))]
-        batches.append(idx)
-    return batches
-
-
-@lru_cache(maxsize=1 << 16)
-def _ids_sha256(ids: tuple[int, ...]) -> str:
-    """sha256 of input ids as canonical JSON, once per prompt (it is recorded per run and batch size)."""
-    return sha256_bytes(canonical_json(list(ids)))
-
-
-def _record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[int], gen, run: int, batch: int, pos: int) -> dict[str, Any]:
-    keep = config.record_prompt_text
-    rec = artifacts.stamp("trace_record", {
-        "run_index": run,
-        "batch_size": batch,
-        "batch_position": pos,
-        "prompt_index": i,
-        "prompt_id": prompts.ids[i],
-        "prompt_text": prompts.texts[i] if keep else None,
-        "input_ids": list(ids) if keep else None,
-        "input_ids_sha256": _ids_sha256(tuple(ids)),
-        "token_ids": list(gen.token_ids),
-        "token_texts": list(gen.token_texts),
-        "text": gen.text,
-        "logprobs": gen.logprobs,
-        "top_logprobs": [[[t, lp] for t, lp in step] for step in gen.top_logprobs] if gen.top_logprobs is not None else None,
-        "finish_reason": gen.finish_reason,
-    })
-    if gen.evidence is not None:  # served backends: what the server reported about this request and its batch
-        rec["evidence"] = gen.evidence
-    return rec
 
 
 def execute(config: RunConfig, *, command: str, out: Path | None = None, **kwargs: Any) -> Outcome:
@@ -197,27 +158,12 @@ def _execute(
                 records, digests = _generate(config, gen, prompts, input_ids, filler_ids, out, caps.logprobs, progress)
             control = None
             if config.negative_control and command == "check":  # in-process, after the check's own runs
-                from .diagnose.control import negative_control
-
                 control = negative_control(config, backend, caps, prompts, input_ids, filler_ids, records)
     finally:
         if owned:
             backend.close()
     floor = run_noise_floor(config.dtype, settings, identity.quantization)
     return _finish(config, command, out, records, digests, tier, floor, signer, make_report, control)
-
-
-_FILLER_KEYS = tuple("filler:" + sha256_text(t) for t in FILLERS)  # the fillers' seed keys (request_seed)
-
-
-def batch_requests(prompts: PromptSet, batch: Sequence[int], input_ids: Sequence[tuple[int, ...]],
-                   filler_ids: Sequence[tuple[int, ...]]) -> list[Request]:
-    """One batch of plan_batches() as Requests: prompts keyed by (id, occurrence) for the seed
-    rule, fillers (index < 0) by their own text."""
-    return [Request(i, input_ids[i], prompts.texts[i], prompts.ids[i], prompts.occurrences[i]) if i >= 0
-            else Request(i, filler_ids[(-i - 1) % len(filler_ids)], FILLERS[(-i - 1) % len(FILLERS)],
-                         _FILLER_KEYS[(-i - 1) % len(FILLERS)])
-            for i in batch]
 
 
 def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprobs, progress) -> tuple[list[dict[str, Any]], list[bytes]]:
@@ -236,7 +182,7 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
                 for pos, (req, gen) in enumerate(zip(reqs, gens)):
                     if req.is_filler:
                         continue
-                    rec = _record(config, prompts, req.prompt_index, req.input_ids, gen, run, batch_size, pos)
+                    rec = trace_record(config, prompts, req.prompt_index, req.input_ids, gen, run, batch_size, pos)
                     if backend.is_fresh(batch_size, run):
                         rec["fresh_process"] = True
                     writer.write(rec)

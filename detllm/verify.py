@@ -1,1 +1,41 @@
-"""(being moved here: issue 19)"""
+"""`detllm verify`: a run folder or .tar.gz pack checked offline, its bytes (integrity.py: the
+manifest, the trace's hash chain, schemas, the signature) and its verdict (rederive.py: report.json
+re-derived from the sealed trace), the two at once on two cores for a large trace.
+
+Owns the order of the checks: a changed byte is named before a verdict that no longer follows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .archive import open_run_path
+from .integrity import Verification, check_bytes, open_seal
+from .rederive import Ahead, rederive_verdict
+
+__all__ = ["Verification", "verify", "verify_folder"]
+
+
+def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verification:
+    """Check a run folder or .tar.gz pack against its manifest, chain, schemas and (optionally)
+    signature, then its verdict against its trace. Raises IntegrityError (exit 6) naming the first
+    changed file or trace line, ArtifactError (exit 5) when it is not a pack or a file breaks its schema."""
+    with open_run_path(Path(path)) as folder:
+        result = verify_folder(folder, pubkey=pubkey)
+    result.path = Path(path)
+    return result
+
+
+def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verification:
+    """verify() of an unpacked folder."""
+    seal = open_seal(Path(folder), pubkey)
+    # the verdict is re-derived on the other core while the bytes are checked; its answer is read
+    # only once the bytes check out, so a changed file is still the first problem named
+    ahead = Ahead.start(seal.folder) if seal.manifest["trace"] is not None else None
+    try:
+        result = check_bytes(seal)
+        result.verdict = ahead.result() if ahead is not None else rederive_verdict(seal.folder)
+        return result
+    finally:
+        if ahead is not None:
+            ahead.close()

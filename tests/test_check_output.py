@@ -8,7 +8,7 @@ import json
 
 import detllm
 from detllm.compare.verdict import check_comparisons, check_report
-from detllm.diagnose.control import sensitivity_line
+from detllm.render.text import sensitivity_line
 from detllm.render.html import render_html
 from detllm.render.issue import render_issue
 from detllm.render.markdown import render_markdown

@@ -16,7 +16,8 @@ import pytest
 import detllm
 from detllm import artifacts, schema_io
 from detllm.errors import ArtifactError, DetllmError, IntegrityError
-from detllm.integrity import SIG, seal, verify
+from detllm.integrity import SIG, seal
+from detllm.verify import verify
 
 from .conftest import assert_valid_run
 

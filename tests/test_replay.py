@@ -200,7 +200,7 @@ def test_replay_never_takes_code_executing_options_from_a_pack():
 
 
 def test_replay_of_a_pack_asking_for_remote_code_is_refused_before_anything_runs(cli, fake_pack, tmp_path, spy):
-    from detllm.pack import extract
+    from detllm.archive import extract
 
     folder = extract(fake_pack, tmp_path / "x")
     rc = json.loads((folder / "run_config.json").read_text())

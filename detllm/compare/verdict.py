@@ -108,10 +108,8 @@ def _repeat_kinds(causes: list[dict[str, Any]], comps: list[dict[str, Any]]) -> 
 
 def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effective: int, summary: dict[str, Any],
                  scope: str | None = None, control: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`control`: the --negative-control result (diagnose/control.py); every check report says
+    """`control`: the --negative-control result (control.py); every check report says
     whether any drift was observed anywhere (`sensitivity`), so a PASS shows whether it could have failed."""
-    from ..diagnose.control import sensitivity
-
     failing = [c for c in comps if c["status"] == "FAIL"]
     causes, info = causes_for(comps)
     _repeat_kinds(causes, comps)
@@ -137,3 +135,23 @@ def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effec
         "sensitivity": sensitivity(comps, control),
         **({"negative_control": control} if control is not None else {}),
     })
+
+
+def sensitivity(comps: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
+    """Whether any drift was observed anywhere in a check: tokens or logprobs, required or not.
+    `max_abs_logprob_diff` is over the steps whose logprobs were compared (up to each prompt's first
+    token divergence); null when no comparison compared any, never a 0 that was not measured."""
+    where, worst = [], None
+    for c in comps:
+        dr = c.get("drift") or {}
+        lp = dr.get("max_abs_logprob_diff") if dr.get("available") else None
+        if lp is not None:
+            worst = max(worst or 0.0, lp)
+        if c["status"] != "PASS" or (lp or 0.0) > 0.0:
+            where.append(c["name"])
+    if control and control.get("ran"):
+        if control.get("max_abs_logprob_diff") is not None:
+            worst = max(worst or 0.0, control["max_abs_logprob_diff"])
+        if control["differed"]:
+            where.append("negative control")
+    return {"drift_observed": bool(where), "max_abs_logprob_diff": worst, "where": where}

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
-from .text import MAGNITUDE_TITLES, cause_summary, drift_summary, equal_drift_line, magnitude_line
+from .text import MAGNITUDE_TITLES, cause_summary, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
 
 
 def _cell(value: Any) -> str:
@@ -185,8 +185,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("scope"):
         lines += [f"Scope: {report['scope']}.", ""]
     if report.get("sensitivity"):
-        from ..diagnose.control import sensitivity_line
-
         lines += [line[0].upper() + line[1:] + "." for line in sensitivity_line(report["sensitivity"], report.get("negative_control"))] + [""]
     lines += _sides(report)
     lines += _magnitude(report)

@@ -215,8 +215,6 @@ def _header(report: dict[str, Any]) -> list[str]:
     if report.get("scope"):
         lines.append(f"scope: {report['scope']}")
     if report.get("sensitivity"):
-        from ..diagnose.control import sensitivity_line
-
         lines += sensitivity_line(report["sensitivity"], report.get("negative_control"))
     return lines
 
@@ -270,3 +268,32 @@ def render_text(report: dict[str, Any]) -> str:
     if report["causes"]:
         lines.append(f"next: {ADVICE[report['causes'][0]['code']]}")
     return "\n".join(lines) + "\n"
+
+
+def _logprob_figure(lp: float | None) -> str:
+    """What was measured of the logprobs, in words: a 0 is said as "none moved", never printed as a figure."""
+    if lp is None:
+        return "logprobs not compared"
+    if lp == 0.0:
+        return "tokens diverged; no logprob moved before them"
+    return f"max |dlogprob| {lp:.3g}"
+
+
+def sensitivity_line(sens: dict[str, Any], control: dict[str, Any] | None) -> list[str]:
+    """The report's lines: the sensitivity, and the negative control's verdict when one ran."""
+    if sens["drift_observed"]:
+        lines = [f"sensitivity: drift observed in {', '.join(sens['where'])} ({_logprob_figure(sens['max_abs_logprob_diff'])})"]
+    elif sens["max_abs_logprob_diff"] is None:
+        lines = ["sensitivity: no drift observed anywhere (no token moved in any comparison; logprobs not compared)"]
+    else:
+        lines = ["sensitivity: no drift observed anywhere (no token and no logprob moved in any comparison)"]
+    if control is not None:
+        if not control["ran"]:
+            lines.append(f"negative control: not run: {control['note']}")
+        elif control["differed"]:
+            lines.append(f"negative control: {control['setting']} differed as it should "
+                         f"({control['prompts_differed']}/{control['prompts']} prompts, {_logprob_figure(control['max_abs_logprob_diff'])})")
+        else:
+            lines.append(f"negative control: {control['setting']} did not differ: the prompts/tokens were too few to expose "
+                         "variance, so this verdict says little")
+    return lines

@@ -2,9 +2,9 @@
 
 Modules: probes (the plan per backend), core (`diagnose`), evidence (judging probe folders),
 ranking (knob verdicts and the conclusion), recorded (a diff's recorded differences as knobs),
-needle and prefill (special probes), worker/pool (each probe a real run in a child process),
-control (check --negative-control, the sensitivity line), sweep and sweep_render (grids with
-statistics), render (txt/md).
+folder (the diagnosis folder's names and records, shared by core and recorded), needle and
+prefill (special probes), worker/pool (each probe a real run in a child process), sweep and
+sweep_render (grids with statistics), render (txt/md).
 Nothing here imports an engine in the calling process.
 """
 

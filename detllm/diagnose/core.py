@@ -25,11 +25,10 @@ from . import evidence
 from .needle import trial_plan
 from .pool import Pool
 from . import recorded
+from .folder import DIAGNOSIS, OWNED, Diagnosis, prompts_from_records, slug
 from .probes import LADDER, Probe, plan
 from .ranking import conclusion, rank_knobs
 
-DIAGNOSIS = "diagnosis.json"
-OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "prompts.jsonl", "baseline", "probes", "logs")
 DEFAULT_BUDGET = "12"  # probes
 NEEDLE_TRIALS = 6
 Progress = Callable[[str], None]
@@ -58,16 +57,6 @@ class Budget:
         return b
 
 
-@dataclass
-class Diagnosis:
-    out_dir: Path
-    doc: dict[str, Any]
-
-    @property
-    def exit_code(self) -> int:
-        return 0
-
-
 # ------------------------------------------------------------------ inputs
 
 
@@ -81,16 +70,6 @@ def _check_out(out: Path, force: bool) -> None:
             raise UsageError(f"--out {str(out)!r} holds an earlier diagnosis", hint="pass --force to replace it")
 
 
-def _prompts_from_records(records: list[dict[str, Any]], where: str) -> list[str]:
-    by_index: dict[int, str] = {}
-    for r in records:
-        if r.get("prompt_text") is None:
-            raise UsageError(f"{where} was recorded without prompt text (--no-prompt-text), so its prompts cannot be re-run",
-                             hint="run diagnose with check's options instead of a folder")
-        by_index[r["prompt_index"]] = r["prompt_text"]
-    return [by_index[i] for i in sorted(by_index)]
-
-
 def read_failing(run_dir: Path) -> tuple[RunConfig, int, list[dict[str, Any]], list[str], dict[str, Any]]:
     """(config, requested tier, records, prompts, source) of a check (or run) folder."""
     run_dir = Path(run_dir)
@@ -100,7 +79,7 @@ def read_failing(run_dir: Path) -> tuple[RunConfig, int, list[dict[str, Any]], l
     rep = folder.report or {}
     source = {"kind": "folder", "path": str(run_dir), "status": rep.get("status"), "recorded_causes": [c["code"] for c in rep.get("causes", [])]}
     config = RunConfig.from_json(folder.run_config["config"])
-    return config, folder.applied["tier_requested"], folder.records, _prompts_from_records(folder.records, str(run_dir)), source
+    return config, folder.applied["tier_requested"], folder.records, prompts_from_records(folder.records, str(run_dir)), source
 
 
 def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Path:
@@ -158,7 +137,7 @@ class _Runner:
     def _job(self, kind: str, config: RunConfig, name: str, fresh: bool, **extra: Any) -> dict[str, Any]:
         job = {"kind": kind, "config": config.to_json(), "prompts": self.prompts, "tier": self.tier, **extra}
         if kind in ("check", "run"):
-            job["out"] = str(self.out / "probes" / _slug(name))
+            job["out"] = str(self.out / "probes" / slug(name))
         return self.pool.fresh(job) if fresh else self.pool.shared().run(job)
 
     def probe_config(self, probe: Probe) -> RunConfig:
@@ -230,7 +209,7 @@ class _Runner:
         folders = []
         for k in range(n):
             res = self.pool.fresh({"kind": "run", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
-                                   "out": str(self.out / "probes" / f"{_slug(probe.name)}-{k}")})
+                                   "out": str(self.out / "probes" / f"{slug(probe.name)}-{k}")})
             if not res.get("ok"):
                 raise _ProbeFailed(res.get("error", "the probe failed"))
             folders.append(Path(res["out"]))
@@ -271,7 +250,7 @@ class _Runner:
             self.used += 1
             self._say(f"confirm {k + 1}/{repeats}: {probe.name}")
             res = self.pool.fresh({"kind": "check", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
-                                   "out": str(self.out / "probes" / f"confirm-{_slug(probe.name)}-{k}")})
+                                   "out": str(self.out / "probes" / f"confirm-{slug(probe.name)}-{k}")})
             if not res.get("ok"):
                 break
             ran += 1
@@ -296,10 +275,6 @@ KNOWN_KNOBS = {"threads", "dtype", "attn_implementation", "batch_invariant", "kv
 
 def _selected(probe: Probe, only: list[str]) -> bool:
     return probe.kind in only or probe.knob in only or probe.name in only
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "=-_." else "-" for c in name).strip("-")
 
 
 def _setting_text(setting: dict[str, Any]) -> str:
@@ -337,7 +312,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         # the sides were recorded with the same settings: diagnose the left side's as a check
         rep, left, right = recorded.sides(Path(run_dir))
         folder = artifacts.load_run(left["path"])
-        texts = _prompts_from_records(folder.records, str(run_dir))
+        texts = prompts_from_records(folder.records, str(run_dir))
         sizes = tuple(sorted({1, left["batch_size"], right["batch_size"]}))
         config = dataclasses.replace(RunConfig.from_json(folder.run_config["config"]), tier=rep["tier"]["requested"], runs=3,
                                      batch_size=left["batch_size"], vary_batch=sizes if len(sizes) > 1 else (), fresh_process=0)

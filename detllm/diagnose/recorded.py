@@ -11,13 +11,20 @@ model differences are named, never probed: one knob cannot turn one engine into 
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 from .. import artifacts
 from ..compare.engine import compare, select
 from ..config import RunConfig
+from ..env import detllm_version
+from .folder import DIAGNOSIS, Diagnosis, prompts_from_records, slug
+from .pool import Pool
 from .probes import Probe
+from .ranking import _lp
+from .render import render_markdown, render_text
 
 UNPROBED = ("backend", "model", "revision", "device")  # an engine or weights change is the cause itself
 IGNORED = ("runs", "vary_batch", "tier", "mode", "record_prompt_text", "atol", "fresh_process", "negative_control", "logprobs")
@@ -114,15 +121,6 @@ def side_records(summary: dict[str, Any]) -> list[dict[str, Any]]:
 def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
     """Probe the recorded differences of a diff (py); None when the two sides were
     recorded with the same settings (the caller then diagnoses the left side as a check)."""
-    import json
-    import time
-
-    from ..env import detllm_version
-    from .core import DIAGNOSIS, Diagnosis, _prompts_from_records, _slug
-    from .pool import Pool
-    from .ranking import _lp
-    from .render import render_markdown, render_text
-
     rep, left, right = sides(diff_dir)
     lrun, rrun = artifacts.load_run(left["path"]), artifacts.load_run(right["path"])
     lc, rc = RunConfig.from_json(lrun.run_config["config"]), RunConfig.from_json(rrun.run_config["config"])
@@ -130,7 +128,7 @@ def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
     if not probes and not named:
         return None
     tier, atol = rep["tier"]["requested"], rep["summary"].get("atol", 0.0)
-    texts = _prompts_from_records(lrun.records, str(diff_dir))
+    texts = prompts_from_records(lrun.records, str(diff_dir))
     comp = rep["comparisons"][0]
     first = rep["first_divergence"]
     dr = comp["drift"]
@@ -155,7 +153,7 @@ def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
                 progress(f"probe {used}: {name}")
             batch = right["batch_size"] if probe and probe.knob == "batch_size" else left["batch_size"]
             cfg = probe_config(lc, rc, probe, batch)
-            folder = out / "probes" / _slug(name)
+            folder = out / "probes" / slug(name)
             started = time.monotonic()
             res = pool.shared().run({"kind": "run", "config": cfg.to_json(), "prompts": str(prompts_file), "tier": tier, "out": str(folder)})
             entry: dict[str, Any] = {"name": name, "knob": probe.knob if probe else "reproducibility", "kind": "recorded" if probe else "rerun",

@@ -58,7 +58,9 @@ def _builder(name: str, fmt: str) -> Callable[[Path], Path]:
     if name == "smollm2-135m":
         from . import smollm2
 
-        return smollm2.build_hf if fmt == "hf" else smollm2.build_gguf
+        if fmt == "hf":  # dequantised from the cached GGUF, built first if need be
+            return lambda dest: smollm2.build_hf(dest, builtin_path("smollm2-135m", "gguf"))
+        return smollm2.build_gguf
     raise UsageError(f"built-in model {name!r} has no {fmt!r} format", hint=f"formats: {', '.join(BUILTINS[name].formats)}")
 
 

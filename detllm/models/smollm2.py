@@ -48,14 +48,11 @@ def build_gguf(dest: Path) -> Path:
     return dest
 
 
-def build_hf(dest: Path) -> Path:
-    """Dequantise the cached GGUF to an fp32 HF folder at `dest` (~1 min on 2 cores)."""
+def build_hf(dest: Path, src: Path) -> Path:
+    """Dequantise the GGUF folder `src` (build_gguf's) to an fp32 HF folder at `dest` (~1 min on 2 cores)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import builtin_path
-
-    src = builtin_path("smollm2-135m", "gguf")
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_NAME, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
     # the loader marks the model as quantised; save_pretrained refuses until that is cleared

@@ -1,0 +1,39 @@
+"""The diagnosis folder: its file names, the Diagnosis a run returns, the prompts read back from
+a folder's records, and the folder name of each probe. Shared by diagnose/core.py (a check's
+diagnosis) and diagnose/recorded.py (a diff's); runs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+
+DIAGNOSIS = "diagnosis.json"
+OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "prompts.jsonl", "baseline", "probes", "logs")
+
+
+@dataclass
+class Diagnosis:
+    out_dir: Path
+    doc: dict[str, Any]
+
+    @property
+    def exit_code(self) -> int:
+        return 0
+
+
+def prompts_from_records(records: list[dict[str, Any]], where: str) -> list[str]:
+    by_index: dict[int, str] = {}
+    for r in records:
+        if r.get("prompt_text") is None:
+            raise UsageError(f"{where} was recorded without prompt text (--no-prompt-text), so its prompts cannot be re-run",
+                             hint="run diagnose with check's options instead of a folder")
+        by_index[r["prompt_index"]] = r["prompt_text"]
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "=-_." else "-" for c in name).strip("-")

@@ -17,7 +17,7 @@ import contextlib
 import json
 import time
 
-from detllm.backends import hf_invariant
+from detllm.backends.hf import invariant as hf_invariant
 from detllm.backends.base import Request
 from detllm.backends.hf import HFBackend, HFOptions
 from detllm.config import Decoding

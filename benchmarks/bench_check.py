@@ -78,7 +78,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from detllm.backends import hf
+    from detllm.backends.hf import backend as hf
     from detllm.models import resolve_model
     from detllm.prompts import BUILTIN_PROMPTS, FILLERS
 

@@ -19,8 +19,7 @@ from _overhead import alternate, arguments, check_fields
 
 
 def bare(model: str, runs: int, sizes: list[int], tokens: int, threads: int | None) -> None:
-    from detllm.backends.llamacpp import LlamaCppBackend, batch_seed
-    from detllm.backends.llamacpp_server import Server, free_port
+    from detllm.backends.llamacpp import LlamaCppBackend, Server, batch_seed, free_port
     from detllm.config import Decoding
     from detllm.prompts import BUILTIN_PROMPTS, FILLERS
     from detllm.runner import plan_batches

@@ -27,19 +27,19 @@ from _overhead import alternate, arguments, check_fields, timed
 def engine_args(config: Any) -> tuple[dict[str, str], dict[str, Any]]:
     """(env vars, vllm.LLM keyword arguments) that detllm's vllm backend starts its engine with for
     `config`, caught at the call that would start it (no engine is started here)."""
-    from detllm.backends import vllm as backend_mod
+    from detllm.backends.vllm import backend as backend_mod, engine as engine_mod
 
     caught: dict[str, Any] = {}
 
     def catch(key: tuple, env: dict[str, str], kwargs: dict[str, Any]) -> object:
-        caught.update(env=dict(backend_mod.LOGGING_DEFAULTS, **env), kwargs=kwargs)
+        caught.update(env=dict(engine_mod.LOGGING_DEFAULTS, **env), kwargs=kwargs)
         return object()
 
-    real, backend_mod._start_engine = backend_mod._start_engine, catch
+    real, backend_mod.start_engine = backend_mod.start_engine, catch
     try:
         backend_mod.VLLMBackend.from_config(config).engine()
     finally:
-        backend_mod._start_engine = real
+        backend_mod.start_engine = real
     return caught["env"], caught["kwargs"]
 
 

@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     args = ap.parse_args()
 
-    from detllm.backends.llamacpp_server import Server, find_server, free_port
+    from detllm.backends.llamacpp import Server, find_server, free_port
     from detllm.models import builtin_path
 
     port = free_port()

@@ -1,34 +1,23 @@
 """`detllm doctor`: what works on this machine, one screen.
 
-Owns the checks (torch build, CUDA and GPUs, each backend's engine or binary, the tier
-each can enforce here, whether artifacts/ is writable) and the command that fixes each
-missing piece. Reads package metadata and asks backends for their capabilities; it
-never downloads anything, never builds a model and never starts an engine.
+Owns the checks (torch build, CUDA and GPUs, the tier each backend can enforce here, whether
+artifacts/ is writable) and the screen. Each backend says itself whether its engine or binary
+is installed and what installs it (`Backend.installed()`, through the registry). It never
+downloads anything, never builds a model and never starts an engine.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 FIX = {
     "torch": "scripts/install.sh   (CPU torch 2.13.0 through constraints.txt), or pip install 'detllm[hf]'",
-    "transformers": "scripts/install.sh, or pip install -c constraints.txt 'detllm[hf]'",
-    "vllm": "scripts/install_vllm_cpu.sh on a CPU machine; pip install 'detllm[vllm]' with CUDA",
-    "llamacpp": "scripts/build_llamacpp.sh (builds llama-server into ~/.cache/detllm/llama.cpp), or --llama-bin DIR / DETLLM_LLAMA_BIN",
     "artifacts": "run from a folder you can write to, or pass --out DIR",
 }
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+SHOWN = ("hf", "vllm", "llamacpp", "fake", "openai")  # the order of the screen; other registered backends follow
 
 
 def _torch() -> dict[str, Any]:
@@ -43,22 +32,6 @@ def _torch() -> dict[str, Any]:
             p = torch.cuda.get_device_properties(i)
             out["gpus"].append({"index": i, "name": p.name, "compute_capability": f"{p.major}.{p.minor}"})
     return out
-
-
-def _llamacpp_build() -> dict[str, Any]:
-    from .backends.llamacpp_server import find_server
-    from .errors import DetllmError
-
-    try:
-        binary = find_server(None)
-    except DetllmError as err:
-        return {"usable": False, "why": err.message, "fix": FIX["llamacpp"]}
-    try:
-        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
-        lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith(("version:", "built with"))]
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"usable": False, "why": f"{binary} does not run: {exc.__class__.__name__}", "fix": FIX["llamacpp"]}
-    return {"usable": True, "binary": str(binary), "build": "; ".join(lines) or None}
 
 
 _FORMAT = {"hf": "hf", "vllm": "hf", "llamacpp": "gguf"}  # the built-in model's format each backend loads
@@ -97,25 +70,15 @@ def _writable(folder: Path) -> dict[str, Any]:
 
 def diagnose_machine(artifacts_dir: Path = Path("artifacts")) -> dict[str, Any]:
     """Every finding, as the JSON `detllm doctor --json` prints."""
+    from .backends.registry import BACKENDS, backend_class
+
     torch = _torch()
     backends: dict[str, dict[str, Any]] = {}
-    hf_missing = [d for d in ("torch", "transformers") if _version(d) is None]
-    backends["hf"] = ({"usable": False, "why": f"{', '.join(hf_missing)} not installed", "fix": FIX[hf_missing[-1]]} if hf_missing
-                      else {"usable": True, "engine": f"transformers {_version('transformers')}"})
-    from .backends.vllm import installed_vllm
-
-    vl = installed_vllm()
-    backends["vllm"] = ({"usable": True, "engine": f"{vl[0]} {vl[1]}"} if vl
-                        else {"usable": False, "why": "vllm is not installed", "fix": FIX["vllm"]})
-    backends["llamacpp"] = _llamacpp_build()
-    backends["fake"] = {"usable": True, "engine": "scripted tokens for tests (no model)"}
-    for name, b in backends.items():
-        if b["usable"]:
-            b["max_tier"], b["tier_note"] = _tier(name)
-    # a client of a running server (docs/backends/openai.md): the server decides the tier, so none is asked here
-    backends["openai"] = ({"usable": True, "engine": f"httpx {_version('httpx')}, a client: point --base-url at a running server",
-                           "max_tier": None, "tier_note": "set by the server: 2 where it returns logprobs, else 1"} if _version("httpx")
-                          else {"usable": False, "why": "httpx is not installed", "fix": "pip install 'detllm[openai]'"})
+    for name in (*SHOWN, *(n for n in BACKENDS if n not in SHOWN)):
+        found = backend_class(name).installed()
+        backends[name] = found.to_json()
+        if found.usable and found.tier_note is None:  # a tier_note: the backend's tier is not doctor's to ask
+            backends[name]["max_tier"], backends[name]["tier_note"] = _tier(name)
     return {"torch": torch, "backends": backends, "artifacts": _writable(artifacts_dir)}
 
 

@@ -108,10 +108,10 @@ def detllm_version() -> str:
 
 def _tf32_flags(torch: Any) -> dict[str, bool]:
     """TF32 on for matmul / cuDNN, read through torch's new fp32_precision API where it exists:
-    reading the legacy allow_tf32 flags raises once the new API was used (backends/tf32.py)."""
-    from .backends import tf32
+    reading the legacy allow_tf32 flags raises once the new API was used (processwide.py)."""
+    from .processwide import read_tf32
 
-    now = tf32.read(torch)
+    now = read_tf32(torch)
     if "cuda.matmul.allow_tf32" in now:
         return {"tf32_matmul": bool(now["cuda.matmul.allow_tf32"]), "tf32_cudnn": bool(now["cudnn.allow_tf32"])}
     return {"tf32_matmul": now["cuda.matmul.fp32_precision"] == "tf32", "tf32_cudnn": now["cudnn.conv.fp32_precision"] == "tf32"}

@@ -225,14 +225,13 @@ class Dispatcher:
         return self._child.generate(requests, seed=seed, n_logprobs=n_logprobs, logprobs=logprobs)
 
     def _needs_the_device(self) -> bool:
-        """A GPU vLLM engine reserves most of the device: a child can start only once it is gone."""
-        return self.backend.name == "vllm" and getattr(self.backend, "platform", "cpu") != "cpu"
+        """A backend that holds the device for the process (a GPU vLLM engine): a child can start
+        only once it is released."""
+        return self.backend.holds_device()
 
     def _make_room(self) -> None:
         if self._needs_the_device():
-            from .backends.vllm import release_engine
-
-            release_engine()
+            self.backend.release_device()
 
     def _end_child(self) -> None:
         if self._child is not None:

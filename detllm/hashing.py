@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .backends.base import ModelIdentity, WeightFile
+from .identity import ModelIdentity, WeightFile
 
 _CHUNK = 1 << 20  # 1 MiB reads
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

@@ -120,11 +120,11 @@ class Ahead:
                 return None
         except OSError:
             return None
-        from .backends.llamacpp_server import _death_signal_hook
+        from .children import death_signal_hook
 
         try:
             proc = subprocess.Popen([sys.executable, "-m", "detllm.rederive", str(folder)], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=_death_signal_hook())
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=death_signal_hook())
         except OSError:
             return None
         return cls(proc, folder)

@@ -28,7 +28,7 @@ def assert_valid_run(folder: Path, *, failed: bool = False) -> dict:
 
 def llama_server_or_fail() -> Path:
     """The llama-server binary; a missing one fails the test (CI builds it), or skips it with DETLLM_SKIP_LLAMACPP=1."""
-    from detllm.backends.llamacpp_server import find_server
+    from detllm.backends.llamacpp import find_server
     from detllm.errors import BackendUnavailableError
 
     try:
@@ -75,8 +75,8 @@ def smollm2_sides(tmp_path_factory, cross_prompt_file):
 def llama_served():
     """One real llama-server per session for the served-endpoint (openai backend) tests: the tiny
     GGUF, 8 slots, prompt caching as llama-server ships it (on), alias "tiny". Started through
-    llamacpp_server.Server, so it dies with the test process on every exit path."""
-    from detllm.backends.llamacpp_server import Server, find_server, free_port
+    llamacpp.Server, so it dies with the test process on every exit path."""
+    from detllm.backends.llamacpp import Server, find_server, free_port
     from detllm.errors import BackendUnavailableError
     from detllm.models import builtin_path
 

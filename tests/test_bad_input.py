@@ -425,7 +425,7 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.engine
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the server through /proc")
 def test_llama_server_killed_mid_run_is_exit_8_in_one_line(tmp_path):
-    from detllm.backends.llamacpp_server import find_server
+    from detllm.backends.llamacpp import find_server
 
     find_server()  # llama.cpp is part of the install (scripts/install.sh)
     out = tmp_path / "run"

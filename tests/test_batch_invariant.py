@@ -116,7 +116,7 @@ def test_nothing_of_the_mode_outlives_its_run(tmp_path):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import detllm
-    from detllm.backends import hf_invariant
+    from detllm.backends.hf import invariant as hf_invariant
     from detllm.backends.hf import HFBackend
 
     model = HFBackend("tiny").model  # the process-wide cached model both modes share
@@ -146,7 +146,7 @@ def test_without_the_mode_strict_tier3_is_refused_naming_the_option(cli, tmp_pat
 
 
 def test_an_uncovered_op_refuses_tier3_and_names_it(cli, tmp_path):
-    from detllm.backends import hf_invariant
+    from detllm.backends.hf import invariant as hf_invariant
     from detllm.backends.hf import HFBackend
 
     model = HFBackend("tiny").model

@@ -100,7 +100,7 @@ def test_llamacpp_runs_differing_only_in_batch_size(tmp_path):
 
     try:
         gguf = resolve_gguf("tiny")
-        from detllm.backends.llamacpp_server import find_server
+        from detllm.backends.llamacpp import find_server
 
         find_server(None)
     except detllm.DetllmError as exc:  # pragma: no cover - only without the llama.cpp build

@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from detllm import hashing
-from detllm.backends import tf32, vllm as vllm_backend
+from detllm import hashing, processwide
+from detllm.backends.vllm import engine as vllm_engine
 from detllm.errors import BackendError
 from detllm.models import builtin_path
 
@@ -77,7 +77,7 @@ def test_hf_reloads_a_model_edited_in_place(tiny_copy):
 
 
 def test_batch_invariant_mode_left_on_refuses_a_later_hf_run(monkeypatch, cli, tmp_path):
-    monkeypatch.setattr(vllm_backend, "_BI_STARTED", True)
+    monkeypatch.setattr(processwide, "_BI_STARTED", True)
     out = tmp_path / "run"
     res = cli("check", "--backend", "hf", "--model", "tiny", "--runs", "2", "--out", out, "--no-progress")
     assert res.exit_code == 8, res.output
@@ -91,7 +91,7 @@ def test_an_hf_backend_built_before_the_mode_leaked_is_refused_too(monkeypatch):
     from detllm.backends.hf import HFBackend
 
     b = HFBackend("tiny")
-    monkeypatch.setattr(vllm_backend, "_BI_STARTED", True)
+    monkeypatch.setattr(processwide, "_BI_STARTED", True)
     with pytest.raises(BackendError, match="the hf backend would compute with it"):
         with b.determinism(tier=1, seed=0, threads=None):
             pass
@@ -101,26 +101,26 @@ def test_batch_invariant_state_is_read_from_vllms_own_flag(monkeypatch):
     import sys
     import types
 
-    assert not vllm_backend.batch_invariant_in_process()
-    for name in vllm_backend._BI_MODULES_LOADED:  # the module vLLM keeps its flag in, whichever release
+    assert not processwide.batch_invariant_in_process()
+    for name in processwide._BI_MODULES_LOADED:  # the module vLLM keeps its flag in, whichever release
         if name in sys.modules:
             monkeypatch.setattr(sys.modules[name], "_batch_invariant_MODE", True)
             break
     else:
         # vLLM not imported in this process: the bookkeeping reads only sys.modules, never imports it
-        mod = types.ModuleType(vllm_backend._BI_MODULES_LOADED[-1])
+        mod = types.ModuleType(processwide._BI_MODULES_LOADED[-1])
         mod._batch_invariant_MODE = True
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    assert vllm_backend.batch_invariant_in_process()
+    assert processwide.batch_invariant_in_process()
     with pytest.raises(BackendError, match="cannot be switched off"):
-        vllm_backend.refuse_after_batch_invariant("the hf backend")
+        processwide.refuse_after_batch_invariant("the hf backend")
 
 
 def test_engine_without_batch_invariant_is_refused_before_vllm_starts(monkeypatch):
-    monkeypatch.setattr(vllm_backend, "_BI_STARTED", True)
-    monkeypatch.setattr(vllm_backend, "_ENGINE", None)
+    monkeypatch.setattr(processwide, "_BI_STARTED", True)
+    monkeypatch.setattr(vllm_engine, "_ENGINE", None)
     with pytest.raises(BackendError, match="an engine without batch_invariant"):
-        vllm_backend._start_engine(("k",), {"VLLM_BATCH_INVARIANT": "0"}, {})
+        vllm_engine.start_engine(("k",), {"VLLM_BATCH_INVARIANT": "0"}, {})
 
 
 # ------------------------------------------------------------------ item 13: TF32 through the new API
@@ -129,9 +129,9 @@ def test_engine_without_batch_invariant_is_refused_before_vllm_starts(monkeypatc
 @pytest.fixture
 def torch_tf32():
     torch = pytest.importorskip("torch")
-    saved = tf32.read(torch)
+    saved = processwide.read_tf32(torch)
     yield torch
-    tf32.write(torch, saved)
+    processwide.write_tf32(torch, saved)
 
 
 def test_tf32_uses_the_new_api_and_survives_a_mixed_state(torch_tf32):
@@ -141,12 +141,12 @@ def test_tf32_uses_the_new_api_and_survives_a_mixed_state(torch_tf32):
     torch.backends.cuda.matmul.fp32_precision = "tf32"  # as user code or vLLM would
     with pytest.raises(RuntimeError):
         torch.backends.cuda.matmul.allow_tf32  # noqa: B018 - the legacy read that used to crash a run
-    saved = tf32.read(torch)
+    saved = processwide.read_tf32(torch)
     assert saved["cuda.matmul.fp32_precision"] == "tf32"
-    now = tf32.disable(torch)
-    assert tf32.is_off(now) and set(now) == {f"{p}.{a}" for p, a in tf32.NEW_API}
-    tf32.write(torch, saved)
-    assert tf32.read(torch) == saved
+    now = processwide.disable_tf32(torch)
+    assert processwide.tf32_is_off(now) and set(now) == {f"{p}.{a}" for p, a in processwide.TF32_NEW_API}
+    processwide.write_tf32(torch, saved)
+    assert processwide.read_tf32(torch) == saved
 
 
 @pytest.mark.engine
@@ -171,4 +171,4 @@ def test_tf32_failures_are_backend_errors():
                 matmul = Matmul()
 
     with pytest.raises(BackendError, match="cannot read torch's TF32 setting torch.backends.cuda.matmul.fp32_precision"):
-        tf32.read(Torch)
+        processwide.read_tf32(Torch)

@@ -73,7 +73,7 @@ def _code_block(md: str, after: str, lang: str) -> str:
 @pytest.mark.engine
 def test_raw_llamacpp_call_reproduces_the_trace(smollm2_sides, tmp_path):
     """Run exactly the llama-server command and /completion body the issue prints: same tokens, same logprobs."""
-    from detllm.backends.llamacpp_server import find_server, free_port
+    from detllm.backends.llamacpp import find_server, free_port
 
     _, ll = smollm2_sides
     md = render_path(ll, "issue")

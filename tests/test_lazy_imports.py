@@ -47,7 +47,7 @@ def test_fake_backend_check_does_not_import_torch(tmp_path):
 
 def test_the_probe_can_fail():
     """The probe sees torch when a command really loads it (so the tests above can fail)."""
-    probe = "import sys, detllm.backends.hf as h; h._torch(); print('torch' in sys.modules)"
+    probe = "import sys, detllm.backends.hf.backend as h; h._torch(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "True"
 

@@ -355,7 +355,7 @@ def test_server_failing_to_start_is_backend_error(binary, tmp_path, monkeypatch)
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(data[: len(data) // 2])  # header intact, tensor data cut short
     # detllm refuses such a file itself (tests/test_model_files.py); let it through to see the server fail
-    monkeypatch.setattr("detllm.backends.llamacpp.check_model_files", lambda path: None)
+    monkeypatch.setattr("detllm.backends.llamacpp.model.check_model_files", lambda path: None)
     b = LlamaCppBackend(str(broken))
     with pytest.raises(BackendError, match="llama-server did not start") as exc:
         b.tokenize("x")

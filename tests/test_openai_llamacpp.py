@@ -90,7 +90,7 @@ def test_cache_probe_cold_vs_warm(llama_served, cli, tmp_path):
 
 
 def test_server_killed_mid_run_is_a_backend_error_and_nothing_complete(tmp_path):
-    from detllm.backends.llamacpp_server import Server, find_server, free_port
+    from detllm.backends.llamacpp import Server, find_server, free_port
     from detllm.models import builtin_path
 
     port = free_port()

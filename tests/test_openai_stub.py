@@ -244,7 +244,7 @@ def test_bad_flags_are_usage_errors(cli, tmp_path, args, needle):
 
 
 def test_step_parsing_of_both_logprob_formats():
-    from detllm.backends.openai_answers import steps as _steps
+    from detllm.backends.openai.answers import steps as _steps
 
     chat = _steps({"content": [{"id": 5, "token": "a", "logprob": -0.5, "top_logprobs": [{"id": 5, "token": "a", "logprob": -0.5}]}]})
     assert chat[0].id == 5 and chat[0].top == [("a", 5, -0.5)]

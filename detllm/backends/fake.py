@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
-from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options, request_seed
+from .base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, WeightFile, parse_options, request_seed
 
 _FIRST, _LAST = 32, 126  # generated ids are printable ASCII so they decode to text
 
@@ -180,3 +180,7 @@ class FakeBackend(Backend):
 
     def env_info(self) -> dict:
         return {"name": "fake", "version": "1"}
+
+    @classmethod
+    def installed(cls) -> Installed:
+        return Installed(True, engine="scripted tokens for tests (no model)")

@@ -13,10 +13,10 @@ from ..errors import UsageError
 from .base import Backend
 
 BACKENDS: dict[str, str] = {
-    "hf": "detllm.backends.hf:HFBackend",
-    "vllm": "detllm.backends.vllm:VLLMBackend",
-    "llamacpp": "detllm.backends.llamacpp:LlamaCppBackend",
-    "openai": "detllm.backends.openai:OpenAIBackend",
+    "hf": "detllm.backends.hf.backend:HFBackend",
+    "vllm": "detllm.backends.vllm.backend:VLLMBackend",
+    "llamacpp": "detllm.backends.llamacpp.backend:LlamaCppBackend",
+    "openai": "detllm.backends.openai.backend:OpenAIBackend",
     "fake": "detllm.backends.fake:FakeBackend",
 }
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..models.gguf import FLOAT_TYPES as FLOAT_GGUF  # GGUF types that store plain floats; causes.py reads it here
+
 # magnitude labels, most severe first (docs/causes.md#magnitude)
 LABELS = ("confident_flip", "tie_flip", "sampled_step", "tokens_equal_logprobs_differ", "input_ids", "length",
           "unclassified", "identical")
@@ -27,8 +29,6 @@ LABELS = ("confident_flip", "tie_flip", "sampled_step", "tokens_equal_logprobs_d
 # float32 logits round at ~1e-6; the floor allows for error grown through the layers
 # (batch 1 vs 8 on the tiny model, CPU: |dlogprob| up to 6.4e-5).
 NOISE_FLOORS = {"float32": 1e-4, "float16": 2.0**-7, "bfloat16": 2.0**-4, "quantized": 2.0**-4}
-# GGUF file types that store plain floats; anything else (Q4_1, Q8_0, IQ...) is quantized
-FLOAT_GGUF = _FLOAT_GGUF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def noise_floor(dtype: str | None, quantization: str | None = None) -> float | None:
@@ -36,7 +36,7 @@ def noise_floor(dtype: str | None, quantization: str | None = None) -> float | N
     dtype is unknown ("auto" never resolved), so no flip is called a near tie."""
     floor = NOISE_FLOORS.get(dtype or "")
     if quantization:
-        q = NOISE_FLOORS.get(_FLOAT_GGUF.get(quantization.upper(), "quantized"))
+        q = NOISE_FLOORS.get(FLOAT_GGUF.get(quantization.upper(), "quantized"))
         floor = q if floor is None else max(floor, q)  # the noisier of the two
     return floor
 
@@ -54,7 +54,7 @@ def run_noise_floor(asked_dtype: str, applied_settings: list[dict[str, Any]], qu
     extra = []
     kv = values.get("kv_type")
     if isinstance(kv, str) and kv:
-        extra.append(NOISE_FLOORS[_FLOAT_GGUF.get(kv.upper(), "quantized")])
+        extra.append(NOISE_FLOORS[FLOAT_GGUF.get(kv.upper(), "quantized")])
     if values.get("flash_attn") in ("on", True):
         extra.append(NOISE_FLOORS["float16"])
     if floor is None or not extra:

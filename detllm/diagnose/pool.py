@@ -25,7 +25,7 @@ class Worker:
     """One child `python -m detllm.diagnose.worker`; its stderr and chatter go to `log`."""
 
     def __init__(self, scratch: Path) -> None:
-        from ..backends.llamacpp_server import _death_signal_hook
+        from ..children import death_signal_hook
 
         self.scratch = scratch
         scratch.mkdir(parents=True, exist_ok=True)
@@ -34,7 +34,7 @@ class Worker:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "detllm.diagnose.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, text=True, env=env, preexec_fn=_death_signal_hook(),
+            stderr=self._log, text=True, env=env, preexec_fn=death_signal_hook(),
         )
         self.jobs = 0
 

@@ -8,7 +8,6 @@ backend lacks is skipped and said so) and ordering. Pure: builds configs, runs n
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,12 +47,11 @@ class Probe:
 def option_fields(backend: str) -> set[str]:
     """The --opt names a backend accepts, read from its Options dataclass (imports the backend
     module, which imports no engine)."""
-    from ..backends.registry import BACKENDS
+    from ..backends.registry import BACKENDS, backend_class
 
     if backend not in BACKENDS:
         return set()
-    module, cls = BACKENDS[backend].split(":")
-    options = getattr(getattr(importlib.import_module(module), cls), "Options", None)
+    options = backend_class(backend).Options
     return {f.name for f in dataclasses.fields(options)} if options is not None else set()
 
 
@@ -135,12 +133,11 @@ def plan(config: RunConfig, kinds: list[str], *, tier: int, fresh_repeats: int =
 
 
 def _vllm_knobs(probes, skipped, fields, config) -> None:
-    from ..backends.vllm import batch_invariance_support, build_platform, installed_vllm
+    from ..backends.registry import backend_class
 
-    found = installed_vllm()
-    platform = build_platform(*found) if found else "cpu"
+    vllm = backend_class("vllm")  # asked of the class: nothing is built, no engine imported
     opts = config.option_dict()
-    if opts.get("enforce_eager") is None and platform == "cpu":
+    if opts.get("enforce_eager") is None and vllm.defaults_here().get("enforce_eager"):
         skipped.append({"knob": "enforce_eager", "reason": "the CPU build already runs eagerly (no graphs, no compile)"})
     else:
         _knob(probes, skipped, fields, config, "enforce_eager", "true", cost=2.0, fresh=True,
@@ -151,7 +148,7 @@ def _vllm_knobs(probes, skipped, fields, config) -> None:
                                                          "determinism_applied.json"})
     _knob(probes, skipped, fields, config, "max_num_seqs", "1", cost=2.0, fresh=True,
           proves="whether scheduling sequences together decides it (one sequence at a time)")
-    ok, why = batch_invariance_support(platform) if found else (False, "vLLM is not installed")
+    ok, why = vllm.batch_invariance_here()
     if ok:
         _knob(probes, skipped, fields, config, "batch_invariant", "true", cost=2.0, fresh=True,
               proves="whether vLLM's batch-invariant kernels remove the batch dependence")

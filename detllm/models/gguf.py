@@ -145,6 +145,8 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
 _TENSOR_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
                  12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 _BYTE_TOKEN, _CONTROL_TOKEN = 6, 3  # gguf.TokenType values used when rendering tokens
+# file and tensor types that store plain floats -> the dtype they hold; anything else (Q4_1, Q8_0, IQ...) is quantized
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 @dataclass(frozen=True)

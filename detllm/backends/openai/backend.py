@@ -5,43 +5,26 @@ so the server's own scheduler batches them; what it reports about that batch is 
 Owns the request bodies (completions or chat, decoding knobs per server kind, the seed rule),
 reading logprobs and token ids out of the answers, server and model identity, the capability
 probe, and the cold/warm/after-prefix sequence of the cache probe. HTTP, concurrency, retries and
-error translation live in backends/openai_load.py; reading logprobs and ids out of the answers in
-openai_answers.py; the cache probe's verdict in openai_cache.py.
+error translation live in load.py; reading logprobs and ids out of the answers in answers.py; the
+cache probe's verdict in detllm/cacheprobe.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ..config import Decoding, RunConfig, floats, ints, ranged
-from ..errors import UsageError
-from ..compare.divergence import FLOAT_GGUF
-from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
-from .openai_answers import cached_tokens as _cached_tokens, choice as _choice, steps as _steps
-from .openai_load import Endpoint, Reply, safe_url as _safe_url
+from ...config import Decoding, RunConfig
+from ...errors import UsageError
+from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF
+from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
+from .answers import cached_tokens as _cached_tokens, choice as _choice, steps as _steps
+from .load import Endpoint, Reply, safe_url as _safe_url
+from .options import OpenAIOptions, validate
 
-KINDS = ("auto", "llamacpp", "vllm", "sglang", "generic")
-PROMPT_AS = ("auto", "text", "ids")
 REMOTE = "weights not hashed: remote"
-
-
-@dataclass(frozen=True)
-class OpenAIOptions:
-    base_url: str | None = None  # the server's OpenAI root, e.g. http://127.0.0.1:8080/v1 (--base-url)
-    api_key_env: str | None = None  # NAME of the environment variable holding the key (--api-key-env); the key is never recorded
-    chat: bool = False  # /v1/chat/completions with one user message (--chat); else /v1/completions
-    prompt_as: str = "auto"  # auto: token ids where the server has /tokenize, else text; or force text / ids
-    server: str = "auto"  # server kind for its extra knobs (top_k, ignore_eos, token ids, cache reset); auto: detected
-    request_timeout: float = ranged(300.0, floats(0, 86400, lo_open=True))  # seconds one request may take
-    connect_timeout: float = ranged(10.0, floats(0, 3600, lo_open=True))  # seconds to open a connection
-    retries: int = ranged(2, ints(0, 100))  # resends of a request the server did not take (connection refused, 429, 503), recorded
-    sample_interval: float = ranged(0.02, floats(0, 60, lo_open=True))  # seconds between /slots or /metrics samples while a batch is in flight
-    cache_probe: bool = False  # each prompt cold, then warm, then after a shared-prefix prompt (check --cache-probe)
 
 
 class OpenAIBackend(Backend):
@@ -50,7 +33,7 @@ class OpenAIBackend(Backend):
     Options = OpenAIOptions
 
     def __init__(self, model: str, options: OpenAIOptions, *, threads: int | None = None) -> None:
-        _validate(options)
+        validate(options)
         self.options = o = options
         self.model = model
         self.threads = threads
@@ -101,7 +84,7 @@ class OpenAIBackend(Backend):
         if status == 0:
             raise self.endpoint.unreachable(_safe_url(self.endpoint.url("/models")), doc)
         if status in (401, 403):
-            from .openai_load import http_error
+            from .load import http_error
 
             raise http_error(_safe_url(self.endpoint.url("/models")), status, doc)
         names = [str(m.get("id")) for m in (doc or {}).get("data", []) if isinstance(m, dict)] if status == 200 and isinstance(doc, dict) else []
@@ -225,6 +208,18 @@ class OpenAIBackend(Backend):
             Applied("retries", self.options.retries, True, self.options.retries,
                     "only for requests the server did not take (connect refused, 429, 503); each record's evidence counts them"),
         ]
+
+    @classmethod
+    def installed(cls) -> Installed:
+        from importlib import metadata
+
+        try:
+            httpx = metadata.version("httpx")
+        except metadata.PackageNotFoundError:
+            return Installed(False, why="httpx is not installed", fix="pip install 'detllm[openai]'")
+        # a client of a running server (docs/backends/openai.md): the server decides the tier, so doctor asks none
+        return Installed(True, engine=f"httpx {httpx}, a client: point --base-url at a running server",
+                         tier_note="set by the server: 2 where it returns logprobs, else 1")
 
     def env_info(self) -> dict[str, Any]:
         e = self.endpoint
@@ -374,26 +369,3 @@ class OpenAIBackend(Backend):
             body["id_slot"] = 0  # cold and warm on one slot: its KV cache is what warm reuses
         replies, _ = self.endpoint.send_batch(self.path, [body], sample=None, interval=1.0)
         return self._generation(req, replies[0], body, want, None, extra)
-
-
-def _validate(o: OpenAIOptions) -> None:
-    if not o.base_url:
-        raise UsageError("the openai backend needs --base-url, e.g. http://127.0.0.1:8080/v1")
-    if not re.match(r"^https?://[^/\s]+", o.base_url):
-        raise UsageError(f"--base-url must be an http:// or https:// URL, got {_safe_url(o.base_url)!r}")
-    # the URL is recorded in run_config.json: a credential in it would travel with every pack
-    if re.match(r"^https?://[^/@\s]+@", o.base_url) or re.search(r"[?&][^=&]*(key|token|secret|sig|passw)[^=&]*=", o.base_url, re.I):
-        raise UsageError(f"--base-url {_safe_url(o.base_url)!r} carries a credential, which would be recorded in the run folder",
-                         hint="drop it from the URL and name the variable holding the key with --api-key-env")
-    if o.server not in KINDS:
-        raise UsageError(f"--opt server must be one of {', '.join(KINDS)}, got {o.server!r}")
-    if o.prompt_as not in PROMPT_AS:
-        raise UsageError(f"--opt prompt_as must be one of {', '.join(PROMPT_AS)}, got {o.prompt_as!r}")
-    if o.chat and o.prompt_as == "ids":
-        raise UsageError("--chat sends messages: --opt prompt_as=ids does not apply")
-    if o.request_timeout <= 0 or o.connect_timeout <= 0 or o.sample_interval <= 0:
-        raise UsageError("--opt request_timeout, connect_timeout and sample_interval must be positive seconds")
-    if o.retries < 0:
-        raise UsageError(f"--opt retries must be >= 0, got {o.retries}")
-    if o.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", o.api_key_env):
-        raise UsageError("--api-key-env takes the NAME of an environment variable, not the key itself")

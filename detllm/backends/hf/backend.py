@@ -4,6 +4,7 @@ The loop (not `model.generate`) lets every request carry its own seeded
 torch.Generator, so sampled output does not depend on batch order, and returns
 raw-logit logprobs for the chosen token and the top-k. Left padding, and only
 generated tokens are returned, never padding. Models are loaded once per process.
+The batch-invariant ops of `--opt batch_invariant=true` live in invariant.py.
 """
 
 from __future__ import annotations
@@ -16,17 +17,21 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ..config import Decoding, RunConfig
-from ..errors import BackendError, BackendUnavailableError, UsageError
-from ..hashing import content_key, folder_identity
-from ..modelfiles import check_model_files
-from ..models import local_folder, resolve_model
-from . import tf32
-from . import hf_invariant
-from .base import Applied, Backend, Capabilities, Generation, ModelIdentity, Request, parse_options, request_seed
+from ...config import Decoding, RunConfig
+from ...errors import BackendError, BackendUnavailableError, UsageError
+from ...hashing import content_key, folder_identity
+from ...modelfiles import check_model_files
+from ...models import local_folder, resolve_model
+from ...processwide import disable_tf32, read_tf32, refuse_after_batch_invariant, tf32_is_off, write_tf32
+from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
+from . import invariant
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+INSTALL = {  # what to run when one is missing (detllm doctor)
+    "torch": "scripts/install.sh   (CPU torch 2.13.0 through constraints.txt), or pip install 'detllm[hf]'",
+    "transformers": "scripts/install.sh, or pip install -c constraints.txt 'detllm[hf]'",
+}
 _LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, content key, revision, dtype, device, attn) -> (model, tokenizer)
 
 
@@ -34,7 +39,7 @@ _LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, content key, revision, dt
 class HFOptions:
     attn_implementation: str = "eager"  # eager | sdpa: kernels differ, so it is recorded and fixed
     trust_remote_code: bool = False  # never run hub code unless asked
-    batch_invariant: bool = False  # tier 3: batch-invariant ops for the run (hf_invariant.py); slower
+    batch_invariant: bool = False  # tier 3: batch-invariant ops for the run (invariant.py); slower
 
 
 def _torch():
@@ -55,8 +60,6 @@ class HFBackend(Backend):
     def __init__(self, model: str, *, options: HFOptions | None = None, revision: str | None = None,
                  dtype: str = "float32", device: str = "cpu", cublas_workspace: bool = False) -> None:
         torch = _torch()
-        from .vllm import refuse_after_batch_invariant  # imports no vLLM
-
         refuse_after_batch_invariant("the hf backend")
         self.options = options or HFOptions()
         self.revision = revision
@@ -138,12 +141,12 @@ class HFBackend(Backend):
                 notes=("transformers kernels are not batch invariant: padding and batch shape change GEMM reductions; "
                        "pass --opt batch_invariant=true for tier 3",),
             )
-        missing = hf_invariant.uncovered(self._invariant_ops())
+        missing = invariant.uncovered(self._invariant_ops())
         notes = tuple(f"batch_invariant: op {op.name!r} {op.how}" for op in missing)
         return Capabilities(max_tier=2 if missing else 3, logprobs=True, sampling=True, batch_invariant=not missing, notes=notes)
 
     def _invariant_ops(self):
-        return hf_invariant.coverage(self.model, self.options.attn_implementation, self.device)
+        return invariant.coverage(self.model, self.options.attn_implementation, self.device)
 
     def context_limit(self) -> int | None:
         # past its trained positions a model keeps generating, silently degraded: refuse instead
@@ -265,8 +268,6 @@ class HFBackend(Backend):
         torch = _torch()
         import numpy as np
 
-        from .vllm import refuse_after_batch_invariant
-
         refuse_after_batch_invariant("the hf backend")  # also for a backend built before vLLM's mode was switched on
 
         saved = {
@@ -275,7 +276,7 @@ class HFBackend(Backend):
             "threads": torch.get_num_threads(),
             "cudnn_det": torch.backends.cudnn.deterministic,
             "cudnn_bench": torch.backends.cudnn.benchmark,
-            "tf32": tf32.read(torch),  # new fp32_precision API where it exists: reading legacy allow_tf32 can raise
+            "tf32": read_tf32(torch),  # new fp32_precision API where it exists: reading legacy allow_tf32 can raise
             "py_rng": random.getstate(),
             "np_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -299,8 +300,8 @@ class HFBackend(Backend):
             else:
                 applied.append(Applied("torch.use_deterministic_algorithms", False, True, torch.are_deterministic_algorithms_enabled(), "tier 0 asks for nothing"))
             if self.device == "cuda":
-                now = tf32.disable(torch)
-                applied.append(Applied("tf32", False, tf32.is_off(now), False if tf32.is_off(now) else now, ", ".join(f"{k}={v}" for k, v in now.items())))
+                now = disable_tf32(torch)
+                applied.append(Applied("tf32", False, tf32_is_off(now), False if tf32_is_off(now) else now, ", ".join(f"{k}={v}" for k, v in now.items())))
                 ok, note = self._cublas_note or (False, "not requested at tier 0")
                 applied.append(Applied("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE, ok, os.environ.get("CUBLAS_WORKSPACE_CONFIG"), note))
             else:
@@ -314,12 +315,12 @@ class HFBackend(Backend):
                                    "auto resolves to float32" if self.requested_dtype == "auto" else ""))
             if self.options.batch_invariant:  # the invariant ops, swapped in for this run only
                 ops = self._invariant_ops()
-                complete = not hf_invariant.uncovered(ops)  # all or nothing: a partial swap proves nothing
+                complete = not invariant.uncovered(ops)  # all or nothing: a partial swap proves nothing
                 if not complete and tier >= 3:  # probed again under this run's thread count, and it failed
-                    raise BackendError(f"batch_invariant: {'; '.join(f'{o.name} {o.how}' for o in hf_invariant.uncovered(ops))}")
-                applied.extend(hf_invariant.applied(ops, installed=complete))
+                    raise BackendError(f"batch_invariant: {'; '.join(f'{o.name} {o.how}' for o in invariant.uncovered(ops))}")
+                applied.extend(invariant.applied(ops, installed=complete))
                 if complete:
-                    stack.enter_context(hf_invariant.installed(self.model, self.options.attn_implementation))
+                    stack.enter_context(invariant.installed(self.model, self.options.attn_implementation))
             yield applied
         finally:
             stack.close()
@@ -331,7 +332,7 @@ class HFBackend(Backend):
             torch.set_rng_state(saved["torch_rng"])
             if saved["cuda_rng"] is not None:
                 torch.cuda.set_rng_state_all(saved["cuda_rng"])
-            tf32.write(torch, saved["tf32"])  # last: a BackendError here leaves nothing else unrestored
+            write_tf32(torch, saved["tf32"])  # last: a BackendError here leaves nothing else unrestored
 
     def env_info(self) -> dict[str, Any]:
         from importlib import metadata
@@ -347,3 +348,18 @@ class HFBackend(Backend):
 
     def close(self) -> None:
         """Models stay cached for the process (loaded once per process, not once per run)."""
+
+    @classmethod
+    def installed(cls) -> Installed:
+        from importlib import metadata
+
+        def version(dist: str) -> str | None:
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                return None
+
+        missing = [d for d in ("torch", "transformers") if version(d) is None]
+        if missing:
+            return Installed(False, why=f"{', '.join(missing)} not installed", fix=INSTALL[missing[-1]])
+        return Installed(True, engine=f"transformers {version('transformers')}")

@@ -1,0 +1,153 @@
+"""The shell every command shares: the one typer app, the options several commands take, and
+the steps around a command body (guarded: errors to one stderr line and an exit code; emit:
+CI outputs, then the verdict or report.json; a progress bar on stderr). It holds no command and
+no domain logic.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from ..errors import EXIT_CODES, DetllmError, UsageError
+from ..schema_io import to_json
+
+EXIT_HELP = "Exit codes (every command): " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
+
+app = typer.Typer(
+    name="detllm",
+    help=f"Is your LLM inference deterministic? Check it, prove it with a repro pack, diff it. {EXIT_HELP}",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# options that several command families take, spelled and explained once
+Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, fake.")]
+Model = Annotated[str, typer.Option("--model", "-m", help="Built-in model (tiny, smollm2-135m), local path, or hub id.")]
+JUnit = Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here (one testcase per prompt) for CI.")]
+SignKey = Annotated[Optional[Path], typer.Option("--sign-key", help="Ed25519 PEM private key: sign manifest.json into manifest.sig (needs the cryptography package).")]
+
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, what any program killed by a closed pipe returns
+
+
+def fail(err: DetllmError) -> None:
+    typer.echo(f"detllm: error: {err.one_line()}", err=True)
+    raise typer.Exit(err.exit_code)
+
+
+def guarded(fn: Callable[[], int | None]) -> None:
+    """Run a command body; DetllmError becomes one stderr line and its exit code, and so does
+    an operating-system error on a path the user gave (exit 2): never a traceback."""
+    try:
+        code = fn()
+    except DetllmError as err:
+        fail(err)
+    except BrokenPipeError:
+        raise typer.Exit(closed_pipe())
+    except OSError as err:
+        where = f": {err.filename}" if err.filename else ""
+        fail(UsageError(f"{err.strerror or err}{where}", hint="check the paths given to --out, --junit, --plot and the like"))
+    except KeyboardInterrupt:
+        typer.echo("detllm: interrupted", err=True)
+        raise typer.Exit(130)
+    raise typer.Exit(code or 0)
+
+
+def closed_pipe() -> int:
+    """The reader of stdout went away (`detllm report X | head -1`): exit silently. stdout is
+    pointed at /dev/null so the interpreter's final flush cannot print an error either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_CLOSED_PIPE
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError  # rich would exit 1, which reads as FAIL; guarded() exits silently instead
+
+    return _Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def print_verdict(report: dict, out_dir: Path | None) -> None:
+    from ..render.text import render_text
+
+    con = _console()
+    colour = {"PASS": "green", "FAIL": "red"}.get(report["status"], "yellow")
+    text = render_text(report).splitlines()
+    con.print(f"[bold {colour}]{text[0]}[/]")
+    for line in text[1:]:
+        con.print(line, markup=False)
+    if out_dir is not None:
+        con.print(f"run folder: {out_dir}", markup=False)
+
+
+def publish(report: dict, junit: Path | None) -> None:
+    """CI outputs: JUnit XML when asked for, and report.md appended to $GITHUB_STEP_SUMMARY
+    when GitHub Actions sets it."""
+    from ..render.github import append_step_summary
+    from ..render.junit import write_junit
+
+    if junit is not None:
+        write_junit(report, junit)
+    append_step_summary(report)
+
+
+def emit(outcome, *, as_json: bool, junit: Path | None = None) -> int:
+    """Publish CI outputs, print report.json or the verdict, return the exit code."""
+    publish(outcome.report, junit)
+    if as_json:
+        typer.echo(to_json(outcome.report))  # json.dumps(indent=2)'s bytes, faster on a large report
+    else:
+        print_verdict(outcome.report, outcome.out_dir)
+    return outcome.exit_code
+
+
+def write_html(outcome, path: Path | None) -> None:
+    """--html: the self-contained HTML report of what was just written (render/html.py)."""
+    if path is None:
+        return
+    from ..render.html import render_outcome
+    from ..schema_io import atomic_write_text
+
+    atomic_write_text(path, render_outcome(outcome.report, outcome.out_dir))
+
+
+class ProgressBar:
+    """Prompts done / total and tokens/s on stderr, only when stderr is a terminal (CI logs stay
+    clean); a rich bar created on first update (imports nothing until used)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.bar, self.task, self.t0 = enabled and sys.stderr.isatty(), None, None, 0.0
+
+    def __enter__(self):
+        return self.update if self.enabled else None
+
+    def update(self, done: int, total: int, tokens: int = 0) -> None:
+        import time
+
+        if self.bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts  {task.fields[rate]}"),
+                                console=_console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("generating", total=total, rate="")
+            self.t0 = time.monotonic()
+        elapsed = time.monotonic() - self.t0
+        rate = f"{tokens / elapsed:.1f} tokens/s" if elapsed > 0 and tokens else ""
+        self.bar.update(self.task, completed=done, rate=rate)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,4 +1,4 @@
-"""The diff fast path (compare/fast.py) gives the report the reference path gives.
+"""The diff fast path (compare/arrays.py, compare/fast.py) gives the report the reference path gives.
 
 Every pair is compared twice: once with differing payloads parsed into arrays (the
 threshold set to 0 bytes, so even the small fixtures take the fast path) and once with
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from detllm import artifacts
-from detllm.compare import fast, trace
+from detllm.compare import arrays, trace
 from detllm.diff import diff
 from detllm.errors import DetllmError
 from detllm.hashing import canonical_json, sha256_bytes, sha256_text
@@ -33,14 +33,14 @@ RUN_FOLDERS = sorted(p for p in [*(FIXTURES / "diff").iterdir(), *(FIXTURES / "v
 def both_paths(monkeypatch, a, b, **kw) -> tuple[object, object, int]:
     """(fast report or error text, reference report or error text, records read as arrays)."""
     built = []
-    real = fast.views
+    real = arrays.views
 
     def counting(x, y, tops=True):
         got = real(x, y, tops)
-        built.append(isinstance(got[0], fast.View))
+        built.append(isinstance(got[0], arrays.View))
         return got
 
-    monkeypatch.setattr(fast, "views", counting)
+    monkeypatch.setattr(arrays, "views", counting)
 
     monkeypatch.setattr(trace, "FAST_PATH_AFTER", 0)
 
@@ -153,15 +153,15 @@ def test_synthetic_pairs_same_report(monkeypatch, tmp_path, variant, tier, atol)
 def test_irregular_payload_takes_the_reference_path(tmp_path):
     left, right = _pair(tmp_path, "nulls")
     records, _ = trace.load_records(right / artifacts.TRACE)
-    assert fast.payload(records[1]) is None  # a null inside the top-k
-    assert fast.payload(records[0]) is not None
+    assert arrays.payload(records[1]) is None  # a null inside the top-k
+    assert arrays.payload(records[0]) is not None
 
 
 def test_views_read_as_the_record(tmp_path):
     left, _ = _pair(tmp_path, "drift")
     records, _ = trace.load_records(left / artifacts.TRACE)
     r = records[3]
-    v = fast.View(r, fast.payload(r))
+    v = arrays.View(r, arrays.payload(r))
     full = json.loads((left / artifacts.TRACE).read_text().splitlines()[3])
     for key in ("token_ids", "token_texts", "text", "logprobs", "finish_reason"):
         assert v[key] == full[key]
@@ -196,11 +196,11 @@ def test_lazy_top_k_reads_as_the_record(tmp_path, variant, line):
     _, right = _pair(tmp_path, variant)
     records, _ = trace.load_records(right / artifacts.TRACE)
     r = records[line]
-    v = fast.View(r, fast.payload(r, tops=False))
+    v = arrays.View(r, arrays.payload(r, tops=False))
     full = json.loads((right / artifacts.TRACE).read_text().splitlines()[line])["top_logprobs"]
     tops = v["top_logprobs"]
-    assert isinstance(tops, fast._LazyTops)
-    assert [tops[i] for i in (0, 1, 2, fast._LAZY_STEPS + 1, 5)] == [full[i] for i in (0, 1, 2, fast._LAZY_STEPS + 1, 5)]
+    assert isinstance(tops, arrays._LazyTops)
+    assert [tops[i] for i in (0, 1, 2, arrays.LAZY_STEPS + 1, 5)] == [full[i] for i in (0, 1, 2, arrays.LAZY_STEPS + 1, 5)]
     assert len(tops) == len(full) and list(tops) == full
 
 
@@ -247,7 +247,7 @@ class _Parent:
 
 @pytest.mark.parametrize("variant,tier,warm", [("mixed", 2, False), ("nulls", 2, True), ("flip", 1, True), ("topk", 2, False)])
 def test_a_worker_process_gives_the_same_report(monkeypatch, tmp_path, variant, tier, warm):
-    from detllm.compare import pairs
+    from detllm.compare import spare
 
     left, right = _pair(tmp_path, variant, prompts=100, tokens=24)
     parent = _Parent(monkeypatch)
@@ -256,12 +256,12 @@ def test_a_worker_process_gives_the_same_report(monkeypatch, tmp_path, variant, 
     differing = len(parent.mine)
     parent.shared(warm)
     spares = []
-    monkeypatch.setattr(pairs, "_take_spare", lambda real=pairs._take_spare: spares.append(real()) or spares[-1])
+    monkeypatch.setattr(spare, "take", lambda real=spare.take: spares.append(real()) or spares[-1])
     shared = json.dumps(diff(left, right, tier=tier).report, sort_keys=True)
     assert differing > 20
     assert 0 < len(parent.mine) < differing, f"this process settled {len(parent.mine)} of {differing} pairs"
     assert shared == reference
-    assert (spares[0] is not None) == warm and pairs._spare is None  # a spare was taken, when there was one
+    assert (spares[0] is not None) == warm and spare._waiting is None  # a spare was taken, when there was one
 
 
 def test_a_record_the_worker_cannot_read_is_refused_here(monkeypatch, tmp_path):

@@ -7,9 +7,9 @@ text, each side's logprob of both tokens, top-k and margin) and how big it was: 
 `magnitude` (tie flip, confident flip, sampled step, tokens equal but logprobs differ),
 judged against the noise floor of what actually ran (docs/causes.md#magnitude).
 
-One NaN rule for check (records in memory) and diff (records read back): a non-finite
-logprob is what the sanitised record holds on disk, null; null equals null and differs
-from any number.
+One NaN rule for check (records in memory) and diff (records read back), steps.finite: a
+non-finite logprob is what the sanitised record holds on disk, null; null equals null and
+differs from any number. A pair of compare/fast.py Views is scanned on its arrays there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..models.gguf import FLOAT_TYPES as FLOAT_GGUF  # GGUF types that store plain floats; causes.py reads it here
+from ..models.gguf import FLOAT_TYPES as FLOAT_GGUF  # GGUF types that store plain floats; causes/config.py reads it here
+from .steps import abs_diff, finite, topk_diff
 
 # magnitude labels, most severe first (docs/causes.md#magnitude)
 LABELS = ("confident_flip", "tie_flip", "sampled_step", "tokens_equal_logprobs_differ", "input_ids", "length",
@@ -68,14 +69,6 @@ def applied_dtype(applied_settings: list[dict[str, Any]]) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def finite(x: Any) -> float | None:
-    """The value as the sanitised record holds it: None for null, NaN and +-inf."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
 def _top(rec: dict[str, Any], i: int) -> list[list[Any]] | None:
     tops = rec.get("top_logprobs")
     return tops[i] if tops is not None and i < len(tops) else None
@@ -108,44 +101,6 @@ def side(rec: dict[str, Any], i: int, label: str, other_token: int | None) -> di
     }
 
 
-def _abs(x: Any, y: Any) -> float:
-    if x == y:
-        return 0.0
-    x, y = finite(x), finite(y)
-    if x is None or y is None:
-        return 0.0 if x is y else float("inf")
-    return abs(x - y)
-
-
-def _topk_diff(ta: list[list[Any]] | None, tb: list[list[Any]] | None, atol: float = 0.0) -> float:
-    """Largest |logprob difference| over the top-k ids. Sides that recorded a different k
-    compare their common top-min(k). Ids in one side's top-k only: inf when bitwise
-    (atol 0); with atol > 0 such an id is fine when its value is within atol of the other
-    side's k-th value (a boundary swap: it may sit just below the other's cut)."""
-    if ta == tb:
-        return 0.0
-    if ta is None or tb is None:
-        return float("inf")
-    k = min(len(ta), len(tb))
-    ta, tb = ta[:k], tb[:k]
-    if ta == tb:
-        return 0.0
-    da, db = {t[0]: finite(t[1]) for t in ta}, {t[0]: finite(t[1]) for t in tb}
-    common = da.keys() & db.keys()
-    d = max((_abs(da[i], db[i]) for i in common), default=0.0)
-    if len(common) == len(da) == len(db):
-        return d
-    if atol <= 0:
-        return float("inf")
-    for mine, other in ((da, db), (db, da)):
-        kth = min((v for v in other.values() if v is not None), default=None)
-        for i in mine.keys() - other.keys():
-            if mine[i] is None or kth is None:
-                return float("inf")
-            d = max(d, mine[i] - kth)  # it would sit at or below the other's k-th value: the gap is at least this
-    return d
-
-
 def _logprob_step(left: dict[str, Any], right: dict[str, Any], stop: int, atol: float) -> tuple[int, float] | None:
     """First step < stop whose chosen-token logprob or top-k differs by more than atol
     (bitwise when atol is 0), with that difference; None when all agree."""
@@ -160,10 +115,10 @@ def _logprob_step(left: dict[str, Any], right: dict[str, Any], stop: int, atol: 
         return None
     ta, tb = left.get("top_logprobs") or [], right.get("top_logprobs") or []
     for i in range(min(stop, len(la), len(lb))):
-        d = _abs(la[i], lb[i])
+        d = abs_diff(la[i], lb[i])
         top_a, top_b = (ta[i] if i < len(ta) else None), (tb[i] if i < len(tb) else None)
         if top_a != top_b:
-            d = max(d, _topk_diff(top_a, top_b, atol))
+            d = max(d, topk_diff(top_a, top_b, atol))
         if d > atol:
             return i, d
     return None

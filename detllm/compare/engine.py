@@ -12,9 +12,9 @@ import sys
 from collections import defaultdict
 from typing import Any, Iterable
 
-from .divergence import LABELS, finite, first_divergence, first_token_difference
-from .divergence import _abs as abs_diff
+from .divergence import LABELS, first_divergence, first_token_difference
 from .divergence import noise_floor as dtype_noise_floor
+from .steps import abs_diff, finite
 from .trace import fast_path, payload_shape, same_output, use_fast_path
 
 
@@ -334,9 +334,9 @@ def compare(
             jobs.append(k)
     if not use_fast_path(len(jobs)):
         jobs = []
-        spare = sys.modules.get(__package__ + ".pairs")  # loaded only where a large trace started a spare worker
+        spare = sys.modules.get(__package__ + ".spare")  # loaded only where a large trace started a spare worker
         if spare is not None:
-            spare.drop_spare()
+            spare.drop()
     fast = set(jobs)
     for k, (a, b) in enumerate(pairs):
         if k in identical or k in fast:

@@ -1,20 +1,20 @@
 """Settling the differing pairs of a comparison on two cores: first divergence and drift.
 
 engine.compare hands over the aligned pairs whose payloads differ and are large (read from
-disk, compare/trace.py). Each pair is read as arrays (compare/fast.py), its first divergence
+disk, compare/trace.py). Each pair is read as arrays (compare/arrays.py), its first divergence
 found (divergence.first_divergence) and its drift measured (fast.pair_drift); the arrays are
-then dropped. With many such pairs, a second process (this module run as a program) settles
-pairs from the end of the list while this one settles them from the front, until they meet:
-the same code on the same bytes, so the report is the same as with one process (a test holds
-the two to it). The worker reads the traces through descriptors it inherits (an unpacked
-.tar.gz may already be gone from the disk), never writes anything, and exits when its input
-closes; a pair it cannot settle (an unreadable record) is settled here, where the error is
-raised. Owns no meaning: what a divergence or a drift is stays in divergence.py and fast.py.
+then dropped. With many such pairs, a second process (this module run as a program, started
+by compare/spare.py) settles pairs from the end of the list while this one settles them from
+the front, until they meet: the same code on the same bytes, so the report is the same as with
+one process (a test holds the two to it). The worker reads the traces through descriptors it
+inherits (an unpacked .tar.gz may already be gone from the disk), never writes anything, and
+exits when its input closes; a pair it cannot settle (an unreadable record) is settled here,
+where the error is raised. Owns no meaning: what a divergence or a drift is stays in
+divergence.py and fast.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
 import select
@@ -25,7 +25,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from . import spare
 from .divergence import first_divergence
+from .spare import usable_cpus
 from .trace import TraceRecord
 
 # a worker pays for itself past this many payload bytes to settle (~0.1 s of work on one core);
@@ -55,7 +57,8 @@ Settled = tuple[bool, "dict[str, Any] | None", Any]
 
 def settle(a: TraceRecord, b: TraceRecord, spec: Spec) -> Settled:
     """One pair: as arrays when both payloads read as such, else as parsed records."""
-    from .fast import pair_drift, same_tokens, views
+    from .arrays import views
+    from .fast import pair_drift, same_tokens
 
     va, vb = views(a, b, tops=spec.drift)  # without drift, a top-k step is read only where a divergence needs it
     viewed = va is not a
@@ -77,7 +80,7 @@ def settle_pairs(pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> d
     out: dict[int, Settled] = {}
     worker = _Worker.start(pairs, jobs, spec) if _worth_a_worker(pairs, jobs) else None
     if worker is None:
-        drop_spare()
+        spare.drop()
     try:
         front, back = 0, len(jobs)  # this process settles jobs[:front], the worker jobs[back:]
         while front < back:
@@ -99,67 +102,6 @@ def settle_pairs(pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> d
     return out
 
 
-_spare: "subprocess.Popen | None" = None  # a worker started ahead (warm()), waiting for its setup
-_SPARE_WAIT_S = 60  # a spare nobody takes exits after this long
-_PROC_FD = f"/proc/{os.getpid()}/fd"  # how a spare opens this process's descriptors (Linux)
-
-
-def warm() -> None:
-    """Start a worker now, ahead of a comparison that may need one (compare/trace.load_records
-    of a large trace): it imports numpy and simdjson while this process reads the headers. Only
-    where a spare can reach this process's descriptors (/proc); else one starts when needed."""
-    global _spare
-    if (_spare is not None and _spare.poll() is None) or usable_cpus() < 2 or not os.path.isdir(_PROC_FD):
-        return
-    _spare = _spawn([])
-
-
-def drop_spare() -> None:
-    """No worker will be needed (the comparison found few large differing pairs): end the spare
-    now, so its imports stop competing with this process for the other core."""
-    global _spare
-    spare, _spare = _spare, None
-    if spare is not None:
-        _end(spare)
-
-
-def _spawn(fds: list[int]) -> "subprocess.Popen | None":
-    if not sys.executable:  # an embedded interpreter: no program to start
-        return None
-    try:
-        return subprocess.Popen([sys.executable, "-m", "detllm.compare.pairs"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=fds, close_fds=True)
-    except OSError:
-        return None  # no worker: this process settles every pair
-
-
-def _take_spare() -> "subprocess.Popen | None":
-    global _spare
-    spare, _spare = _spare, None
-    if spare is not None and spare.poll() is None and _PROC_FD == f"/proc/{os.getpid()}/fd":
-        return spare
-    if spare is not None:
-        _end(spare)
-    return None
-
-
-def _end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()  # it only reads: nothing to finish
-    proc.wait()
-    for f in (proc.stdin, proc.stdout):
-        try:
-            f.close()  # type: ignore[union-attr]
-        except OSError:
-            pass
-
-
-@atexit.register
-def _end_spare() -> None:
-    if _spare is not None:
-        _end(_spare)
-
-
 def _worth_a_worker(pairs: list[tuple[Any, Any]], jobs: list[int]) -> bool:
     if len(jobs) < 8 or usable_cpus() < 2:
         return False
@@ -170,14 +112,6 @@ def _worth_a_worker(pairs: list[tuple[Any, Any]], jobs: list[int]) -> bool:
                 return False  # bytes read into memory, not a mapped file the worker can open
             total += rec._end - rec._start
     return total >= WORKER_MIN_BYTES
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity), else every CPU the machine has."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class _Worker:
@@ -201,13 +135,13 @@ class _Worker:
                 fd = files.setdefault(id(rec._file), rec._file.fileno())
                 task.append((dict.copy(rec), fd, rec._start, rec._end, rec.where))
             tasks.append(task)
-        proc = _take_spare()
+        proc = spare.take()
         fds = sorted(set(files.values()))
         # a spare opens each file again through /proc (it was started before they were opened);
         # a worker started now inherits the descriptors themselves
-        opened = {fd: f"{_PROC_FD}/{fd}" if proc is not None else None for fd in fds}
+        opened = {fd: f"{spare.PROC_FD}/{fd}" if proc is not None else None for fd in fds}
         if proc is None:
-            proc = _spawn(fds)
+            proc = spare.spawn(fds)
             if proc is None:
                 return None
         setup = pickle.dumps((spec, opened, tasks), protocol=pickle.HIGHEST_PROTOCOL)
@@ -254,7 +188,7 @@ class _Worker:
         return back
 
     def stop(self) -> None:
-        _end(self.proc)
+        spare.end(self.proc)
 
 
 # ------------------------------------------------------------------ the worker process
@@ -280,13 +214,12 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 
 def _worker_main() -> int:
-    import importlib
     import mmap
 
-    importlib.import_module(".fast", __package__)  # numpy and simdjson, imported while the parent reads its traces
+    from . import fast  # noqa: F401 - numpy and simdjson, imported while the parent reads its traces
 
     fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
-    if not select.select([fd_in], [], [], _SPARE_WAIT_S)[0]:
+    if not select.select([fd_in], [], [], spare.WAIT_S)[0]:
         return 0  # a spare nobody took
     head = _read_exact(fd_in, _FRAME.size)
     if head is None:

@@ -3,7 +3,7 @@ where and why they differ.
 
 Owns the selection syntax, loading each side without torch, the diff report and its
 optional folder. Alignment, divergences and drift live in compare/engine.py, causes
-in compare/causes.py, rendering in render/.
+in compare/causes/, rendering in render/.
 
 A side is `FOLDER` (a run folder or .tar.gz pack; run 0 at its --batch-size) or
 `FOLDER::SELECTION` with SELECTION one of `run_N`, `batch_B` (run 0 at batch size B)

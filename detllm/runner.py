@@ -235,7 +235,7 @@ COMPARE_FROM_DISK_BYTES = 1 << 24  # a trace this large is compared as the diff 
 
 def compared_records(out: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the check compares: the records in memory, or, for a large trace, the same records read
-    back from the trace just written, whose payloads that differ compare/fast.py reads as arrays on
+    back from the trace just written, whose payloads that differ compare/arrays.py reads as arrays on
     two cores (1,000 x 1,000 drifted steps: ~35 s of CPU as Python lists, ~2 s this way). The values
     are the same: the file is what the writer made of them (a NaN written as null, which the
     comparison treats alike), and verify re-derives the verdict from that file too."""

@@ -155,7 +155,7 @@ def test_cross_engine_diff_checks_input_ids_not_tokenizer_hashes():
 
 
 def test_check_and_diff_share_the_cause_engine(fake_runs):
-    """check's verdict comes from compare/causes.py too: the same codes and evidence keys."""
+    """check's verdict comes from compare/causes/ too: the same codes and evidence keys."""
     rep = detllm.check(backend="fake", runs=2, vary_batch=(1, 4), max_new_tokens=6, out=fake_runs["base"].parent / "check2",
                        options={"diverge": "prompt=1,pos=2,run=1;prompt=3,pos=1,batch=4"}).report
     assert codes(rep["causes"]) == ["RUN_VARIANCE", "BATCH_VARIANCE"]

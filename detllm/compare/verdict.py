@@ -1,7 +1,7 @@
 """Turn the comparisons of a `check` into a report: which are required at the tier,
 PASS/FAIL, the ranked causes with evidence, the first divergence.
 
-Causes come from compare/causes.py, the same engine `diff` uses. Within one check
+Causes come from compare/causes/, the same engine `diff` uses. Within one check
 folder nothing recorded differs between runs, so a failing repeat is RUN_VARIANCE
 and a failing batch size is BATCH_VARIANCE.
 """

@@ -1,7 +1,8 @@
 """Golden outputs: what detllm prints and writes for every committed fixture and every
 diff case, kept byte for byte so a refactor that changes none of them can show it.
 
-`python tests/golden/make_golden.py` (re)writes tests/golden/out/; tests/test_golden.py
+`python tests/golden/make_golden.py` (re)writes tests/golden/out/ (`--check`: prints what would
+change and writes nothing); tests/test_golden.py
 renders everything again and compares. Paths of temporary folders and of this checkout
 are replaced by <TMP> and <REPO>, and a pack's unpacking folder by <RANDOM>: the only parts
 that differ between runs.
@@ -97,10 +98,27 @@ def outputs() -> dict[str, str]:
     return out
 
 
+def changes(got: dict[str, str]) -> list[str]:
+    """Unified diffs of every golden file `got` changes, adds or removes."""
+    import difflib
+
+    kept = {str(p.relative_to(OUT)): p.read_text(encoding="utf-8") for p in OUT.rglob("*") if p.is_file()}
+    out = []
+    for name in sorted(set(got) | set(kept)):
+        if got.get(name) != kept.get(name):
+            out.append("\n".join(difflib.unified_diff((kept.get(name) or "").splitlines(), (got.get(name) or "").splitlines(),
+                                                    f"golden/{name}", "now", lineterm="", n=1)))
+    return out
+
+
 def main() -> None:
     import shutil
 
     got = outputs()
+    if "--check" in sys.argv:  # print what changed, write nothing
+        diffs = changes(got)
+        print("\n".join(diffs) + f"\n{len(diffs)} golden files would change")
+        return
     if OUT.exists():
         shutil.rmtree(OUT)
     for name, text in got.items():

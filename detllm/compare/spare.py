@@ -11,6 +11,7 @@ import atexit
 import os
 import subprocess
 import sys
+import threading
 
 WAIT_S = 60  # a spare nobody takes exits after this long
 PROC_FD = f"/proc/{os.getpid()}/fd"  # how a spare opens this process's descriptors (Linux)
@@ -24,7 +25,14 @@ def warm() -> None:
     global _waiting
     if (_waiting is not None and _waiting.poll() is None) or usable_cpus() < 2 or not os.path.isdir(PROC_FD):
         return
+    if _waiting is not None:
+        end(_waiting)  # exited untaken: close its pipes
     _waiting = spawn([])
+    if _waiting is not None:
+        # a spare nobody takes exits on its own (WAIT_S): reaped by this thread the moment it does, so a
+        # long-lived process (the Python API) that never compares again keeps no zombie. Popen's
+        # waitpid lock makes poll()/wait()/kill() elsewhere safe beside it (poll() reads "alive" until reaped)
+        threading.Thread(target=_waiting.wait, name="detllm-spare-reaper", daemon=True).start()
 
 
 def drop() -> None:
@@ -75,6 +83,16 @@ def end(proc: subprocess.Popen) -> None:
 def _end_waiting() -> None:
     if _waiting is not None:
         end(_waiting)
+
+
+def _forget_in_child() -> None:
+    """A forked child neither owns its parent's spare nor has the reaper thread (whose waitpid
+    lock it may have inherited held): it forgets the spare, and starts its own if it needs one."""
+    global _waiting, PROC_FD
+    _waiting, PROC_FD = None, f"/proc/{os.getpid()}/fd"
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def usable_cpus() -> int:

@@ -360,3 +360,110 @@ def test_check_compares_a_large_trace_from_disk_with_the_same_report(monkeypatch
     disk = report("disk")
     assert read and read[0].name == "trace.jsonl", "the check did not read its trace back"
     assert disk == memory
+
+
+# ------------------------------------------------------------------ the arrays reported from are never written
+
+
+def test_payload_arrays_are_read_only(tmp_path):
+    """A divergence is reported from the arrays the drift was computed on: an in-place write into
+    them (a view numpy did not copy) raises instead of changing the numbers reported."""
+    left, _ = _pair(tmp_path, "drift")
+    records, _ = trace.load_records(left / artifacts.TRACE)
+    p = arrays.payload(records[3])
+    for name in ("ids", "lps", "top_ids", "top_lps"):
+        arr = getattr(p, name)
+        assert not arr.flags.writeable, name
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] += 1
+
+
+def _step0_flips(k: int, what: str) -> tuple[list[dict], list[dict]]:
+    """Seven prompts of 60 tokens, logprobs normalised as an engine's; the middle five (the records
+    load_records leaves as raw payloads) differ at step 0: `flip`, the left's token at p 0.30 over
+    0.25 (a confident gap of 0.18) and the right's at 0.275 over 0.274995 (a tie); `drift`, the
+    same tokens with every logprob moved by 1e-5. The top-k's mass is 0.6, so a top-k
+    renormalised in place (log 0.6 added) turns the left's gap negative and the flip a tie."""
+    import math
+
+    probs = [0.30, 0.25, 0.03, 0.01, 0.01]
+    left, right = [], []
+    for i in range(7):
+        ids = [10 + (i + s) % 40 for s in range(60)]
+        lps = [math.log(probs[0])] * 60
+        tops = [[[t + j, math.log(q)] for j, q in enumerate(probs)][:k] for t in ids]
+        a = _record(i, ids, lps, tops)
+        b = json.loads(json.dumps(a))
+        if 1 <= i <= 5 and what == "flip":
+            t = ids[0]
+            b["token_ids"][0], b["token_texts"][0] = t + 1, f" w{t + 1}"
+            b["text"] = "".join(b["token_texts"])
+            b["logprobs"][0] = math.log(0.275)
+            b["top_logprobs"][0] = [[t + 1, math.log(0.275)], [t, math.log(0.274995)],
+                                    *[[t + j, math.log(q)] for j, q in enumerate(probs) if j > 1]][:k]
+        elif 1 <= i <= 5:
+            b["logprobs"] = [lp + 1e-5 for lp in b["logprobs"]]
+            b["top_logprobs"] = [[[t, lp + 1e-5] for t, lp in s] for s in b["top_logprobs"]]
+        left.append(a)
+        right.append(b)
+    return left, right
+
+
+@pytest.mark.parametrize("k,what", [(1, "flip"), (5, "flip"), (1, "drift"), (5, "drift")])
+def test_fast_path_holds_to_the_in_memory_reference(monkeypatch, tmp_path, k, what):
+    """R1: k == 1 (--logprobs 1) and step-0 flips of middle records, where the drift's
+    renormalisation once wrote into the top-k the first divergence is then reported from. The
+    comparison `check` makes in memory (plain records), the one `diff` makes from disk (drift) and
+    the one verify re-derives (from disk, no drift) give the same divergences, figure for figure."""
+    from detllm.compare.engine import compare
+
+    monkeypatch.setattr(trace, "FAST_PATH_AFTER", 0)
+    monkeypatch.setattr(trace, "FAST_PATH_MIN_BYTES", 0)
+    left, right = _step0_flips(k, what)
+    lf, rf = _folder(tmp_path, "l", left), _folder(tmp_path, "r", right)
+    kw = dict(name="c", kind="run", left_label="run_0@batch_1", right_label="run_1@batch_1", required=True,
+              check_logprobs=True, noise_floor=1e-4)
+
+    def from_disk(drift: bool) -> dict:
+        a, _ = trace.load_records(lf / artifacts.TRACE)
+        b, _ = trace.load_records(rf / artifacts.TRACE)
+        return compare(a, b, drift=drift, **kw)
+
+    memory, disk, lean = compare(left, right, **kw), from_disk(True), from_disk(False)
+    assert memory["prompts_diverged"] == 5
+    if what == "flip" and k == 5:
+        assert memory["first_divergence"]["magnitude"]["label"] == "confident_flip"
+    for key in ("first_divergence", "divergences", "prompts_diverged", "status"):
+        want = json.dumps(memory[key], sort_keys=True)
+        assert json.dumps(disk[key], sort_keys=True) == want, key
+        assert json.dumps(lean[key], sort_keys=True) == want, key
+    assert json.dumps(disk["drift"], sort_keys=True) == json.dumps(memory["drift"], sort_keys=True)
+
+
+@pytest.mark.parametrize("logprobs", [1, 5])
+def test_a_large_check_with_step0_flips_verifies_and_packs(monkeypatch, tmp_path, logprobs):
+    """R1 end to end: a check whose trace is compared from disk (forced here: 16 MB and more in
+    use) with step-0 flips on middle prompts writes the report the records in memory give, and
+    `verify` re-derives that verdict from the sealed trace, so `pack` packs the honest folder."""
+    import detllm
+    from detllm import runner
+    from detllm.pack import create_pack
+    from detllm.verify import verify
+
+    options = {"diverge": "prompt=1,pos=0,run=1;prompt=2,pos=0,run=1;prompt=3,pos=0,run=1"}
+    prompts = [f"prompt number {i}" for i in range(5)]
+
+    def check(name: str):
+        out = detllm.check(backend="fake", options=options, prompts=prompts, tier=2, runs=2, max_new_tokens=40,
+                           logprobs=logprobs, out=tmp_path / name)
+        rep = json.loads((out.out_dir / "report.json").read_text())
+        return out.out_dir, json.dumps({k: rep[k] for k in ("status", "first_divergence", "comparisons")}, sort_keys=True)
+
+    _, memory = check("memory")
+    monkeypatch.setattr(runner, "COMPARE_FROM_DISK_BYTES", 0)
+    monkeypatch.setattr(trace, "FAST_PATH_MIN_BYTES", 0)
+    monkeypatch.setattr(trace, "FAST_PATH_AFTER", 0)
+    folder, disk = check("disk")
+    assert '"status": "FAIL"' in disk and disk == memory
+    assert verify(folder).verdict is not None
+    assert create_pack(folder, tmp_path / "big.tar.gz").is_file()

@@ -25,12 +25,18 @@ _MAX_ID = 2**53  # ids read as float64 are exact below this
 
 class Payload:
     """A record's generated steps as arrays. ids (n,) int64; lps (n,) float64 or None;
-    top_ids (n, k) int64 and top_lps (n, k) float64, or None; texts and text as raw JSON."""
+    top_ids (n, k) int64 and top_lps (n, k) float64, or None; texts and text as raw JSON.
+    The arrays are read-only: a divergence is reported from them after the drift was computed
+    on them, so an in-place write (a view numpy did not copy) raises instead of changing the
+    numbers reported."""
 
     __slots__ = ("ids", "lps", "top_ids", "top_lps", "texts_raw", "text_raw", "finish_reason", "tops_raw")
 
     def __init__(self, ids, lps, top_ids, top_lps, texts_raw: bytes, text_raw: bytes, finish_reason: str,
                  tops_raw: bytes | None = None) -> None:
+        for arr in (ids, lps, top_ids, top_lps):
+            if arr is not None:
+                arr.flags.writeable = False
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
         self.texts_raw, self.text_raw, self.finish_reason = texts_raw, text_raw, finish_reason
         self.tops_raw = tops_raw  # the top-k section, not parsed yet (payload(tops=False)); else None

@@ -98,12 +98,14 @@ def kl_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """engine._kl_topk for m steps at once: KL(left || right) over the left's top-k ids, p the
     left's logprobs (m, k) and q the right's of the same ids, each side renormalised over them.
     numpy's exp and log on both paths; sums run left to right, as Python's sum. Worked on the
-    k columns (contiguous copies): numpy reduces a short last axis slowly."""
+    k columns (contiguous copies): numpy reduces a short last axis slowly. Writes into neither
+    input: at k == 1 or m == 1 the transpose is already contiguous, so `pt` is p itself (a
+    record's top-k, read-only in its Payload) and is renormalised into a new array."""
     pt, qt = np.ascontiguousarray(p.T), np.ascontiguousarray(q.T)  # (k, m)
     zp = np.log(_colsum(np.exp(pt)))
     zq = np.log(_colsum(np.exp(qt)))
-    pt -= zp
-    qt -= zq
+    pt = pt - zp
+    qt = qt - zq
     s = _colsum(np.exp(pt) * (pt - qt))
     return np.where(s > 0.0, s, 0.0)
 

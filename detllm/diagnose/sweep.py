@@ -4,7 +4,8 @@ Owns the grid (axes batch_size, dtype, threads, or any backend option), running 
 a real `run` in a probe worker (the model stays loaded between cells of one process; options
 that need a new engine get one from the backend), and the statistics: per cell a label
 (stable / fragile: tokens repeat, logprobs drift / unstable), unique outputs per prompt, the
-divergence rate against the reference cell (the first) with its Wilson 95% interval, and a
+divergence rate against the reference cell (the first cell that ran) with a Wilson 95% interval
+over prompts (the independent unit: repeats of one prompt in one process are correlated), and a
 table plus heatmap. Judging reads run folders only.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import artifacts
+from ..compare.steps import abs_diff
 from ..config import RunConfig
 from ..env import detllm_version
 from ..errors import UsageError
@@ -83,35 +85,64 @@ def _outputs(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return by
 
 
-def _lp_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+def _lp_diffs(a: dict[str, Any], b: dict[str, Any]) -> list[float]:
+    """|dlogprob| per step over the steps where the tokens agree, by the one NaN rule
+    (compare/steps.py): null equals null, null against a number is inf."""
     la, lb = a.get("logprobs") or [], b.get("logprobs") or []
     n = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), min(len(a["token_ids"]), len(b["token_ids"])))
-    return max((abs(x - y) for x, y in zip(la[:n], lb[:n])), default=0.0)
+    return [abs_diff(x, y) for x, y in zip(la[:n], lb[:n])]
 
 
 def judge_cell(records: list[dict[str, Any]], reference: list[dict[str, Any]] | None, *, atol: float = 0.0) -> dict[str, Any]:
-    """Label, unique outputs per prompt, and the divergence rate (tokens differing from the
-    reference cell's first repeat, over prompts x repeats) with its Wilson interval."""
+    """Label, unique outputs per prompt, and the divergence rate against the reference cell's
+    first repeat: outputs (prompts x repeats) for the count, prompts (a prompt diverges when any
+    of its repeats does) for the Wilson interval, since repeats of one prompt are correlated.
+    A step whose logprob is null on one side only counts as drift but is no value: it is
+    counted in `null_logprob_steps`, never in a maximum."""
     mine = _outputs(records)
     ref = _outputs(reference) if reference is not None else mine
-    unique, within_tokens, within_lp = {}, False, 0.0
-    k = n = 0
-    ref_lp = 0.0
+    unique, within_tokens, within_lp, nulls = {}, False, [0.0], 0
+    k = n = kp = 0
+    ref_lp = [0.0]
     for p, recs in mine.items():
         seqs = {tuple(r["token_ids"]) for r in recs}
         unique[p] = len(seqs)
         within_tokens |= len(seqs) > 1
-        within_lp = max([within_lp] + [_lp_diff(recs[0], r) for r in recs[1:]])
+        for r in recs[1:]:
+            within_lp += _lp_diffs(recs[0], r)
         anchor = ref.get(p, recs)[0]
+        differs = [r["token_ids"] != anchor["token_ids"] for r in recs]
+        n += len(recs)
+        k += sum(differs)
+        kp += any(differs)
         for r in recs:
-            n += 1
-            k += r["token_ids"] != anchor["token_ids"]
-            ref_lp = max(ref_lp, _lp_diff(anchor, r))
-    label = "unstable" if within_tokens else ("fragile" if within_lp > atol else "stable")
-    lo, hi = wilson(k, n)
+            d = _lp_diffs(anchor, r)
+            ref_lp += d
+            nulls += sum(x == math.inf for x in d)
+    within_inf = any(x == math.inf for x in within_lp)
+    within, vs_ref = _finite_max(within_lp), _finite_max(ref_lp)
+    label = "unstable" if within_tokens else ("fragile" if within > atol or within_inf else "stable")
+    lo, hi = wilson(kp, len(mine))
     return {"label": label, "unique_outputs_per_prompt": unique, "max_unique_outputs": max(unique.values(), default=0),
-            "within_cell_max_abs_logprob_diff": within_lp, "diverged": k, "observations": n, "divergence_rate": k / n if n else 0.0,
-            "wilson_95": [lo, hi], "vs_reference_max_abs_logprob_diff": ref_lp}
+            "within_cell_max_abs_logprob_diff": within, "diverged": k, "observations": n, "divergence_rate": k / n if n else 0.0,
+            "prompts_diverged": kp, "prompts_compared": len(mine), "prompt_wilson_95": [lo, hi],
+            "vs_reference_max_abs_logprob_diff": vs_ref, "null_logprob_steps": nulls}
+
+
+def _finite_max(values: list[float]) -> float:
+    return max((v for v in values if v != math.inf), default=0.0)
+
+
+def _check_options(config: RunConfig, cells: list[dict[str, str]], repeats: int) -> None:
+    """Every cell's config and backend options parsed and range-checked before anything runs."""
+    from ..backends.base import parse_options
+    from ..backends.registry import BACKENDS, backend_class
+
+    for cell in cells:
+        cfg = cell_config(config, cell, repeats)
+        cfg.validate(command="run")
+        if cfg.backend in BACKENDS and backend_class(cfg.backend).Options is not None:
+            parse_options(backend_class(cfg.backend).Options, cfg.options, cfg.backend)
 
 
 def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, repeats: int = 3, prompts: str | Path | None = None,
@@ -124,8 +155,7 @@ def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, r
     if repeats < 2:
         raise UsageError(f"--repeats must be at least 2, got {repeats}")
     cells = [dict(zip([a for a, _ in grid], combo)) for combo in itertools.product(*[v for _, v in grid])]
-    for cell in cells:
-        cell_config(config, cell, repeats).validate(command="run")  # every bad value refused before anything runs
+    _check_options(config, cells, repeats)  # every bad value refused before anything runs
     texts = load_prompts(prompts).texts
     out = Path(out) if out is not None else artifacts.default_out_dir("sweep")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not ((out / SWEEP).is_file() and force))):
@@ -137,7 +167,7 @@ def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, r
     artifacts.atomic_write_text(pfile, "".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
-    reference = None
+    reference, reference_cell = None, None
     with Pool(out / "logs") as pool:
         for i, cell in enumerate(cells):
             if progress:
@@ -151,13 +181,13 @@ def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, r
                 continue
             records = artifacts.load_trace(folder / artifacts.TRACE, validate_records=False)
             if reference is None:
-                reference = records
+                reference, reference_cell = records, cell
             rows.append({"cell": cell, "status": "ran", "folder": str(folder.relative_to(out)),
                          "seconds": round(time.monotonic() - started, 2), **judge_cell(records, reference, atol=config.atol)})
     doc = artifacts.stamp("sweep", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "backend": config.backend, "model": config.model,
         "config": config.to_json(), "axes": [{"name": a, "values": v} for a, v in grid], "repeats": repeats, "prompts": len(texts),
-        "reference_cell": cells[0], "cells": rows, "seconds": round(time.monotonic() - t0, 2), "heatmap": None,
+        "reference_cell": reference_cell, "cells": rows, "seconds": round(time.monotonic() - t0, 2), "heatmap": None,
     })
     from .sweep_render import heatmap, render_markdown, render_text
 

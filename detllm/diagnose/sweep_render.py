@@ -18,20 +18,34 @@ def _cell(c: dict[str, Any]) -> str:
 
 def _row(c: dict[str, Any]) -> list[str]:
     if c["status"] != "ran":
-        return [_cell(c), "error", "-", "-", "-", "-", c.get("error", "")[:60]]
-    lo, hi = c["wilson_95"]
+        return [_cell(c), "error", "-", "-", "-", "-", "-", c.get("error", "")[:60]]
+    lo, hi = c["prompt_wilson_95"]
+    vs_ref = f"{c['vs_reference_max_abs_logprob_diff']:.3g}" + (f" (+{c['null_logprob_steps']} null)" if c.get("null_logprob_steps") else "")
     return [_cell(c), c["label"], str(c["max_unique_outputs"]), f"{c['diverged']}/{c['observations']}",
-            f"[{lo:.2f}, {hi:.2f}]", f"{c['vs_reference_max_abs_logprob_diff']:.3g}", f"{c['within_cell_max_abs_logprob_diff']:.3g}"]
+            f"{c['prompts_diverged']}/{c['prompts_compared']}", f"[{lo:.2f}, {hi:.2f}]", vs_ref, f"{c['within_cell_max_abs_logprob_diff']:.3g}"]
 
 
-HEAD = ["cell", "label", "unique/prompt", "diverged vs ref", "Wilson 95%", "max |dlp| vs ref", "max |dlp| in cell"]
+HEAD = ["cell", "label", "unique/prompt", "outputs diverged", "prompts diverged", "Wilson 95% (prompts)", "max |dlp| vs ref",
+        "max |dlp| in cell"]
+
+
+def reference_text(doc: dict[str, Any]) -> str:
+    """The reference cell, and why it is not the first cell when that one errored."""
+    ref = doc["reference_cell"]
+    first = doc["cells"][0]["cell"] if doc["cells"] else None
+    if ref is None:
+        return "reference: none, every cell errored"
+    text = "reference: " + ", ".join(f"{k}={v}" for k, v in ref.items())
+    if first is not None and first != ref:
+        text += " (the first cell, " + ", ".join(f"{k}={v}" for k, v in first.items()) + ", errored)"
+    return text
 
 
 def render_text(doc: dict[str, Any]) -> str:
     rows = [HEAD] + [_row(c) for c in doc["cells"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEAD))]
     lines = [f"SWEEP {doc['backend']} {doc['model']}: {len(doc['cells'])} cells x {doc['repeats']} repeats x {doc['prompts']} prompts "
-             f"in {doc['seconds']:.1f} s (reference: {', '.join(f'{k}={v}' for k, v in doc['reference_cell'].items())})"]
+             f"in {doc['seconds']:.1f} s ({reference_text(doc)})"]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     if doc.get("heatmap"):
         lines.append(f"heatmap: {doc['heatmap']}")
@@ -42,7 +56,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     out = [f"# detllm sweep: {doc['backend']} / {doc['model']}", "",
            f"{len(doc['cells'])} cells x {doc['repeats']} repeats x {doc['prompts']} prompts in {doc['seconds']:.1f} s; "
            "labels: stable (repeats identical), fragile (tokens repeat, logprobs drift), unstable (tokens differ between repeats). "
-           "Divergence rate: outputs whose tokens differ from the reference cell's, with the Wilson 95% interval.", "",
+           "Outputs diverged: outputs (prompts x repeats) whose tokens differ from the reference cell's; prompts diverged: prompts "
+           "with any such repeat, with the Wilson 95% interval over prompts (repeats of one prompt are correlated, so the prompt "
+           f"is the independent unit). {reference_text(doc).capitalize()}.", "",
            "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     out += ["| " + " | ".join(_row(c)) + " |" for c in doc["cells"]]
     if doc.get("heatmap"):

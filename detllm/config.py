@@ -158,9 +158,10 @@ class RunConfig:
             ints(1, MAX_BATCH).check("--vary-batch sizes", b)
         if len(set(self.vary_batch)) != len(self.vary_batch):
             raise UsageError(f"--vary-batch lists a size twice: {','.join(map(str, self.vary_batch))}")
-        if command == "check" and self.tier == 3 and not self.vary_batch:
-            raise UsageError("tier 3 promises batch invariance, which a check without --vary-batch never tests",
-                             hint="add --vary-batch, e.g. 1,2,8")
+        if command == "check" and self.tier == 3 and len(self.batch_sizes) < 2:  # no second batch size: nothing to hold invariant
+            given = f" (--vary-batch {','.join(map(str, self.vary_batch))} runs batch size {self.batch_size} alone)" if self.vary_batch else ""
+            raise UsageError(f"tier 3 promises batch invariance, which a check comparing no second batch size never tests{given}",
+                             hint="add --vary-batch with a second size, e.g. 1,2,8")
         if command == "check" and self.runs < 2:
             raise UsageError(f"check needs --runs of at least 2 to compare runs, got {self.runs}")
         if self.negative_control and command == "run":

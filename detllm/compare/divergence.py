@@ -240,12 +240,14 @@ def first_divergence(
 
 def _classify(left, right, kind, i, tok_i, ls, rs, diff, floor, sampled, left_label, right_label) -> dict[str, Any]:
     """The divergence's magnitude. A logprob divergence followed by a token flip in the same
-    prompt is classified by that flip (its step in `token_index`); without one, the tokens are
-    equal and only the logprobs differ."""
+    prompt is classified by that flip (its step in `token_index`), one followed by one side
+    stopping earlier as that length divergence; only without either are the tokens equal."""
     a, b = left["token_ids"], right["token_ids"]
     if kind == "length":
         return {"label": "length", "token_index": i, "noise_floor": floor}
-    if kind == "logprob" and (tok_i is None or tok_i >= min(len(a), len(b))):
+    if kind == "logprob" and tok_i is not None and tok_i >= min(len(a), len(b)):  # one side generated more
+        return {"label": "length", "token_index": tok_i, "noise_floor": floor}
+    if kind == "logprob" and tok_i is None:
         return {"label": "tokens_equal_logprobs_differ", "token_index": i, "noise_floor": floor,
                 "abs_diff": None if diff is None or diff == float("inf") else diff,
                 "within_noise": diff is not None and floor is not None and diff <= floor}

@@ -72,7 +72,7 @@ def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str
     comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
                               tier=tier, atol=config.atol, floor=floor, fresh=fresh_runs(config),
                               sampled=not config.decoding.greedy, drift=False)
-    report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={})
+    report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={}, records=records)
     return {name: report[name] for name in CHECKED_FIELDS}
 
 

@@ -18,7 +18,6 @@ from .backends.base import Backend, Capabilities, options_json
 from .batching import batch_requests, plan_batches, trace_record
 from .backends.registry import create_backend
 from .compare.divergence import run_noise_floor
-from .compare.causes import add_server_evidence
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
 from .control import negative_control
@@ -220,12 +219,12 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
             "causes": [], "first_divergence": None, "comparisons": [], "summary": summary,
         })
     else:
-        comps = check_comparisons(compared_records(out, records), base_batch=config.batch_size, runs=config.runs,
+        compared = compared_records(out, records)
+        comps = check_comparisons(compared, base_batch=config.batch_size, runs=config.runs,
                                   batch_sizes=config.batch_sizes, tier=tier, atol=config.atol, floor=floor,
                                   fresh=fresh.fresh_runs(config), sampled=not config.decoding.greedy)
         report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary,
-                              scope=fresh.scope_text(config), control=control)
-        add_server_evidence(report, records)  # served backends: the server's own account of its batch and cache
+                              scope=fresh.scope_text(config), control=control, records=compared)
     write_report(out, report, signer=signer, record_digests=digests)
     return Outcome(out, report)
 

@@ -49,9 +49,13 @@ def test_a_divergence_only_in_a_fresh_process_is_named_as_such(tmp_path, cli):
     report = assert_valid_run(tmp_path / "c", failed=True)
     status = {c["name"]: c["status"] for c in report["comparisons"]}
     assert status == {"run_1 vs run_0 @ batch 1": "PASS", "run_2 (fresh process) vs run_0 @ batch 1": "FAIL"}
-    cause = report["causes"][0]
-    assert cause["code"] == "RUN_VARIANCE" and cause["evidence"]["repeats"] == ["fresh-process"]
-    assert "diverged in fresh-process repeats" in res.output
+    # the records say run_2 ran in a fresh process and run_0 did not: a recorded difference, not RUN_VARIANCE
+    assert {r["run_index"] for r in _trace(tmp_path / "c") if r.get("fresh_process")} == {2}
+    assert [c["code"] for c in report["causes"]] == ["PROCESS_VARIANCE"]
+    assert report["causes"][0]["evidence"]["process"] == {"left": "in-process", "right": "fresh-process"}
+    assert "PROCESS_VARIANCE" in res.output and "process: in-process vs fresh-process" in res.output
+    res = cli("verify", tmp_path / "c")  # re-derived from the sealed trace (read back from disk): the same cause
+    assert res.exit_code == 0 and "(PROCESS_VARIANCE)" in res.output, res.output
 
 
 def test_a_divergence_in_process_is_named_as_such(tmp_path):

@@ -24,6 +24,7 @@ from ..errors import ArtifactError
 from ..records import check_trace_record
 
 PAYLOAD_KEYS = ("token_ids", "token_texts", "text", "logprobs", "top_logprobs", "finish_reason")
+TAIL_KEYS = ("evidence", "fresh_process")  # optional, written after the payload: read from the line's tail alone
 _MARK = b',"token_ids":'  # cannot occur inside a JSON string: a quote there is escaped
 # where each payload field starts, in the order the runner writes them
 _SECTIONS = (b',"token_ids":', b',"token_texts":', b',"text":', b',"logprobs":', b',"top_logprobs":', b',"finish_reason":')
@@ -35,18 +36,39 @@ _EMPTY_PAYLOAD = {"token_ids": [], "token_texts": [], "text": "", "logprobs": No
 class TraceRecord(dict):
     """A trace record whose payload fields are parsed (and validated) on first access."""
 
-    __slots__ = ("_src", "_start", "_end", "where", "_file")
+    __slots__ = ("_src", "_start", "_end", "where", "_file", "_tail")
 
     def __init__(self, header: dict[str, Any], src: "bytes | mmap.mmap | None", start: int, end: int, where: str) -> None:
         super().__init__(header)
         self._src, self._start, self._end, self.where = src, start, end, where
         self._file: Any = None  # the open file `src` is mapped from (compare/pairs.py hands it to its worker)
+        self._tail = False  # whether the keys after the payload (TAIL_KEYS) were read
 
     def __missing__(self, key: str) -> Any:
         if self._src is not None and key in PAYLOAD_KEYS:
             self.load()
             return dict.__getitem__(self, key)
+        if self._src is not None and key in TAIL_KEYS and not self._tail:
+            self._read_tail()
+            if key in self.keys():
+                return dict.__getitem__(self, key)
         raise KeyError(key)
+
+    def _read_tail(self) -> None:
+        """The per-record facts written after the payload (a served engine's evidence, fresh_process),
+        parsed from the few bytes after finish_reason without parsing the payload; anything not laid
+        out that way is read by load(), which validates the whole record."""
+        self._tail = True
+        at = self._src.rfind(_SECTIONS[-1], self._start, self._end)
+        try:
+            tail = json.loads(b"{" + self._src[at + 1:self._end]) if at >= 0 else None
+        except ValueError:
+            tail = None
+        if not isinstance(tail, dict) or not all(k in (*TAIL_KEYS, "finish_reason") for k in tail) \
+                or type(tail.get("evidence", {})) is not dict or type(tail.get("fresh_process", True)) is not bool:
+            self.load()
+            return
+        self.update({k: tail[k] for k in TAIL_KEYS if k in tail})
 
     def get(self, key: str, default: Any = None) -> Any:
         try:

@@ -1,9 +1,12 @@
 """Turn the comparisons of a `check` into a report: which are required at the tier,
 PASS/FAIL, the ranked causes with evidence, the first divergence.
 
-Causes come from compare/causes/, the same engine `diff` uses. Within one check
-folder nothing recorded differs between runs, so a failing repeat is RUN_VARIANCE
-and a failing batch size is BATCH_VARIANCE.
+Causes come from compare/causes/, the same engine `diff` uses, run on the compared
+records: within one check folder the configuration is the same for every run, but
+what each record says about how it was computed (cached prompt tokens, the server's
+batch, a fresh process) can differ, and then it is the cause, not RUN_VARIANCE.
+`runner` and `rederive` (verify) both call check_comparisons then check_report with
+the same records: one path to the verdict.
 """
 
 from __future__ import annotations
@@ -52,20 +55,23 @@ def check_comparisons(records: list[dict[str, Any]], *, base_batch: int, runs: i
     return comps
 
 
-def _side(text: str) -> Side:
+def _side(text: str, records: list[dict[str, Any]] | None) -> Side:
     run, batch = parse_label(text)
-    return Side(label=text, run_index=run, batch_size=batch)
+    chosen = None if records is None else select(records, run=run, batch=batch)
+    return Side(label=text, run_index=run, batch_size=batch, records=chosen)
 
 
-def causes_for(comps: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def causes_for(comps: list[dict[str, Any]],
+               records: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(causes of the failing comparisons, info from those that differed where the tier
     does not require agreement), merged by code. A passing comparison adds nothing: its
-    batch size differs by design."""
+    batch size differs by design. `records`: the compared trace records, whose per-record
+    facts (server cache and batch, fresh process) are compared too; None: not at hand."""
     causes, info = [], []
     for c in comps:
         if c["status"] == "PASS":
             continue
-        got, extra = explain(c, _side(c["left"]), _side(c["right"]))
+        got, extra = explain(c, _side(c["left"], records), _side(c["right"], records))
         causes += got
         info += extra
     causes = merge(causes)
@@ -87,6 +93,8 @@ def _fold(causes: list[dict[str, Any]], info: list[dict[str, Any]]) -> list[dict
         cause["evidence"]["not_required"] = {k: ev[k] for k in ("comparisons", "prompts_diverged", "first") if k in ev}
         if "batch_sizes" in ev:
             cause["evidence"]["batch_sizes"] = sorted(set(cause["evidence"].get("batch_sizes", [])) | set(ev["batch_sizes"]))
+            if cause["evidence"].get("batch_size") not in (None, ev.get("batch_size")):
+                del cause["evidence"]["batch_size"]  # one pair no longer describes them all: batch_sizes does
     return kept
 
 
@@ -107,11 +115,14 @@ def _repeat_kinds(causes: list[dict[str, Any]], comps: list[dict[str, Any]]) -> 
 
 
 def check_report(comps: list[dict[str, Any]], *, tier_requested: int, tier_effective: int, summary: dict[str, Any],
-                 scope: str | None = None, control: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`control`: the --negative-control result (control.py); every check report says
-    whether any drift was observed anywhere (`sensitivity`), so a PASS shows whether it could have failed."""
+                 scope: str | None = None, control: dict[str, Any] | None = None,
+                 records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`records`: the trace records `comps` compared (their per-record facts can be causes; the runner
+    and verify's re-derivation pass the same). `control`: the --negative-control result (control.py);
+    every check report says whether any drift was observed anywhere (`sensitivity`), so a PASS shows
+    whether it could have failed."""
     failing = [c for c in comps if c["status"] == "FAIL"]
-    causes, info = causes_for(comps)
+    causes, info = causes_for(comps, records)
     _repeat_kinds(causes, comps)
     if tier_effective == 0:
         status, category = "RECORDED", "RECORDED"

@@ -86,6 +86,8 @@ def cause_summary(cause: dict[str, Any]) -> str:
     if code == "CACHE_VARIANCE":
         sides = ", ".join(f"{k} {v.get('side')} ({v.get('cached_prompt_tokens', '?')} cached tokens)" for k, v in ev.get("sides", {}).items())
         return f"prefix cache: {sides}" + where
+    if code == "PROCESS_VARIANCE":
+        return f"process: {ev['process']['left']} vs {ev['process']['right']}" + where
     kinds = ev.get("repeats")
     which = f"; diverged in {' and '.join(k + ' repeats' for k in kinds)}" if kinds else ""
     cache = ev.get("server_cache")  # backend openai: the server answered one side from its prefix cache

@@ -18,8 +18,8 @@ from .codes import ADVICE, RANK, TITLES, merge, rank
 from .config import BATCH_DERIVED, INERT_CONFIG, INERT_OPTIONS, LOGPROBS_COUNT_MATTERS, dtype_in_effect
 from .notes import Notes, schema_versions
 from .sides import Side, flat_diff
-from .variance import add_server_evidence, server_batching
+from .variance import server_batching
 
 __all__ = ["ADVICE", "BATCH_DERIVED", "INERT_CONFIG", "INERT_OPTIONS", "LOGPROBS_COUNT_MATTERS", "RANK", "TITLES", "Notes",
-           "Side", "add_server_evidence", "differences", "dtype_in_effect", "explain", "flat_diff", "merge", "rank",
+           "Side", "differences", "dtype_in_effect", "explain", "flat_diff", "merge", "rank",
            "schema_versions", "server_batching"]

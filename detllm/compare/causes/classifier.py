@@ -15,7 +15,9 @@ from .environment import backend_mismatch, env_mismatch
 from .inputs import model_mismatch, prompt_mismatch, tokenizer_mismatch
 from .notes import Notes, schema_versions
 from .sides import Routed, Side
-from .variance import batch_variance, divergence_summary
+from .variance import batch_variance, cache_variance, divergence_summary, process_variance
+
+_VARIANCE = ("RUN_VARIANCE", "BATCH_VARIANCE", "CACHE_VARIANCE", "PROCESS_VARIANCE")
 
 
 def differences(left: Side, right: Side, comp: dict[str, Any], notes: Notes | None = None) -> list[dict[str, Any]]:
@@ -42,6 +44,8 @@ def differences(left: Side, right: Side, comp: dict[str, Any], notes: Notes | No
         ("BACKEND_MISMATCH", backend_mismatch(left, right, notes, routed) if full else None),
         ("ENV_MISMATCH", env_mismatch(left, right, notes, routed) if full else None),
         ("BATCH_VARIANCE", batch_variance(left, right, routed)),
+        ("CACHE_VARIANCE", cache_variance(left, right, pairs)),
+        ("PROCESS_VARIANCE", process_variance(pairs)),
     ]
     return rank([{"code": code, "evidence": ev} for code, ev in found if ev is not None])
 
@@ -58,14 +62,14 @@ def explain(comp: dict[str, Any], left: Side, right: Side,
     if comp["status"] == "PASS":
         return [], found
     if not found:
-        what = "none: model, tokenizer, prompts, config, backend, environment and batch agree"
+        what = "none: model, tokenizer, prompts, config, backend, environment, batch, server cache and process agree"
         if notes.not_compared:
             what += f" (not compared across schema versions: {', '.join(n['field'] for n in notes.not_compared[:4])})"
         found = [{"code": "RUN_VARIANCE", "evidence": {"comparisons": [comp["name"]], "recorded_differences": what}}]
     moved = comp.get("prompts_moved") or {}
     for c in found:
-        if c["code"] in ("RUN_VARIANCE", "BATCH_VARIANCE"):
+        if c["code"] in _VARIANCE:
             c["evidence"].update(divergence_summary(comp))
-        if moved.get("count") and c["code"] in ("RUN_VARIANCE", "BATCH_VARIANCE", "PROMPT_MISMATCH"):
+        if moved.get("count") and c["code"] in (*_VARIANCE, "PROMPT_MISMATCH"):
             c["evidence"]["prompts_moved"] = moved  # sampled seeds follow content, but batches follow positions
     return (found, []) if comp["status"] == "FAIL" else ([], found)

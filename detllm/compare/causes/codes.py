@@ -13,9 +13,10 @@ from typing import Any
 # else was recorded differently. They meet only in `check`, where runs that vary at a
 # fixed batch size also explain the batch comparisons, so RUN_VARIANCE comes first. A
 # model difference that is only a format conversion (safetensors vs GGUF never hash
-# alike) ranks just after BACKEND_MISMATCH.
+# alike) ranks just after BACKEND_MISMATCH. A cache or process difference is recorded per record:
+# variance in one process at one cache state explains those comparisons too, so they come last.
 RANK = ("MODEL_MISMATCH", "TOKENIZER_MISMATCH", "PROMPT_MISMATCH", "CONFIG_MISMATCH", "BACKEND_MISMATCH",
-        "ENV_MISMATCH", "RUN_VARIANCE", "BATCH_VARIANCE", "CACHE_VARIANCE")
+        "ENV_MISMATCH", "RUN_VARIANCE", "BATCH_VARIANCE", "CACHE_VARIANCE", "PROCESS_VARIANCE")
 TITLES = {
     "MODEL_MISMATCH": "the model weights (or its config) differ",
     "TOKENIZER_MISMATCH": "the tokenizer differs",
@@ -26,6 +27,7 @@ TITLES = {
     "BATCH_VARIANCE": "only the batch size or composition differs",
     "RUN_VARIANCE": "nothing recorded differs, yet the outputs do",
     "CACHE_VARIANCE": "only the server's prefix cache differs: cold and warm answers disagree",
+    "PROCESS_VARIANCE": "only the process differs: a fresh process computes differently from the check's own",
 }
 ADVICE = {
     "MODEL_MISMATCH": "compare against a run of the same weights (see evidence.files), or re-run both sides with one model folder",
@@ -36,8 +38,10 @@ ADVICE = {
     "ENV_MISMATCH": "pin the libraries, drivers and thread settings listed in evidence.differences, or re-run on one machine",
     "BATCH_VARIANCE": "the kernels are not batch invariant: fix the batch size, or use an engine/tier that enforces batch invariance",
     "RUN_VARIANCE": "the engine is nondeterministic at this setting: raise --tier, set --threads, or check for atomics/async kernels",
-    "CACHE_VARIANCE": "a reused prefix is computed differently from a fresh one: turn prefix caching off on the server "
-                      "(llama-server cache_prompt:false, vLLM --no-enable-prefix-caching) or accept tier 1",
+    "CACHE_VARIANCE": "a reused prefix is computed differently from a fresh one: turn prefix caching off "
+                      "(llama-server: cache_prompt:false per request; vLLM: --no-enable-prefix-caching) or accept tier 1",
+    "PROCESS_VARIANCE": "state fixed per process changed the result (engine load, kernel autotuning, thread pool): pin "
+                        "the threads and kernels, or compare repeats within one process only",
 }
 
 
@@ -64,4 +68,10 @@ def merge(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ev["prompts_diverged"] = ev.get("prompts_diverged", 0) + new["prompts_diverged"]
         if "batch_sizes" in new:
             ev["batch_sizes"] = sorted(set(ev.get("batch_sizes", [])) | set(new["batch_sizes"]))
+            if ev.get("batch_size") not in (None, new.get("batch_size")):
+                del ev["batch_size"]  # one left/right pair no longer describes every comparison: batch_sizes does
+        if "composition_changed" in new:
+            ev["composition_changed"] = max(ev.get("composition_changed", 0), new["composition_changed"])
+        if "sides" in new:  # CACHE_VARIANCE: every run's cache state, not only the first comparison's
+            ev["sides"] = {**ev.get("sides", {}), **new["sides"]}
     return rank(list(by_code.values()))

@@ -26,13 +26,24 @@ def _batch_mates(records: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[i
     return out
 
 
+def _served(left: Side, right: Side) -> dict[str, Any] | None:
+    """Each side's batching as the server reported it (backend openai), None when neither side has it."""
+    served = {side: server_batching(s.records) for side, s in (("left", left), ("right", right))}
+    return served if any(served.values()) else None
+
+
 def batch_variance(left: Side, right: Side, routed: Routed | None = None) -> dict[str, Any] | None:
+    """The batch size, the batch composition, a setting that follows them, or the batch the server
+    reported computing (the same batch size run in another shape by the server) differs."""
     changed = None
     if left.records is not None and right.records is not None:
         lm, rm = _batch_mates(left.records), _batch_mates(right.records)
         changed = sum(1 for k in lm if k in rm and lm[k] != rm[k])
     derived = routed.batch if routed is not None else []
-    if left.batch_size == right.batch_size and not changed and not derived:
+    served = _served(left, right)
+    busy = [(s or {}).get("server_busy_max") for s in served.values()] if served else []
+    server_differs = len(busy) == 2 and None not in busy and busy[0] != busy[1]  # not reported: unknown, not different
+    if left.batch_size == right.batch_size and not changed and not derived and not server_differs:
         return None
     ev: dict[str, Any] = {"batch_size": lr(left.batch_size, right.batch_size),
                           "batch_sizes": sorted({left.batch_size, right.batch_size})}
@@ -40,38 +51,47 @@ def batch_variance(left: Side, right: Side, routed: Routed | None = None) -> dic
         ev["composition_changed"] = changed  # aligned prompts whose batch position or batch mates differ
     if derived:
         ev["derived"] = cut(derived)  # settings that follow the batch sizes (slots, max_num_seqs)
-    served = {side: server_batching(s.records) for side, s in (("left", left), ("right", right))}
-    if any(served.values()):
+    if served:
         ev["server_batching"] = served  # backend openai: what the server itself reported while the requests were in flight
     return ev
 
 
-def add_server_evidence(report: dict[str, Any], records: list[dict[str, Any]]) -> None:
-    """A check of a served backend (openai): a check's sides carry no records, so the server's own
-    account is added here from the trace's evidence: BATCH_VARIANCE gets what the server said about
-    its batch (server_batching), RUN_VARIANCE the prompt tokens it served from its prefix cache on
-    each side (server_cache: different counts point at CACHE_VARIANCE, see check --cache-probe)."""
-    if not records or not isinstance(records[0].get("evidence"), dict):
-        return
-    by_name = {c["name"]: c for c in report.get("comparisons", [])}
-    for cause in report.get("causes", []) + report.get("info", []):
-        comps = [by_name[n] for n in cause["evidence"].get("comparisons", []) if n in by_name]
-        if not comps or cause["code"] not in ("BATCH_VARIANCE", "RUN_VARIANCE"):
-            continue
-        sides = {}
-        for side in ("left", "right"):  # a cause merged over several levels sums up all of their sides
-            labels = {parse_label(c[side]) for c in comps}
-            sides[side] = [r for run, batch in sorted(labels) for r in select(records, run=run, batch=batch)]
-        if cause["code"] == "BATCH_VARIANCE":
-            served = {side: server_batching(recs) for side, recs in sides.items()}
-            if any(served.values()):
-                cause["evidence"]["server_batching"] = served
-            continue
-        cached = {side: sum((r.get("evidence") or {}).get("cached_prompt_tokens") or 0 for r in recs) for side, recs in sides.items()}
-        if cached["left"] != cached["right"]:
-            cause["evidence"]["server_cache"] = {"cached_prompt_tokens": cached,
-                                                 "note": "the server reused cached prompt tokens on one side: likely CACHE_VARIANCE "
-                                                         "(detllm check --cache-probe tells)"}
+def _cached(rec: dict[str, Any]) -> int | None:
+    """Prompt tokens the server said it served from its prefix cache for this record; None: not reported."""
+    ev = rec.get("evidence")
+    n = ev.get("cached_prompt_tokens") if isinstance(ev, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def cache_variance(left: Side, right: Side, pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any] | None:
+    """CACHE_VARIANCE: the server reused a different number of cached prompt tokens for the same prompt
+    on the two sides (a reused prefix is computed in other batch shapes than a fresh one). A count one
+    side did not report is unknown, never a difference."""
+    known = [(a, b) for a, b in pairs if _cached(a) is not None and _cached(b) is not None]
+    differ = [(a, b) for a, b in known if _cached(a) != _cached(b)]
+    if not differ:
+        return None
+    sides: dict[str, Any] = {}
+    for i, (name, side) in enumerate((("left", left), ("right", right))):
+        n = sum(_cached(p[i]) or 0 for p in known)
+        key = side.label if left.label != right.label else f"{side.label} ({name})"
+        sides[key] = {"side": "cold" if n == 0 else "warm", "cached_prompt_tokens": n, "prompts": len(known)}
+    return {"sides": sides, "prompts_with_different_cache": len(differ),
+            "examples": [{"prompt_index": a["prompt_index"], "cached_prompt_tokens": lr(_cached(a), _cached(b))}
+                         for a, b in differ[:3]]}
+
+
+def process_variance(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any] | None:
+    """PROCESS_VARIANCE: one side's records were generated in a fresh process (check --fresh-process),
+    the other's in the check's own: what is fixed per process (the loaded engine, kernel choices,
+    allocator and thread-pool state) differs."""
+    def kind(r: dict[str, Any]) -> str:
+        return "fresh-process" if r.get("fresh_process") else "in-process"
+
+    differ = [(a, b) for a, b in pairs if kind(a) != kind(b)]
+    if not differ:
+        return None
+    return {"process": lr(kind(differ[0][0]), kind(differ[0][1])), "prompts_differing": len(differ)}
 
 
 def server_batching(records: list[dict[str, Any]] | None) -> dict[str, Any] | None:

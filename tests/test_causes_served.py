@@ -1,0 +1,47 @@
+"""Per-record facts are causes (issue 20): a check of a real llama-server whose repeats the server
+answered from its prompt cache. The trace records the cached prompt tokens per request; where
+they differ between two compared runs, the verdict names CACHE_VARIANCE (never RUN_VARIANCE,
+"nothing recorded differs"), its next step names the cache switch, and verify re-derives the same
+from the sealed trace. Asserts on the recorded counts, never on which run happened to be warm:
+llama-server picks the slot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["The capital of France is a city that", "Once upon a time there was a small", "def add(a, b):\n    return",
+           "Numbers: 1 2 3 4 5 6 7 8 9 10 11"]
+
+
+def test_a_warm_repeat_of_a_cold_run_is_cache_variance(llama_served, cli, tmp_path):
+    out = tmp_path / "served"
+    args = ["check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--runs", "3",
+            "--tier", "2", "--max-new-tokens", "24", "--out", out, "--no-progress"]
+    for p in PROMPTS:
+        args += ["--prompt", p + f" {tmp_path.name}"]  # a text this server has not seen: run 0 is cold
+    res = cli(*args)
+    recs = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    cached = {r: [x["evidence"]["cached_prompt_tokens"] for x in recs if x["run_index"] == r] for r in range(3)}
+    report = json.loads((out / "report.json").read_text())
+    by_name = {c["name"]: c for c in report["comparisons"]}
+    differs = {f"run_{r} vs run_0 @ batch 1": cached[r] != cached[0] for r in (1, 2)}
+    assert any(differs.values()), f"the server reused no cached prompt tokens: {cached}"
+    codes = [c["code"] for c in report["causes"] + report["info"]]
+    assert "CACHE_VARIANCE" in codes, (codes, cached)
+    cause = next(c for c in report["causes"] + report["info"] if c["code"] == "CACHE_VARIANCE")
+    # it explains exactly the comparisons whose records differ in cached tokens, failing or not
+    assert sorted(cause["evidence"]["comparisons"]) == sorted(n for n, d in differs.items() if d and by_name[n]["status"] != "PASS")
+    assert {k: v["cached_prompt_tokens"] for k, v in cause["evidence"]["sides"].items()} == {
+        f"run_{r}@batch_1": sum(cached[r]) for r in (0, 1, 2) if r == 0 or differs[f"run_{r} vs run_0 @ batch 1"]}
+    # RUN_VARIANCE only for a failing comparison whose records agree on every per-record fact
+    for c in report["causes"]:
+        if c["code"] == "RUN_VARIANCE":
+            assert not any(differs[n] for n in c["evidence"]["comparisons"]), (c, cached)
+    assert res.exit_code == 1, res.output  # warm and cold prompt processing differ in logprobs on this server
+    assert report["category"] == "CACHE_VARIANCE" and "cache_prompt:false" in res.output, res.output
+    res = cli("verify", out)
+    assert res.exit_code == 0 and "(CACHE_VARIANCE)" in res.output, res.output

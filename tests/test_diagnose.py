@@ -176,8 +176,11 @@ def test_plan_is_cheapest_first_and_says_what_it_skips():
 
 
 def test_outcome_rules():
-    base = {"kinds": ["batch"], "first": {"prompt_index": 0, "token_index": 3, "kind": "token"}, "max_abs_logprob_diff": 1e-3}
-    assert outcome({**base, "kinds": []}, base) == "vanish"
+    base = {"diverged": True, "kinds": ["batch"], "first": {"prompt_index": 0, "token_index": 3, "kind": "token"},
+            "max_abs_logprob_diff": 1e-3}
+    assert outcome({**base, "diverged": False, "kinds": [], "first": None}, base) == "vanish"
+    # the batch divergence is gone but a repeat now differs: it moved, it did not vanish (R5)
+    assert outcome({**base, "kinds": ["run"], "first": {"prompt_index": 1, "token_index": 0, "kind": "token"}}, base) == "move"
     assert outcome(dict(base), base) == "persist"
     assert outcome({**base, "max_abs_logprob_diff": 1e-5}, base) == "move"
     assert outcome({**base, "first": {"prompt_index": 0, "token_index": 5, "kind": "token"}}, base) == "move"
@@ -197,3 +200,70 @@ def test_diagnose_never_imports_an_engine_in_the_calling_process(tmp_path):
                      "--max-new-tokens", "4", "--probe", "ladder", "--out", str(tmp_path / "d")])
     assert got.startswith("EXIT 0 HEAVY ") and not {"torch", "transformers", "vllm"} & set(got.split()[-1].split(","))
     assert (tmp_path / "d" / "diagnosis.json").is_file()  # numpy may come from the drift statistics; engines may not
+
+
+# ------------------------------------------------------------------ issue 20: diagnose never claims more than it measured
+
+
+def test_a_setting_whose_confirmation_the_budget_cut_is_unconfirmed(tmp_path):
+    """threads=1 vanishes, then the budget allows one of three fresh-process confirmations: not a
+    passing setting, and said so (R5, path 3; it used to read "PASS ... in 1/1")."""
+    doc = diagnose(fake(vary_batch=(1, 8), diverge=BATCH8, stable_threads=1), out=tmp_path / "d", only=["threads"], budget=2,
+                   fresh_repeats=3).doc
+    probe = next(p for p in doc["probes"] if p["name"] == "threads=1")
+    conf = probe["evidence"]["confirmation"]
+    assert probe["outcome"] == "vanish" and conf["status"] == "unconfirmed"
+    assert (conf["fresh_process_passes"], conf["fresh_process_runs"], conf["fresh_repeats"]) == (1, 1, 3)
+    assert doc["passing_settings"] is None and doc["isolated"] is False
+    assert "Minimal passing setting" not in doc["conclusion"]
+    assert "unconfirmed: the --budget ended after 1/3 fresh-process checks" in doc["conclusion"]
+    assert "1/1" not in (tmp_path / "d" / "diagnosis.txt").read_text()
+
+
+def test_fresh_process_probe_of_a_check_recorded_with_negative_control(cli, tmp_path):
+    """check --negative-control is check's alone; the fresh-process probe re-runs the settings as runs (R10)."""
+    assert cli("check", "--backend", "fake", "--model", "fake", "--opt", "diverge=prompt=0,pos=1,run=1", "--negative-control",
+               "--runs", "2", "--max-new-tokens", "4", "--out", tmp_path / "nc").exit_code == 1
+    doc = diagnose(run_dir=tmp_path / "nc", out=tmp_path / "d", only=["fresh_process"], fresh_repeats=2).doc
+    fresh = next(p for p in doc["probes"] if p["kind"] == "fresh_process")
+    assert fresh["status"] == "ran", fresh.get("reason")
+    assert fresh["evidence"]["processes"] == 2 and fresh["outcome"] == "vanish"  # run=1 of one process: no new process differs
+
+
+def _threads_diff(cli, tmp_path):
+    """Two fake runs, --threads 1 (stable: no batch drift) against the default (drift at batch 2)."""
+    common = ("--backend", "fake", "--model", "fake", "--opt", "batch_drift=0.01", "--opt", "stable_threads=1", "--batch-size", "2",
+              "--max-new-tokens", "4", "--tier", "2")
+    assert cli("run", *common, "--threads", "1", "--out", tmp_path / "L").exit_code == 0
+    assert cli("run", *common, "--out", tmp_path / "R").exit_code == 0
+    assert cli("diff", tmp_path / "L", tmp_path / "R", "--out", tmp_path / "diff", "--tier", "2").exit_code == 1
+    return tmp_path / "diff"
+
+
+def test_a_diff_switches_threads_back_to_the_engine_default(cli, tmp_path):
+    """The right side ran at the engine's default threads: the probe "threads=None" must run with
+    threads unset, not with the left side's 1 (R6)."""
+    doc = diagnose(run_dir=_threads_diff(cli, tmp_path), out=tmp_path / "d").doc
+    probe = next(p for p in doc["probes"] if p["kind"] == "recorded")
+    assert probe["name"] == "threads=None" and probe["setting"] == {"threads": None}
+    ran = read_json(tmp_path / "d" / probe["folder"] / "run_config.json", "run_config")["config"]
+    assert ran["threads"] is None
+    assert probe["outcome"] == "follows" and knob(doc, "threads")["verdict"] == "follows"
+    assert doc["conclusion"].startswith("The divergence follows threads")
+
+
+def test_probe_selects_among_a_diffs_recorded_differences(cli, tmp_path):
+    """--probe on a diff whose sides differ keeps the knobs named (the left side's re-run always
+    runs); a knob that is not one of its recorded differences is one line, exit 2, nothing written."""
+    common = ("--backend", "fake", "--model", "fake", "--max-new-tokens", "4", "--tier", "2", "--batch-size", "2",
+              "--opt", "batch_drift=0.01", "--opt", "stable_threads=1")
+    assert cli("run", *common, "--threads", "1", "--seed", "1", "--out", tmp_path / "L").exit_code == 0
+    assert cli("run", *common, "--seed", "2", "--out", tmp_path / "R").exit_code == 0
+    assert cli("diff", tmp_path / "L", tmp_path / "R", "--out", tmp_path / "diff", "--tier", "2").exit_code == 1
+    doc = diagnose(run_dir=tmp_path / "diff", out=tmp_path / "d", only=["seed"]).doc
+    assert [p["name"] for p in doc["probes"]] == ["left settings again", "seed=2"]
+    assert doc["not_run"] == [{"name": "threads=None", "reason": "not selected by --probe"}]
+    r = cli("diagnose", tmp_path / "diff", "--probe", "kv_type", "--out", tmp_path / "d2")
+    assert r.exit_code == 2 and not (tmp_path / "d2").exists()
+    assert r.output.count("\n") == 1 and "--probe 'kv_type' is not a recorded difference of this diff" in r.output
+    assert "seed" in r.output and "threads" in r.output and "Traceback" not in r.output

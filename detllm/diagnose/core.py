@@ -25,6 +25,7 @@ from . import evidence
 from .needle import trial_plan
 from .pool import Pool
 from . import recorded
+from . import served
 from .folder import DIAGNOSIS, OWNED, Diagnosis, prompts_from_records, slug
 from .probes import LADDER, Probe, plan
 from .ranking import conclusion, rank_knobs
@@ -124,6 +125,8 @@ class _Runner:
         self.used = 0
         self.results: list[dict[str, Any]] = []
         self.fresh_repeats = 3
+        # a probe compares what it ran itself: check's --negative-control (refused for runs) is not re-run
+        self.probe_base = dataclasses.replace(base, negative_control=False)
 
     def left(self) -> bool:
         if self.budget.probes is not None and self.used >= self.budget.probes:
@@ -141,7 +144,7 @@ class _Runner:
         return self.pool.fresh(job) if fresh else self.pool.shared().run(job)
 
     def probe_config(self, probe: Probe) -> RunConfig:
-        cfg = probe.apply(self.base)
+        cfg = probe.apply(self.probe_base)
         if "run" in self.kinds:  # repeats are what diverged: keep them as the user ran them
             return dataclasses.replace(cfg, runs=max(2, self.base.runs))
         return dataclasses.replace(cfg, runs=2, fresh_process=0)
@@ -178,7 +181,7 @@ class _Runner:
 
     def _ladder(self, probe: Probe, entry: dict[str, Any]) -> None:
         sizes = tuple(sorted(set(LADDER) | set(self.base.batch_sizes)))
-        cfg = dataclasses.replace(self.base, mode="best-effort", runs=2, batch_size=1, vary_batch=sizes, fresh_process=0)
+        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=2, batch_size=1, vary_batch=sizes, fresh_process=0)
         entry["setting"] = {"vary_batch": list(sizes)}
         res = self._job("check", cfg, probe.name, False)
         if not res.get("ok"):
@@ -190,7 +193,7 @@ class _Runner:
         first = self.baseline.get("first") or {}
         target = first.get("prompt_index", 0)
         max_size = max(8, max(self.base.batch_sizes))
-        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, batch_size=1, vary_batch=(max_size,), fresh_process=0)
+        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=1, batch_size=1, vary_batch=(max_size,), fresh_process=0)
         n_company = len(Path(self.prompts).read_text(encoding="utf-8").splitlines()) - 1 + 8  # other prompts + fillers
         trials = trial_plan(max(1, n_company), trials=NEEDLE_TRIALS, max_size=max_size, seed=self.base.seed)
         res = self._job("needle", cfg, probe.name, False, target=target, plan=trials)
@@ -205,7 +208,7 @@ class _Runner:
 
     def _fresh_process(self, probe: Probe, entry: dict[str, Any]) -> None:
         n = self.fresh_repeats
-        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
+        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
         folders = []
         for k in range(n):
             res = self.pool.fresh({"kind": "run", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
@@ -228,7 +231,7 @@ class _Runner:
         entry["outcome"] = "follows" if sig["diverged"] else "vanish"
 
     def _prefill(self, probe: Probe, entry: dict[str, Any]) -> None:
-        cfg = dataclasses.replace(self.base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
+        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
         res = self._job("score", cfg, probe.name, False)
         if not res.get("ok"):
             raise _ProbeFailed(res.get("error", "the probe failed"))
@@ -240,28 +243,38 @@ class _Runner:
         else:
             entry["outcome"] = "differs" if res["first_differing_position"] is not None else "equal"
 
-    def confirm(self, probe: Probe, repeats: int) -> dict[str, Any] | None:
-        """The passing setting checked in `repeats` fresh processes (each a full check)."""
+    def confirm(self, probe: Probe, repeats: int) -> dict[str, Any]:
+        """The setting that vanished, re-run as a full check in `repeats` fresh processes. Passing
+        means passing in every one of them: status confirmed (repeats/repeats), failed (a check
+        diverged or errored: the rest are not run), or unconfirmed (the budget ended first)."""
         cfg = self.probe_config(probe)
         passes, ran = 0, 0
         for k in range(repeats):
             if not self.left():
                 break
             self.used += 1
+            ran += 1
             self._say(f"confirm {k + 1}/{repeats}: {probe.name}")
             res = self.pool.fresh({"kind": "check", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
                                    "out": str(self.out / "probes" / f"confirm-{slug(probe.name)}-{k}")})
             if not res.get("ok"):
                 break
-            ran += 1
             records = artifacts.load_trace(Path(res["out"]) / artifacts.TRACE, validate_records=False)
             sig = evidence.signature(evidence.comparisons(records, tier=self.tier, atol=cfg.atol, base_batch=cfg.batch_size, runs=cfg.runs))
-            passes += not sig["diverged"]
-        if not ran:
-            return None
-        return {"settings": probe.setting(), "tier": self.tier, "fresh_process_passes": passes, "fresh_process_runs": ran,
-                "summary": f"{_setting_text(probe.setting())}: {'PASS' if passes == ran else 'FAIL'} at tier {self.tier} "
-                           f"in {passes}/{ran} fresh-process checks"}
+            if sig["diverged"]:
+                break
+            passes += 1
+        status = "confirmed" if passes == repeats else ("failed" if passes < ran else "unconfirmed")
+        setting = _setting_text(probe.setting())
+        summary = {
+            "confirmed": f"{setting}: PASS at tier {self.tier} in {passes}/{repeats} fresh-process checks",
+            "failed": f"{setting} vanished in the probe but failed its confirmation: PASS at tier {self.tier} in {passes}/{ran} "
+                      f"fresh-process checks (--fresh-repeats {repeats})",
+            "unconfirmed": f"{setting} vanished in the probe; unconfirmed: the --budget ended after {passes}/{repeats} "
+                           f"fresh-process checks, all passing",
+        }[status]
+        return {"settings": probe.setting(), "tier": self.tier, "status": status, "fresh_process_passes": passes,
+                "fresh_process_runs": ran, "fresh_repeats": repeats, "summary": summary}
 
 
 class _ProbeFailed(Exception):
@@ -298,27 +311,34 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
     if fresh_repeats < 2:
         raise UsageError(f"--fresh-repeats must be at least 2, got {fresh_repeats}")
     only = [o.strip() for o in only or [] if o.strip()]
-    unknown = [o for o in only if o not in PROBE_KINDS and o not in KNOWN_KNOBS]
-    if unknown:
-        raise UsageError(f"unknown --probe {unknown[0]!r}", hint=f"one of: {', '.join(sorted(PROBE_KINDS | KNOWN_KNOBS))}")
     out = Path(out) if out is not None else artifacts.default_out_dir("diagnose")
+    diff_plan = recorded.plan_diff(Path(run_dir)) if run_dir is not None and artifacts.is_diff_folder(Path(run_dir)) else None
+    if diff_plan is not None and (diff_plan.probes or diff_plan.named):
+        unknown = [o for o in only if o not in diff_plan.knobs()]
+        if unknown:  # the sides differ: their recorded differences are the knobs
+            raise UsageError(f"--probe {unknown[0]!r} is not a recorded difference of this diff",
+                             hint=f"its knobs: {', '.join(diff_plan.knobs())}")
+    else:
+        unknown = [o for o in only if o not in PROBE_KINDS and o not in KNOWN_KNOBS]
+        if unknown:
+            raise UsageError(f"unknown --probe {unknown[0]!r}", hint=f"one of: {', '.join(sorted(PROBE_KINDS | KNOWN_KNOBS))}")
     _check_out(out, force)
+    if diff_plan is not None and (diff_plan.probes or diff_plan.named):
+        return recorded.diagnose_diff(diff_plan, Path(run_dir), out, limits, progress, only)
     if check_args is not None:  # the CLI: run `detllm check ARGS` as the user would, then diagnose its folder
         run_dir = _run_check_cli(list(check_args), out, progress)
-    if run_dir is not None and artifacts.is_diff_folder(Path(run_dir)):
-        got = recorded.diagnose_diff(Path(run_dir), out, limits, progress)
-        if got is not None:
-            return got
+    if diff_plan is not None:
         # the sides were recorded with the same settings: diagnose the left side's as a check
-        rep, left, right = recorded.sides(Path(run_dir))
-        folder = artifacts.load_run(left["path"])
+        rep, left, right = diff_plan.report, diff_plan.left, diff_plan.right
+        folder = diff_plan.lrun
         texts = prompts_from_records(folder.records, str(run_dir))
         sizes = tuple(sorted({1, left["batch_size"], right["batch_size"]}))
         config = dataclasses.replace(RunConfig.from_json(folder.run_config["config"]), tier=rep["tier"]["requested"], runs=3,
                                      batch_size=left["batch_size"], vary_batch=sizes if len(sizes) > 1 else (), fresh_process=0)
         prompts_list, diff_dir, run_dir = texts, Path(run_dir), None
+        diff_failed, cannot = rep["status"] == "FAIL", diff_plan.cannot
     else:
-        prompts_list, diff_dir = None, None
+        prompts_list, diff_dir, diff_failed, cannot = None, None, False, []
     if run_dir is not None:
         base, tier, records, texts, source = read_failing(Path(run_dir))
         if check_args is not None:
@@ -331,6 +351,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         base, tier, records = config, config.tier, None
         source = {"kind": "diff" if prompts_list else "check", "path": str(diff_dir) if prompts_list else None, "status": None,
                   "recorded_causes": []}
+    server = served.identify(base)  # a served check: the live server's kind; unreachable is exit 4 before any write
     for name in OWNED:
         if name == "baseline" and check_args is not None:
             continue  # the check diagnose just ran
@@ -362,14 +383,26 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         runner = _Runner(pool, out, base, tier, baseline["kinds"], baseline, prompts_file, limits, progress)
         runner.fresh_repeats = fresh_repeats
         probes, skipped = plan(base, baseline["kinds"], tier=tier, fresh_repeats=fresh_repeats) if baseline["diverged"] else ([], [])
+        if baseline["diverged"]:
+            probes, skipped = served.add_cache_knob(probes, skipped, base, server)
         if only:
             not_run_only = [p for p in probes if not _selected(p, only)]
             probes = [p for p in probes if _selected(p, only)]
         else:
             not_run_only = []
-        passing = None
+        passing, confirmation = None, None
         not_run: list[dict[str, str]] = [{"name": p.name, "reason": "not selected by --probe"} for p in not_run_only]
         isolated_by: Probe | None = None
+
+        def attempt(probe: Probe) -> None:
+            nonlocal passing, confirmation, isolated_by
+            got = runner.run(probe)
+            if probe.kind == "check" and got["outcome"] == "vanish":  # passing only once every fresh-process check passes
+                confirmation = got["evidence"]["confirmation"] = runner.confirm(probe, fresh_repeats)
+                if confirmation["status"] == "confirmed":
+                    isolated_by = probe
+                    passing = {k: confirmation[k] for k in ("settings", "tier", "fresh_process_passes", "fresh_process_runs", "summary")}
+
         for probe in probes:
             if isolated_by is not None and probe.kind in ("check", "fresh_process"):
                 not_run.append({"name": probe.name, "reason": f"skipped: the cause is isolated ({isolated_by.name} makes it vanish)"})
@@ -377,27 +410,28 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
             if not runner.left():
                 not_run.append({"name": probe.name, "reason": "skipped: the --budget is spent"})
                 continue
-            got = runner.run(probe)
-            if probe.kind == "check" and got["outcome"] == "vanish":
-                isolated_by = probe
+            attempt(probe)
         if baseline["diverged"] and isolated_by is None:
             moved = [p for p in probes if p.kind == "check" and any(r["name"] == p.name and r["outcome"] == "move" for r in runner.results)]
             if len(moved) >= 2 and runner.left():  # no single knob: try the ones that changed it, together
-                combo = Probe(" + ".join(p.name for p in moved), " + ".join(p.knob for p in moved), "check",
+                attempt(Probe(" + ".join(p.name for p in moved), " + ".join(p.knob for p in moved), "check",
                               "whether the knobs that each changed the divergence remove it together", 0,
                               threads=next((p.threads for p in moved if p.threads is not None), None),
                               dtype=next((p.dtype for p in moved if p.dtype), None),
-                              options={k: v for p in moved for k, v in p.options.items()}, fresh=any(p.fresh for p in moved))
-                if runner.run(combo)["outcome"] == "vanish":
-                    isolated_by = combo
-        if isolated_by is not None:
-            passing = runner.confirm(isolated_by, fresh_repeats)
+                              options={k: v for p in moved for k, v in p.options.items()}, fresh=any(p.fresh for p in moved)))
         prefill = None
         if runner.left() and ((baseline["diverged"] and not only) or "prefill" in only):  # asked for by name: even on a PASS
             got = runner.run(Probe("prefill vs decode", "prefill/decode path", "prefill",
                                    "whether scoring the generated sequence as a prompt gives the logprobs seen while decoding", 1.0))
             prefill = {"status": got["status"], "reason": got.get("reason"), **got["evidence"]}
-    knobs = rank_knobs(runner.results, baseline)
+    knobs = served.rank_cache_evidence(rank_knobs(runner.results, baseline), records, base, tier, server)
+    cannot_text = recorded.not_switched(cannot)
+    unreproduced = None
+    if diff_failed and not baseline["diverged"]:  # the diff FAILed; its left side's settings pass here
+        unreproduced = (f"Could not reproduce the diff's FAIL here: the two sides were recorded with the same settings, and the "
+                        f"left side's, re-run as a check ({base.runs} runs, batch sizes {', '.join(map(str, base.batch_sizes))}), "
+                        f"pass at tier {tier}." + (cannot_text or " Nothing recorded differs that diagnose could switch: the "
+                                                   "difference came from outside what detllm records."))
     doc = artifacts.stamp("diagnosis", {
         "detllm_version": detllm_version(),
         "created_at": artifacts.utc_now(),
@@ -416,8 +450,8 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         "passing_settings": passing,
         "prefill_vs_decode": prefill,
         "isolated": isolated_by is not None,
-        "conclusion": conclusion(knobs, passing, baseline["kinds"]) if baseline["diverged"]
-        else f"Nothing to diagnose: the check passes at tier {tier} (every comparison agreed).",
+        "conclusion": conclusion(knobs, passing, baseline["kinds"], confirmation) + cannot_text if baseline["diverged"]
+        else unreproduced or f"Nothing to diagnose: the check passes at tier {tier} (every comparison agreed).",
     })
     artifacts.write_json(out, DIAGNOSIS, doc)
     artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))

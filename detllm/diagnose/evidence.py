@@ -72,10 +72,10 @@ def signature(comps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def outcome(probe: dict[str, Any], baseline: dict[str, Any]) -> str:
-    """vanish: the divergence the baseline showed is gone; persist: the same kinds diverge at the
-    same first position with a |dlogprob| within 2x; move: it still diverges, but differently."""
-    kinds = set(baseline["kinds"]) or {"run", "batch"}
-    if not (set(probe["kinds"]) & kinds):
+    """vanish: the probe's check diverges nowhere (a divergence that only moved to another
+    comparison, say from batch sizes to repeats, did not vanish); persist: the same kinds diverge
+    at the same first position with a |dlogprob| within 2x; move: it still diverges, but differently."""
+    if not probe["diverged"]:
         return "vanish"
     same_first = probe["first"] == baseline["first"]
     a, b = probe["max_abs_logprob_diff"], baseline["max_abs_logprob_diff"]

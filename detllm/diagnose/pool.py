@@ -24,17 +24,23 @@ _ids = itertools.count()
 class Worker:
     """One child `python -m detllm.diagnose.worker`; its stderr and chatter go to `log`."""
 
-    def __init__(self, scratch: Path) -> None:
+    def __init__(self, scratch: Path, env: dict[str, str | None] | None = None) -> None:
+        """`env`: variables set (None: removed) in the child's environment, before it imports anything."""
         from ..children import death_signal_hook
 
         self.scratch = scratch
         scratch.mkdir(parents=True, exist_ok=True)
         self.log_path = scratch / f"worker-{os.getpid()}-{next(_ids)}.log"
         self._log = open(self.log_path, "a", encoding="utf-8")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        child_env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for name, value in (env or {}).items():
+            if value is None:
+                child_env.pop(name, None)
+            else:
+                child_env[name] = value
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "detllm.diagnose.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, text=True, env=env, preexec_fn=death_signal_hook(),
+            stderr=self._log, text=True, env=child_env, preexec_fn=death_signal_hook(),
         )
         self.jobs = 0
 
@@ -92,9 +98,9 @@ class Pool:
             self._shared = Worker(self.scratch)
         return self._shared
 
-    def fresh(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Run one job in a brand-new process, then end that process."""
-        with Worker(self.scratch) as w:
+    def fresh(self, job: dict[str, Any], env: dict[str, str | None] | None = None) -> dict[str, Any]:
+        """Run one job in a brand-new process (with `env` changes, see Worker), then end that process."""
+        with Worker(self.scratch, env) as w:
             return w.run(job)
 
     def close(self, kill: bool = False) -> None:

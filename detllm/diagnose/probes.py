@@ -27,9 +27,15 @@ class Probe:
     dtype: str | None = None  # RunConfig.dtype for the probe (None: keep)
     options: dict[str, str] = field(default_factory=dict)  # --opt changes
     fresh: bool = False  # needs its own process (engine options that cannot change in one process)
+    # a diff's recorded difference: RunConfig fields set to the right side's value as they are, None
+    # (the engine's default) included, and environment variables (None: unset) for a fresh process
+    config: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
 
     def setting(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.options)
+        s.update(self.config)
+        s.update({f"env.{k}": v for k, v in self.env.items()})
         if self.threads is not None:
             s["threads"] = self.threads
         if self.dtype is not None:
@@ -121,9 +127,7 @@ def plan(config: RunConfig, kinds: list[str], *, tier: int, fresh_repeats: int =
     elif b == "openai":
         skipped.append({"knob": "concurrency", "reason": "a batch is that many concurrent requests: the batch-size ladder's "
                                                          "batch 1 is concurrency 1"})
-        skipped.append({"knob": "cold cache", "reason": "the server's cache is not an option of the openai backend; "
-                                                        "check --cache-probe measures cold vs warm prompts" if "cache_probe" in fields
-                        else "the server's cache is not an option of the openai backend"})
+        # the server's cache: diagnose/served.py adds its knob, which needs the live server's kind
     elif b not in ("fake",):
         # another engine: probe whatever of these it has
         _knob(probes, skipped, fields, config, "concurrency", "1", proves="whether concurrent requests (server-side batching) decide it")

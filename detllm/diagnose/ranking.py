@@ -20,6 +20,8 @@ def rank_knobs(results: list[dict[str, Any]], baseline: dict[str, Any]) -> list[
             continue
         verdict = {"follows": "follows", "vanish": "vanishes" if r["kind"] == "check" else "not_followed",
                    "move": "moves", "persist": "not_followed"}[r["outcome"]]
+        if verdict == "vanishes" and (r["evidence"].get("confirmation") or {}).get("status") == "failed":
+            verdict = "moves"  # it vanished once, then diverged in a fresh-process confirmation
         k = knobs.setdefault(r["knob"], {"knob": r["knob"], "verdict": verdict, "probes": [], "summary": ""})
         k["probes"].append(r["name"])
         if order[verdict] < order[k["verdict"]]:
@@ -41,6 +43,10 @@ def _knob_summary(r: dict[str, Any], base_lp: float) -> str:
     if r["kind"] == "fresh_process":
         return (f"{'outputs differ' if ev['diverged'] else 'outputs equal'} across {ev['processes']} fresh processes") + _lp(ev)
     word = {"vanish": "divergence vanishes", "move": "divergence moves", "persist": "divergence persists"}[r["outcome"]]
+    conf = ev.get("confirmation")
+    if conf:
+        word += (f" in the probe ({conf['status']}: {conf['fresh_process_passes']} of {conf['fresh_process_runs']} fresh-process "
+                 f"checks passed, --fresh-repeats {conf['fresh_repeats']})")
     return f"{r['name']}: {word}" + _lp(ev) + (f" (was {base_lp:.3g})" if r["outcome"] != "vanish" and base_lp else "")
 
 
@@ -51,7 +57,11 @@ def _lp(ev: dict[str, Any]) -> str:
     return (f"; max |dlogprob| {lp:.3g}" if lp else "") + where
 
 
-def conclusion(knobs: list[dict[str, Any]], passing: dict[str, Any] | None, kinds: list[str]) -> str:
+def conclusion(knobs: list[dict[str, Any]], passing: dict[str, Any] | None, kinds: list[str],
+               confirmation: dict[str, Any] | None = None) -> str:
+    """Plain words: what the divergence follows, then the minimal passing setting only when it
+    passed every fresh-process confirmation; a setting that vanished once but failed (or ran out
+    of budget before) its confirmation is said to be exactly that."""
     follows = [k for k in knobs if k["verdict"] == "follows"]
     vanish = [k for k in knobs if k["verdict"] == "vanishes"]
     parts = []
@@ -59,11 +69,16 @@ def conclusion(knobs: list[dict[str, Any]], passing: dict[str, Any] | None, kind
         parts.append("The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + ".")
     if passing:
         parts.append(f"Minimal passing setting: {passing['summary']}.")
+    elif confirmation is not None and confirmation["status"] == "unconfirmed":
+        parts.append(f"Not a confirmed passing setting: {confirmation['summary']}.")
     elif vanish:
         parts.append("It vanishes with " + ", ".join(k["probes"][0] for k in vanish) + " (not confirmed in fresh processes).")
-    else:
+    if not passing and not (confirmation is not None and confirmation["status"] == "unconfirmed"):
+        if confirmation is not None and confirmation["status"] == "failed":
+            parts.append(f"No passing setting: {confirmation['summary']}.")
         tried = [k["probes"][0] for k in knobs if k["verdict"] in ("moves", "not_followed") and k["knob"] not in ("batch composition", "process")]
-        parts.append("Nothing isolates it: no setting tried" + (f" ({', '.join(tried)})" if tried else "") + " makes it vanish.")
+        parts.append("Nothing isolates it: no setting tried" + (f" ({', '.join(tried)})" if tried else "") + " makes it vanish"
+                     + (" in every fresh-process check" if confirmation is not None else "") + ".")
         if "batch" in kinds:
             parts.append("The only workaround left is to serve one request at a time (batch size 1).")
     return " ".join(parts)

@@ -13,13 +13,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import artifacts
+from ..compare.causes import INERT_CONFIG, INERT_OPTIONS, LOGPROBS_COUNT_MATTERS
 from ..compare.engine import compare, select
 from ..config import RunConfig
 from ..env import detllm_version
+from ..errors import ArtifactError
+from . import envknobs
 from .folder import DIAGNOSIS, Diagnosis, prompts_from_records, slug
 from .pool import Pool
 from .probes import Probe
@@ -27,7 +31,29 @@ from .ranking import _lp
 from .render import render_markdown, render_text
 
 UNPROBED = ("backend", "model", "revision", "device")  # an engine or weights change is the cause itself
-IGNORED = ("runs", "vary_batch", "tier", "mode", "record_prompt_text", "atol", "fresh_process", "negative_control", "logprobs")
+# RunConfig fields that select checks or record keeping, never the computation (with compare/causes' INERT_CONFIG)
+NOT_COMPUTATION = ("runs", "vary_batch", "record_prompt_text", "atol", "fresh_process", "negative_control", *INERT_CONFIG)
+SWITCHED = ("dtype", "threads", "seed", "logprobs")  # RunConfig fields set to the right side's value, None included
+
+
+@dataclass
+class DiffPlan:
+    """What diagnose can do with a diff folder: its sides, one probe per recorded difference it
+    can switch, the differences named but not probed, and the environment it cannot switch."""
+
+    report: dict[str, Any]
+    left: dict[str, Any]  # the diff's side summaries, each with its folder as "path"
+    right: dict[str, Any]
+    lrun: artifacts.RunFolder
+    lc: RunConfig
+    rc: RunConfig
+    probes: list[Probe]
+    named: list[dict[str, str]]  # backend, model...: the cause itself, not probed
+    env: dict[str, tuple[str | None, str | None]]  # switchable variables: (left, right) values
+    cannot: list[str]  # recorded environment differences not switched here
+
+    def knobs(self) -> list[str]:
+        return sorted({p.knob for p in self.probes} | {p.name for p in self.probes} | {"reproducibility"})
 
 
 def sides(diff_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -40,12 +66,31 @@ def sides(diff_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any
         if not artifacts.is_detllm_folder(folder) and artifacts.is_detllm_folder(diff_dir.parent / folder):
             folder = diff_dir.parent / folder
         if not artifacts.is_detllm_folder(folder):
-            from ..errors import ArtifactError
-
             raise ArtifactError(f"the diff's {key} side {s['folder']!r} is not a run folder here", hint="diagnose the run folders themselves")
         s["path"] = folder
         out.append(s)
     return rep, out[0], out[1]
+
+
+def plan_diff(diff_dir: Path) -> DiffPlan:
+    """Read a diff folder's sides and list its probeable differences; runs nothing, writes nothing."""
+    rep, left, right = sides(diff_dir)
+    lrun, rrun = artifacts.load_run(left["path"]), artifacts.load_run(right["path"])
+    lc, rc = RunConfig.from_json(lrun.run_config["config"]), RunConfig.from_json(rrun.run_config["config"])
+    probes, named = differences(lc, rc, left["batch_size"], right["batch_size"])
+    env, cannot = envknobs.differences(lrun.env, rrun.env)
+    if not named:
+        probes += [Probe(f"{k}={'unset' if v[1] is None else v[1]}", k, "recorded",
+                         f"whether setting {k} alone as the right side had it reproduces the right side (a fresh process)", 1.0,
+                         env={k: v[1]}, fresh=True) for k, v in env.items()]
+    return DiffPlan(rep, left, right, lrun, lc, rc, probes, named, env if not named else {}, cannot)
+
+
+def _matters(field: str, backend: str) -> bool:
+    """Whether a difference in this RunConfig field can change the computation (compare/causes' rules)."""
+    if field in NOT_COMPUTATION:
+        return False
+    return field != "logprobs" or backend in LOGPROBS_COUNT_MATTERS
 
 
 def differences(left: RunConfig, right: RunConfig, lb: int, rb: int) -> tuple[list[Probe], list[dict[str, str]]]:
@@ -58,48 +103,47 @@ def differences(left: RunConfig, right: RunConfig, lb: int, rb: int) -> tuple[li
             named.append({"knob": f, "reason": f"the sides differ in {f} ({a.get(f)!r} vs {b.get(f)!r}): that is the recorded cause itself"})
     if named:
         return [], named
-    for f in ("dtype", "threads", "seed"):
-        if a[f] != b[f]:
+    for f in SWITCHED:
+        if a[f] != b[f] and _matters(f, left.backend):
             probes.append(Probe(f"{f}={b[f]}", f, "recorded", f"whether switching {f} alone reproduces the right side", 1.0,
-                                threads=b[f] if f == "threads" else None, dtype=b[f] if f == "dtype" else None,
-                                options={"__seed": str(b[f])} if f == "seed" else {}))
+                                config={f: b[f]}))
     for f, v in b["decoding"].items():
         if a["decoding"].get(f) != v:
             probes.append(Probe(f"{f}={v}", f, "recorded", f"whether switching {f} alone reproduces the right side", 1.0,
-                                options={f"__decoding.{f}": str(v)}))
+                                config={f"decoding.{f}": v}))
     for k in sorted(set(a["options"]) | set(b["options"])):
-        if a["options"].get(k) != b["options"].get(k) and k not in ("bin", "port"):
+        if a["options"].get(k) != b["options"].get(k) and k not in INERT_OPTIONS:
             probes.append(Probe(f"{k}={b['options'].get(k)}", k, "recorded", f"whether switching {k} alone reproduces the right side",
                                 1.0, options={k: b["options"].get(k) or ""}))
     if lb != rb:
         probes.append(Probe(f"batch_size={rb}", "batch_size", "recorded", "whether the batch size alone reproduces the right side", 1.0,
-                            options={"__batch_size": str(rb)}))
+                            config={"batch_size": rb}))
     return probes, named
 
 
 def probe_config(left: RunConfig, right: RunConfig, probe: Probe | None, batch: int) -> RunConfig:
-    """The left side's settings (one run at `batch`), with the probe's one switch applied."""
+    """The left side's settings (one run at `batch`), with the probe's one switch applied: a
+    RunConfig field takes the right side's value as it is (None, the engine's default, included)."""
     cfg = dataclasses.replace(left, runs=1, vary_batch=(), batch_size=batch, mode="best-effort", fresh_process=0, negative_control=False)
     if probe is None:
         return cfg
-    opts = {k: v for k, v in probe.options.items() if not k.startswith("__")}
-    if opts:
+    if probe.options:
         merged = dict(cfg.options)
-        for k, v in opts.items():
+        for k, v in probe.options.items():
             if v:
                 merged[k] = v
             else:
                 merged.pop(k, None)  # the right side did not set it
         cfg = dataclasses.replace(cfg, options=tuple(sorted(merged.items())))
-    for k, v in probe.options.items():
-        if k == "__seed":
-            cfg = dataclasses.replace(cfg, seed=right.seed)
-        elif k == "__batch_size":
-            cfg = dataclasses.replace(cfg, batch_size=int(v))
-        elif k.startswith("__decoding."):
-            field = k.removeprefix("__decoding.")
-            cfg = dataclasses.replace(cfg, decoding=dataclasses.replace(cfg.decoding, **{field: getattr(right.decoding, field)}))
-    return probe.apply(cfg) if (probe.threads is not None or probe.dtype is not None) else cfg
+    for f in probe.config:
+        if f == "batch_size":
+            cfg = dataclasses.replace(cfg, batch_size=batch)
+        elif f.startswith("decoding."):
+            name = f.removeprefix("decoding.")
+            cfg = dataclasses.replace(cfg, decoding=dataclasses.replace(cfg.decoding, **{name: getattr(right.decoding, name)}))
+        else:
+            cfg = dataclasses.replace(cfg, **{f: getattr(right, f)})
+    return cfg
 
 
 def same(records: list[dict[str, Any]], side: list[dict[str, Any]], *, tier: int, same_batch: bool, atol: float) -> dict[str, Any]:
@@ -118,17 +162,13 @@ def side_records(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return select(records, run=summary["run_index"], batch=summary["batch_size"])
 
 
-def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
-    """Probe the recorded differences of a diff (py); None when the two sides were
-    recorded with the same settings (the caller then diagnoses the left side as a check)."""
-    rep, left, right = sides(diff_dir)
-    lrun, rrun = artifacts.load_run(left["path"]), artifacts.load_run(right["path"])
-    lc, rc = RunConfig.from_json(lrun.run_config["config"]), RunConfig.from_json(rrun.run_config["config"])
-    probes, named = differences(lc, rc, left["batch_size"], right["batch_size"])
-    if not probes and not named:
-        return None
+def diagnose_diff(plan: DiffPlan, diff_dir: Path, out: Path, limits, progress, only: list[str] | None = None) -> Diagnosis:
+    """Probe the recorded differences of a diff (plan_diff): the left side's settings again,
+    then each difference switched to the right side's value; `only` keeps the probes whose knob
+    or name is listed (the re-run of the left side always runs: it is what the others are read against)."""
+    rep, left, right, lc, rc = plan.report, plan.left, plan.right, plan.lc, plan.rc
     tier, atol = rep["tier"]["requested"], rep["summary"].get("atol", 0.0)
-    texts = prompts_from_records(lrun.records, str(diff_dir))
+    texts = prompts_from_records(plan.lrun.records, str(diff_dir))
     comp = rep["comparisons"][0]
     first = rep["first_divergence"]
     dr = comp["drift"]
@@ -140,8 +180,10 @@ def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
     prompts_file = out / "prompts.jsonl"
     artifacts.atomic_write_text(prompts_file, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts))
     lrec, rrec = side_records(left), side_records(right)
-    t0, used, results, not_run = time.monotonic(), 0, [], []
-    plan_ = [None] + probes if baseline["diverged"] else []
+    t0, used, results = time.monotonic(), 0, []
+    selected = [p for p in plan.probes if not only or p.knob in only or p.name in only]
+    not_run = [{"name": p.name, "reason": "not selected by --probe"} for p in plan.probes if p not in selected]
+    plan_ = [None, *selected] if baseline["diverged"] else []
     with Pool(out / "logs") as pool:
         for probe in plan_:
             name = probe.name if probe else "left settings again"
@@ -155,9 +197,14 @@ def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
             cfg = probe_config(lc, rc, probe, batch)
             folder = out / "probes" / slug(name)
             started = time.monotonic()
-            res = pool.shared().run({"kind": "run", "config": cfg.to_json(), "prompts": str(prompts_file), "tier": tier, "out": str(folder)})
+            job = {"kind": "run", "config": cfg.to_json(), "prompts": str(prompts_file), "tier": tier, "out": str(folder)}
+            if plan.env:  # the environment differs: every probe in a fresh process with the left side's variables
+                res = pool.fresh(job, env=envknobs.worker_env(plan.env, probe.env if probe else {}))
+            else:
+                res = pool.shared().run(job)
             entry: dict[str, Any] = {"name": name, "knob": probe.knob if probe else "reproducibility", "kind": "recorded" if probe else "rerun",
-                                     "setting": probe.setting() if probe else {}, "proves": probe.proves if probe else
+                                     "setting": probe.setting() if probe else {f"env.{k}": v[0] for k, v in plan.env.items()},
+                                     "proves": probe.proves if probe else
                                      "whether the left side's own settings reproduce it (else the diff is run variance)",
                                      "status": "ran", "outcome": None, "evidence": {}, "folder": str(folder.relative_to(out))}
             if not res.get("ok"):
@@ -170,6 +217,27 @@ def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
                 entry["outcome"] = "follows" if not vs_right["diverged"] else ("persist" if not vs_left["diverged"] else "move")
             entry["seconds"] = round(time.monotonic() - started, 2)
             results.append(entry)
+    knobs = _rank(results)
+    follows = [k for k in knobs if k["verdict"] == "follows"]
+    skipped = plan.named + [{"knob": c.split(" (")[0], "reason": f"a recorded environment difference diagnose cannot switch here: {c}"}
+                            for c in plan.cannot]
+    doc = artifacts.stamp("diagnosis", {
+        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(),
+        "source": {"kind": "diff", "path": str(diff_dir), "left": str(left["path"]), "status": rep["status"],
+                   "recorded_causes": [c["code"] for c in rep["causes"]]},
+        "backend": lc.backend, "model": lc.model, "config": lc.to_json(), "tier_requested": tier, "baseline": baseline,
+        "budget": {"probes": limits.probes, "seconds": limits.seconds, "probes_used": used, "seconds_used": round(time.monotonic() - t0, 2),
+                   "exhausted": any("budget" in n["reason"] for n in not_run)},
+        "probes": results, "not_run": not_run, "skipped_knobs": skipped, "knobs": knobs, "passing_settings": None,
+        "prefill_vs_decode": None, "isolated": bool(follows), "conclusion": _conclusion(plan, baseline, results, knobs, tier),
+    })
+    artifacts.write_json(out, DIAGNOSIS, doc)
+    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
+    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
+    return Diagnosis(out, doc)
+
+
+def _rank(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     knobs = []
     for r in results:
         if r["status"] != "ran" or r["kind"] != "recorded":
@@ -183,30 +251,29 @@ def diagnose_diff(diff_dir: Path, out: Path, limits, progress) -> Any:
     knobs.sort(key=lambda k: order[k["verdict"]])
     for i, k in enumerate(knobs, 1):
         k["rank"] = i
+    return knobs
+
+
+def not_switched(cannot: list[str]) -> str:
+    """The sentence that lists the recorded environment differences diagnose did not switch."""
+    return f" Not switched here (recorded, but diagnose cannot set them): {'; '.join(cannot)}." if cannot else ""
+
+
+def _conclusion(plan: DiffPlan, baseline: dict[str, Any], results: list[dict[str, Any]], knobs: list[dict[str, Any]], tier: int) -> str:
     rerun = next((r for r in results if r["kind"] == "rerun" and r["status"] == "ran"), None)
     follows = [k for k in knobs if k["verdict"] == "follows"]
     if not baseline["diverged"]:
-        text = f"Nothing to diagnose: the diff passes at tier {tier}."
-    elif named:
-        text = "The sides differ in " + "; ".join(n["reason"].split(": ")[0].removeprefix("the sides differ in ") for n in named) + \
+        return f"Nothing to diagnose: the diff passes at tier {tier}."
+    if plan.named:
+        return "The sides differ in " + "; ".join(n["reason"].split(": ")[0].removeprefix("the sides differ in ") for n in plan.named) + \
                ": that recorded difference is the cause; no single setting can be probed across it."
-    elif follows:
-        text = ("The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + ".")
+    if follows:
+        text = "The divergence follows " + " and ".join(f"{k['knob']} ({k['summary']})" for k in follows) + "."
+    elif knobs and all(k["verdict"] == "not_followed" for k in knobs) and rerun is not None and rerun["outcome"] == "persist":
+        text = ("Could not reproduce the right side here: the left side's settings reproduce the left side, and no recorded "
+                "difference switched alone (" + ", ".join(k["probes"][0] for k in knobs) + ") changes its output.")
     else:
         text = "Nothing isolates it: no single recorded difference reproduces the right side."
-    if rerun is not None and rerun["outcome"] not in ("persist",) and baseline["diverged"] and not named:
+    if rerun is not None and rerun["outcome"] != "persist":
         text += " Note: the left side's own settings did not reproduce the left side, so run variance is also at play."
-    doc = artifacts.stamp("diagnosis", {
-        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(),
-        "source": {"kind": "diff", "path": str(diff_dir), "left": str(left["path"]), "status": rep["status"],
-                   "recorded_causes": [c["code"] for c in rep["causes"]]},
-        "backend": lc.backend, "model": lc.model, "config": lc.to_json(), "tier_requested": tier, "baseline": baseline,
-        "budget": {"probes": limits.probes, "seconds": limits.seconds, "probes_used": used, "seconds_used": round(time.monotonic() - t0, 2),
-                   "exhausted": bool(not_run)},
-        "probes": results, "not_run": not_run, "skipped_knobs": named, "knobs": knobs, "passing_settings": None,
-        "prefill_vs_decode": None, "isolated": bool(follows), "conclusion": text,
-    })
-    artifacts.write_json(out, DIAGNOSIS, doc)
-    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
-    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
-    return Diagnosis(out, doc)
+    return text + (not_switched(plan.cannot) if not follows else "")

@@ -25,6 +25,13 @@ from .load import Endpoint, Reply, safe_url as _safe_url
 from .options import OpenAIOptions, validate
 
 REMOTE = "weights not hashed: remote"
+# How each server kind's prompt (prefix) cache is switched: only llama-server takes it per request.
+SERVER_CACHE = {
+    "llamacpp": "per request: the `cache_prompt` field (--opt cache_prompt=false)",
+    "vllm": "server-level: --enable-prefix-caching / --no-enable-prefix-caching where it is started; POST /reset_prefix_cache "
+            "(VLLM_SERVER_DEV_MODE=1) empties it for every client at once",
+    "sglang": "server-level: --disable-radix-cache where it is started; POST /flush_cache empties it for every client at once",
+}
 
 
 class OpenAIBackend(Backend):
@@ -46,6 +53,7 @@ class OpenAIBackend(Backend):
         self.endpoint = Endpoint(o.base_url or "", api_key=key, timeout=o.request_timeout,
                                  connect_timeout=o.connect_timeout, retries=o.retries)
         self.kind = o.server if o.server != "auto" else self._detect()
+        self._refuse_cache_switch()
         self.served = self._check_model()
         self.path = "/chat/completions" if o.chat else "/completions"
         self.prompt_as = "chat" if o.chat else self._prompt_as()
@@ -75,7 +83,17 @@ class OpenAIBackend(Backend):
         status, ver, _ = self.endpoint.get("/version", root=True)
         if status == 200 and isinstance(ver, dict) and "version" in ver:
             return "vllm"
-        return "generic"
+        status, models, _ = self.endpoint.get("/models")  # the last word: who owns the models it lists
+        owners = {str(m.get("owned_by")) for m in (models or {}).get("data", []) if isinstance(m, dict)} if isinstance(models, dict) else set()
+        return next((k for k in ("llamacpp", "vllm", "sglang") if k in owners), "generic")
+
+    def _refuse_cache_switch(self) -> None:
+        """--opt cache_prompt is llama-server's per-request field; elsewhere it would be sent and ignored."""
+        if self.options.cache_prompt is None or self.kind == "llamacpp":
+            return
+        raise UsageError(f"--opt cache_prompt is llama-server's per-request field; this {self.kind} server takes no such field: "
+                         + SERVER_CACHE.get(self.kind, "no per-request cache switch is known for it"),
+                         hint="drop --opt cache_prompt; switch the cache where the server is started")
 
     def _check_model(self) -> list[str]:
         """The names the server lists; a model it does not list is refused here (a server that
@@ -203,7 +221,9 @@ class OpenAIBackend(Backend):
                      "chat": "chat messages: the server renders the prompt; the rendered prompt is not visible"}[self.prompt_as]),
             Applied("token_ids", None, self.ids_known, "ids" if self.ids_known else "strings",
                     "token ids from the server" if self.ids_known else "the server gives token strings only: traces hold token strings"),
-            Applied("prefix_cache", None, True, self._cache_state(), "as the server is configured"
+            Applied("prefix_cache", self.options.cache_prompt, True, self._cache_state(),
+                    ("as the server is configured" if self.options.cache_prompt is None or self.options.cache_probe
+                     else f"cache_prompt: {str(self.options.cache_prompt).lower()} sent with every request")
                     + ("; cold side of --cache-probe: " + self._reset_how() if self.options.cache_probe else "")),
             Applied("retries", self.options.retries, True, self.options.retries,
                     "only for requests the server did not take (connect refused, 429, 503); each record's evidence counts them"),
@@ -224,7 +244,8 @@ class OpenAIBackend(Backend):
     def env_info(self) -> dict[str, Any]:
         e = self.endpoint
         info: dict[str, Any] = {"name": self.name, "server": self.kind, "base_url": _safe_url(e.base_url),
-                                "api_key_env": self.options.api_key_env}
+                                "api_key_env": self.options.api_key_env,
+                                "cache_switch": SERVER_CACHE.get(self.kind, "none known for a server of unknown kind")}
         _, models, headers = e.get("/models")
         info["models"] = [{k: m.get(k) for k in ("id", "root", "owned_by", "max_model_len", "meta") if k in m}
                           for m in (models or {}).get("data", []) if isinstance(m, dict)] if isinstance(models, dict) else None
@@ -269,6 +290,7 @@ class OpenAIBackend(Backend):
         k: dict[str, Any] = {}
         if self.kind == "llamacpp":
             k = {"top_k": decoding.top_k, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "return_tokens": True}
+            cache = self.options.cache_prompt if cache is None else cache  # the cache probe sets its own sides
             if cache is not None:
                 k["cache_prompt"] = cache
         elif self.kind in ("vllm", "sglang"):
@@ -285,6 +307,8 @@ class OpenAIBackend(Backend):
         return {"llamacpp": "/slots", "vllm": "/metrics", "sglang": "/metrics"}.get(self.kind)
 
     def _cache_state(self) -> Any:
+        if self.kind == "llamacpp" and self.options.cache_prompt is not None and not self.options.cache_probe:
+            return {"cache_prompt": self.options.cache_prompt, "sent": "with every request"}
         if self.kind == "llamacpp":
             _, props, _ = self.endpoint.get("/props", root=True)
             dgs = (props or {}).get("default_generation_settings", {}) if isinstance(props, dict) else {}

@@ -28,6 +28,9 @@ class OpenAIOptions:
     retries: int = ranged(2, ints(0, 100))  # resends of a request the server did not take (connection refused, 429, 503), recorded
     sample_interval: float = ranged(0.02, floats(0, 60, lo_open=True))  # seconds between /slots or /metrics samples while a batch is in flight
     cache_probe: bool = False  # each prompt cold, then warm, then after a shared-prefix prompt (check --cache-probe)
+    # llama-server's per-request `cache_prompt` field, sent with every request (false: no request reuses a cached
+    # prompt prefix); None: as the server is configured. vLLM and SGLang switch their cache where they are started.
+    cache_prompt: bool | None = None
 
 
 def validate(o: OpenAIOptions) -> None:
@@ -49,6 +52,8 @@ def validate(o: OpenAIOptions) -> None:
         raise UsageError("--opt request_timeout, connect_timeout and sample_interval must be positive seconds")
     if o.retries < 0:
         raise UsageError(f"--opt retries must be >= 0, got {o.retries}")
+    if o.cache_probe and o.cache_prompt is not None:
+        raise UsageError("--cache-probe sets cache_prompt itself (cold, then warm): drop --opt cache_prompt")
     if o.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", o.api_key_env):
         raise UsageError("--api-key-env takes the NAME of an environment variable, not the key itself")
 

@@ -303,7 +303,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
     """Diagnose a failing check folder or diff folder (`run_dir`), or run the check `config`
     first; write diagnosis.json/.txt/.md under `out` and return it. `only` keeps the probes whose
     knob, name or kind is listed (e.g. ["ladder", "kv_type", "prefill"])."""
-    from .render import render_markdown, render_text
+    from .render import render_html, render_markdown, render_text
 
     if sum(x is not None for x in (config, run_dir, check_args)) != 1:
         raise UsageError("diagnose takes a failing run folder or check's options, not both")
@@ -456,4 +456,5 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
     artifacts.write_json(out, DIAGNOSIS, doc)
     artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
     artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
+    artifacts.atomic_write_text(out / "diagnosis.html", render_html(doc))
     return Diagnosis(out, doc)

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import UsageError
 
 DIAGNOSIS = "diagnosis.json"
-OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "prompts.jsonl", "baseline", "probes", "logs")
+OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "diagnosis.html", "prompts.jsonl", "baseline", "probes", "logs")
 
 
 @dataclass

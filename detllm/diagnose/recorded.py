@@ -28,7 +28,7 @@ from .folder import DIAGNOSIS, Diagnosis, prompts_from_records, slug
 from .pool import Pool
 from .probes import Probe
 from .ranking import _lp
-from .render import render_markdown, render_text
+from .render import render_html, render_markdown, render_text
 
 UNPROBED = ("backend", "model", "revision", "device")  # an engine or weights change is the cause itself
 # RunConfig fields that select checks or record keeping, never the computation (with compare/causes' INERT_CONFIG)
@@ -234,6 +234,7 @@ def diagnose_diff(plan: DiffPlan, diff_dir: Path, out: Path, limits, progress, o
     artifacts.write_json(out, DIAGNOSIS, doc)
     artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
     artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
+    artifacts.atomic_write_text(out / "diagnosis.html", render_html(doc))
     return Diagnosis(out, doc)
 
 

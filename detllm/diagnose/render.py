@@ -1,4 +1,6 @@
-"""diagnosis.json as text (terminal, diagnosis.txt) and Markdown (diagnosis.md, CI summaries).
+"""diagnosis.json as text (terminal, diagnosis.txt), Markdown (diagnosis.md, CI summaries) and
+HTML (diagnosis.html, in the style and under the Content-Security-Policy of the report's page,
+render/html.py).
 
 Owns presentation only; every figure comes from the diagnosis document.
 """
@@ -74,3 +76,74 @@ def render_markdown(doc: dict[str, Any]) -> str:
         out += [f"- not probed: {s['knob']} ({s['reason']})" for s in doc["skipped_knobs"]]
         out += [f"- not run: {s['name']} ({s['reason']})" for s in doc["not_run"]]
     return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------ HTML (diagnosis.html)
+
+_STYLE = ".knobs td:nth-child(-n+3),.probes td:nth-child(n+2){white-space:nowrap}.probes td:nth-child(2){white-space:normal}"
+_VERDICT_CELL = {"follows": "cell-FAIL", "vanishes": "cell-PASS", "moves": "cell-INFO", "not_followed": "cell-base"}
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    """diagnosis.html: one self-contained page in the report page's style (render/html.py: its CSS
+    and Content-Security-Policy, so no script, font, image or link out), every string escaped."""
+    from ..render.html import _CSS, CSP, esc
+
+    base = doc["baseline"]
+    title = f"detllm diagnosis: {doc['backend']} / {doc['model']}"
+    verdict = (f"<span class='verdict FAIL'>diverges ({esc(', '.join(base['kinds']))})</span>" if base["diverged"]
+               else "<span class='verdict PASS'>no divergence</span>")
+    src = doc.get("source") or {}
+    body = [f"<h1>{esc(title)}: {verdict}</h1>",
+            f"<p>tier {esc(doc['tier_requested'])} (requested) · {esc(src.get('kind'))} {esc(src.get('path') or '')}"
+            + (f" · recorded causes {esc(', '.join(src.get('recorded_causes') or []))}" if src.get("recorded_causes") else "") + "</p>",
+            f"<p class='conclusion'><b>{esc(doc['conclusion'])}</b></p>"]
+    ps = doc.get("passing_settings")
+    if ps and ps["summary"] not in doc["conclusion"]:
+        body.append(f"<p>Passing setting: <b class='passing'>{esc(ps['summary'])}</b></p>")
+    if doc["knobs"]:
+        body += ["<h2>Knobs, ranked</h2>", "<table class='knobs'><tr><th>rank</th><th>knob</th><th>verdict</th><th>evidence</th></tr>"]
+        body += [f"<tr><td>{esc(k['rank'])}</td><td><code>{esc(k['knob'])}</code></td>"
+                 f"<td class='{_VERDICT_CELL.get(k['verdict'], '')}'>{esc(k['verdict'])}</td><td>{esc(k['summary'])}</td></tr>"
+                 for k in doc["knobs"]]
+        body.append("</table>")
+    if doc["probes"]:
+        body += ["<h2>Probes</h2>", "<table class='probes'><tr><th>probe</th><th>outcome</th><th>first divergence</th>"
+                 "<th>max |Δlogprob|</th><th>flips</th><th>seconds</th><th>folder</th></tr>"]
+        for p in doc["probes"]:
+            name, result, where, lp, flips = _probe_line(p)
+            cell = "cell-PASS" if p["outcome"] in ("vanish", "equal") else ("cell-FAIL" if p["outcome"] else "cell-base")
+            body.append(f"<tr><td>{esc(name)}<div class='muted'>{esc(p.get('proves', ''))}</div></td><td class='{cell}'>{esc(result)}</td>"
+                        f"<td>{esc(where)}</td><td class='mono'>{esc(lp)}</td><td>{esc(flips)}</td>"
+                        f"<td>{esc(_num(p.get('seconds')))}</td><td><code>{esc(p.get('folder') or '-')}</code></td></tr>")
+        body.append("</table>")
+    pv = doc.get("prefill_vs_decode")
+    if pv and pv.get("available"):
+        body.append(f"<p>Prefill vs decode: max |Δ| {esc(_num(pv['max_abs_logprob_diff']))} over {esc(pv['positions'])} positions, "
+                    f"first differing position {esc(_num(pv['first_differing_position']))} ({esc(pv['method'])}).</p>")
+    comps = base.get("comparisons") or []
+    if comps:
+        body += ["<h2>The failing check</h2>", "<table class='baseline'><tr><th>comparison</th><th>diverged</th><th>prompts</th>"
+                 "<th>first divergence</th><th>max |Δlogprob|</th><th>flips</th></tr>"]
+        for c in comps:
+            f = c.get("first")
+            where = f"prompt {f['prompt_index']} token {f['token_index']} ({f['kind']})" if f else "-"
+            body.append(f"<tr><td>{esc(c['name'])}</td><td class='{'cell-FAIL' if c['diverged'] else 'cell-PASS'}'>"
+                        f"{'yes' if c['diverged'] else 'no'}</td><td>{esc(c['prompts_diverged'])}/{esc(c['prompts_compared'])}</td>"
+                        f"<td>{esc(where)}</td>"
+                        f"<td class='mono'>{esc(_num(c.get('max_abs_logprob_diff')))}</td><td>{esc(c.get('argmax_flips'))}</td></tr>")
+        body.append("</table>")
+    if doc["skipped_knobs"] or doc["not_run"]:
+        body += ["<h2>Not probed, not run</h2>", "<ul>"]
+        body += [f"<li>not probed: <code>{esc(s['knob'])}</code> — {esc(s['reason'])}</li>" for s in doc["skipped_knobs"]]
+        body += [f"<li>not run: {esc(s['name'])} — {esc(s['reason'])}</li>" for s in doc["not_run"]]
+        body.append("</ul>")
+    b = doc["budget"]
+    seconds = f"{b['seconds_used']:.1f}"
+    body.append(f"<p class='muted'>budget: {esc(b['probes_used'])} probes in {esc(seconds)} s · detllm "
+                f"{esc(doc.get('detllm_version'))} · {esc(doc.get('created_at'))}</p>")
+    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
+            "<meta name='referrer' content='no-referrer'>"
+            f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{esc(title)}</title>"
+            f"<style>{_CSS}{_STYLE}</style></head><body><main>\n" + "\n".join(body) + "\n</main></body></html>\n")

@@ -48,7 +48,7 @@ def diff(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
              help="From a FAIL to the knob that causes it: `detllm diagnose RUN_DIR` (a failing check or diff folder) or "
                   "`detllm diagnose CHECK-OPTIONS` (runs that check first, into OUT/baseline). Runs real probes, cheapest "
-                  "first, and writes diagnosis.json/.txt/.md. Exit 0 when the diagnosis was written.")
+                  "first, and writes diagnosis.json/.txt/.md/.html. Exit 0 when the diagnosis was written.")
 def diagnose(
     ctx: typer.Context,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Diagnosis folder (default: a new folder under artifacts/).")] = None,
@@ -77,7 +77,8 @@ def diagnose(
 
 @app.command(help="Run a grid of settings (--axis batch_size=1,2,8 --axis dtype=float32,bfloat16 --axis threads=1,2; any other "
                   "axis name is a backend --opt) with --repeats per cell: each cell labelled stable / fragile / unstable, unique "
-                  "outputs per prompt, divergence rate against the first cell with a Wilson 95% interval; sweep.json, a table "
+                  "outputs per prompt, divergence rate against the first cell that ran with a Wilson 95% interval over prompts; "
+                  "sweep.json, a table "
                   "and heatmap.png. Exit 0 when the sweep was written.")
 def sweep(
     axis: Annotated[list[str], typer.Option("--axis", help="name=v1,v2 (repeatable).")],

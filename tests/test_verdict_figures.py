@@ -1,7 +1,8 @@
-"""Issue 20: a verdict's labels and figures never contradict what was recorded. A repeat that
-stopped a token earlier is a length divergence at every tier, never "tokens equal" (R7); a
-figure names its quantity and a maximum is never below a difference shown beside it; a share
-with flips is never printed as 100% (R16)."""
+"""Issue 20: a verdict's labels and figures never contradict what was recorded or what ran. A
+repeat that stopped a token earlier is a length divergence at every tier, never "tokens equal"
+(R7); a tier-3 check compares a second batch size or is refused (R4); a figure names its quantity
+and a maximum is never below a difference shown beside it; a share with flips is never printed as
+100% (R16)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,103 @@ def test_tier3_with_two_batch_sizes_runs_and_compares_them(tmp_path):
     rep = json.loads((outcome.out_dir / "report.json").read_text())
     assert rep["tier"]["effective"] == 3
     assert any(c["kind"] == "batch" and c["required"] for c in rep["comparisons"])
+
+
+# ------------------------------------------------------------------ figures: named, and no maximum below a difference beside it
+
+
+def _render_all(report: dict, folder: Path) -> dict[str, str]:
+    from detllm.render.html import render_outcome
+    from detllm.render.issue import render_issue
+    from detllm.render.markdown import render_markdown
+    from detllm.render.text import render_text
+
+    return {"txt": render_text(report), "md": render_markdown(report), "html": render_outcome(report, folder),
+            "issue": render_issue(report, folder)}
+
+
+def _diff_report(tmp_path: Path, left: list[dict], right: list[dict]) -> tuple[dict, Path]:
+    from detllm.diff import diff
+    from tests.test_fast_diff import _folder
+
+    lf, rf = _folder(tmp_path, "left", left), _folder(tmp_path, "right", right)
+    out = tmp_path / "d"
+    got = diff(lf, rf, tier=2, out=out)
+    return got.report, out
+
+
+def _named_records() -> tuple[list[dict], list[dict]]:
+    """Prompt 0: the chosen tokens' logprobs equal, a top-k entry (id 6) moved by 8.77e-05 at step 0;
+    prompt 1: the chosen token's logprob moved by 1.86e-05 at step 1 (its top-k entry with it)."""
+    from tests.test_fast_diff import _record
+
+    def tops(lps, second=-2.5):
+        return [[[5 + j, lp], [40 + j, second], [41 + j, -3.0]] for j, lp in enumerate(lps)]
+
+    lps = [-0.1, -0.2, -0.3]
+    a0, a1 = _record(0, [5, 6, 7], lps, tops(lps)), _record(1, [5, 6, 7], lps, tops(lps))
+    b0 = json.loads(json.dumps(a0))
+    b0["top_logprobs"][0][1][1] = -2.5 - 8.77e-05
+    b1 = json.loads(json.dumps(a1))
+    b1["logprobs"][1] += 1.86e-05
+    b1["top_logprobs"][1][0][1] = b1["logprobs"][1]
+    return [a0, a1], [b0, b1]
+
+
+def test_each_figure_names_its_quantity_and_no_maximum_sits_below_a_difference(tmp_path):
+    """The issue's case: `max |dlogprob| 1.86e-05` printed above a first divergence
+    `|logprob difference| 8.77e-05` with both chosen logprobs printed equal. The difference is a
+    top-k entry's; the drift's maximum is the chosen tokens'. Every renderer names both, and shows
+    the top-k entries' difference beside the chosen maximum it exceeds."""
+    left, right = _named_records()
+    report, folder = _diff_report(tmp_path, left, right)
+    d = report["first_divergence"]
+    assert d["prompt_index"] == 0 and d["logprob_abs_diff"] == pytest.approx(8.77e-05)
+    assert report["comparisons"][0]["drift"]["max_abs_logprob_diff"] == pytest.approx(1.86e-05)
+    out = _render_all(report, folder)
+    assert "max |dlogprob| of chosen tokens 1.86e-05, of top-k entries >=8.77e-05" in out["txt"]
+    assert "|logprob difference| 8.77e-05, of a top-k entry id 40's logprob; the chosen token's logprob is equal" in out["txt"]
+    assert "\\|logprob difference\\| 8.77e-05, of a top-k entry id 40's logprob; the chosen token's logprob is equal" in out["md"]
+    assert "1.86e-05 (top-k entries ≥8.77e-05)" in out["md"]
+    assert "of top-k entries &gt;=8.77e-05" in out["html"] and "of a top-k entry id 40&#x27;s logprob" in out["html"]
+    assert "8.77e-05, of a top-k entry id 40's logprob; the chosen token's logprob is equal" in out["issue"]
+    for text in out.values():  # the unnamed figures once printed
+        assert "diverged  max |dlogprob| 1.86e-05  " not in text and "difference| 8.77e-05\n" not in text
+        assert "at this step (chosen token and top-k)" not in text and "largest |logprob difference| at this step:" not in text
+
+
+def test_a_chosen_token_difference_is_named_and_within_the_maximum(tmp_path):
+    left, right = _named_records()
+    report, folder = _diff_report(tmp_path, left[1:], right[1:])
+    assert report["first_divergence"]["logprob_abs_diff"] == pytest.approx(1.86e-05)
+    out = _render_all(report, folder)
+    assert "|logprob difference| 1.86e-05, of the chosen token's logprob" in out["txt"]
+    assert "max |dlogprob| of chosen tokens 1.86e-05  " in out["txt"] and "top-k entries" not in out["txt"]
+
+
+def test_a_share_with_flips_is_never_printed_as_100_percent():
+    """R16: 5 argmax flips over 60,000 top-k steps is a same-top-1 share of 99.992%, once printed
+    "100.0%" beside "argmax flips 5"."""
+    from detllm.render.text import drift_summary
+
+    line = drift_summary({"available": True, "same_top1_share": (60000 - 5) / 60000, "argmax_flips": 5})
+    assert "same top-1 99.9%" in line and "100.0%" not in line
+
+    from detllm.render.figures import share
+
+    assert share(1.0) == "100.0%" and share(0.99996) == "99.9%" and share(0.00004) == "<0.1%" and share(0.0) == "0.0%"
+    assert share(0.5) == "50.0%"
+
+
+def test_a_check_with_two_late_flips_in_12000_steps_does_not_print_100_percent(tmp_path):
+    """R16 through a real check: two prompts of twenty flip at their last step of 600, so the same
+    top-1 share is 99.98%; report.txt and report.md print it beside "argmax flips 2" as 99.9%."""
+    import detllm
+
+    out = detllm.check(backend="fake", options={"diverge": "prompt=3,pos=599,run=1;prompt=11,pos=599,run=1"}, tier=2, runs=2,
+                       prompts=[f"prompt {i}" for i in range(20)], max_new_tokens=600, out=tmp_path / "c")
+    drift = out.report["comparisons"][0]["drift"]
+    assert drift["argmax_flips"] == 2 and 0.9995 <= drift["same_top1_share"] < 1.0
+    for name in ("report.txt", "report.md"):
+        text = (out.out_dir / name).read_text()
+        assert "same top-1 99.9%" in text and "100.0%" not in text, name

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
+from .figures import difference_text, topk_bound
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'none'; connect-src 'none'; "
        "font-src 'none'; object-src 'none'; media-src 'none'; frame-src 'none'; form-action 'none'; base-uri 'none'")
@@ -134,7 +135,7 @@ def _divergence(d: dict[str, Any], records: tuple[dict | None, dict | None]) -> 
                    f"<p class='mono'>divergent token: {esc(chosen)} · {esc(_tip(tok))} · margin {esc(_num(tok.get('margin'), '.4g'))}</p></div>")
     out.append("</div>")
     if d.get("logprob_abs_diff") is not None:
-        out.append(f"<p>largest |logprob difference| at this step: {esc(_num(d['logprob_abs_diff']))}</p>")
+        out.append(f"<p>at this step: {esc(difference_text(d, '.6g'))}</p>")
     out += ["<h3>top-k at the divergence</h3>", _topk(d)]
     return out
 
@@ -179,7 +180,9 @@ def _drift(report: dict[str, Any]) -> list[str]:
         dr = c["drift"]
         series = dr.get("max_abs_logprob_diff_by_position") or []
         d = c["first_divergence"]
-        stats = (f"max |dlogprob| {_num(dr.get('max_abs_logprob_diff'), '.3g')} · argmax flips {esc(dr.get('argmax_flips', 'n/a'))}"
+        bound = topk_bound(c)
+        topk = "" if bound is None else f", of top-k entries >={bound:.3g}"
+        stats = (f"max |dlogprob| of chosen tokens {_num(dr.get('max_abs_logprob_diff'), '.3g')}{topk} · argmax flips {esc(dr.get('argmax_flips', 'n/a'))}"
                  if dr.get("available") else "logprobs not compared")
         out.append(f"<h3>{esc(c['name'])} <span class='verdict {_cell_status(c)}'>{esc(_cell_status(c))}</span></h3>"
                    f"<p class='muted'>{esc(c['prompts_diverged'])}/{esc(c['prompts_compared'])} prompts diverged · {esc(stats)}</p>")

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
 from ..env import REDACTED, redact_env
+from .figures import difference_text
 from .text import cause_summary
 
 # env var families each engine's maintainers ask about (vLLM's collect_env prints these)
@@ -116,6 +117,7 @@ def _verdict(report: dict[str, Any]) -> list[str]:
         lines += ["", f"First divergence: prompt {d['prompt_index']}, generated token {d['token_index']} ({d['kind']})"
                   + (", a near tie" if d["near_tie"] else "") + ":", "",
                   f"- `{d['left']['label']}`: {tok(d['left'])}", f"- `{d['right']['label']}`: {tok(d['right'])}",
+                  *([f"- the {difference_text(d, '.6g')}".replace("|", "\\|")] if d.get("logprob_abs_diff") is not None else []),
                   "", "Common prefix:", "", *_fence(d["common_prefix_text"][-300:] or "(empty)")]
     if report["causes"]:
         lines += ["", "Causes detllm ranked (most likely first):", ""]

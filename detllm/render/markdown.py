@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
+from .figures import difference_text, topk_bound
 from .text import MAGNITUDE_TITLES, cause_summary, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
 
 
@@ -72,7 +73,7 @@ def _divergence(d: dict[str, Any]) -> list[str]:
         lines += [f"| input ids | {_cell(ids['left'])} | {_cell(ids['right'])} |",
                   f"| first different input id | {ids['first_difference']} | |"]
     if d.get("logprob_abs_diff") is not None:
-        lines += ["", f"Largest logprob difference at this step (chosen token and top-k): {d['logprob_abs_diff']:.6g}."]
+        lines += ["", "The " + difference_text(d, ".6g").replace("|", "\\|") + "."]
     return lines + [""]
 
 
@@ -127,10 +128,12 @@ def _drift(comps: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = ["## Drift before the first divergence", "",
-             "| comparison | steps | max \\|Δ logprob\\| | mean top-k overlap | argmax flips |", "|---|---|---|---|---|"]
+             "| comparison | steps | max \\|Δ logprob\\| of chosen tokens | mean top-k overlap | argmax flips |", "|---|---|---|---|---|"]
     for c in rows:
         d = c["drift"]
-        lines.append(f"| {_cell(c['name'])} | {d['steps']} | {_num(d['max_abs_logprob_diff'], '.3g')} | "
+        bound = topk_bound(c)
+        topk = "" if bound is None else f" (top-k entries ≥{bound:.3g})"
+        lines.append(f"| {_cell(c['name'])} | {d['steps']} | {_num(d['max_abs_logprob_diff'], '.3g')}{topk} | "
                      f"{_num(d['mean_topk_overlap'], '.4f')} | {d['argmax_flips']} |")
     lines.append("")
     for c in rows:
@@ -185,7 +188,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("scope"):
         lines += [f"Scope: {report['scope']}.", ""]
     if report.get("sensitivity"):
-        lines += [line[0].upper() + line[1:] + "." for line in sensitivity_line(report["sensitivity"], report.get("negative_control"))] + [""]
+        lines += [line[0].upper() + line[1:] + "." for line in sensitivity_line(report["sensitivity"], report.get("negative_control"), report["comparisons"])] + [""]
     lines += _sides(report)
     lines += _magnitude(report)
     if report["causes"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
+from .figures import difference_parts, difference_text, maxima_text, share, topk_bound
 
 
 def short(value: Any, width: int = 40) -> str:
@@ -120,7 +121,7 @@ def divergence_lines(d: dict[str, Any]) -> list[str]:
         at = f" (first difference at input id {ids['first_difference']})" if ids.get("first_difference") is not None else ""
         lines.append(f"  the prompt was tokenized differently on the two sides{at}")
     if d.get("logprob_abs_diff") is not None:
-        lines.append(f"  |logprob difference| {d['logprob_abs_diff']:.3g}")
+        lines.append(f"  {difference_text(d)}")
     m = magnitude_line(d)
     if m:
         lines.append("  " + m)
@@ -168,9 +169,13 @@ def magnitude_line(d: dict[str, Any]) -> str:
                 f"{_g(rp.get('own'))}, {_g(rp.get('other'))} on the right{how}")
     if label == "tokens_equal_logprobs_differ":
         noise = "" if floor is None else (" (within the noise floor)" if m.get("within_noise") else f" (beyond the noise floor {_g(floor)})")
-        return f"tokens equal, logprobs differ: |difference| {_g(m.get('abs_diff'))}{noise}"
+        parts = difference_parts(d) if m.get("abs_diff") is not None else None
+        of = "" if parts is None else (" of the chosen token's logprob" if parts[1] is None else " of a top-k entry's logprob")
+        return f"tokens equal, logprobs differ: |difference| {_g(m.get('abs_diff'))}{of}{noise}"
     if label == "unclassified":
         return f"magnitude unclassified: {m.get('why', 'not enough recorded')}"
+    if label == "length" and at:  # a logprob moved, then one side stopped earlier: the tokens are not equal
+        return f"one side stopped{at}: the tokens are not equal, so this is a length divergence"
     return ""
 
 
@@ -180,19 +185,19 @@ def drift_summary(drift: dict[str, Any]) -> str:
         return ""
     parts = []
     if drift.get("same_top1_share") is not None:
-        parts.append(f"same top-1 {drift['same_top1_share']:.1%}")
+        parts.append(f"same top-1 {share(drift['same_top1_share'])}")
     if drift.get("kl_topk"):
         parts.append(f"KL(top-k) mean {drift['kl_topk']['mean']:.3g} max {drift['kl_topk']['max']:.3g}")
     pc = drift.get("abs_logprob_diff_percentiles")
     if pc and drift.get("max_abs_logprob_diff"):
-        parts.append(f"|dlogprob| p50 {pc['p50']:.3g} p90 {pc['p90']:.3g} p99 {pc['p99']:.3g} max {drift['max_abs_logprob_diff']:.3g}")
+        parts.append(f"chosen-token |dlogprob| p50 {pc['p50']:.3g} p90 {pc['p90']:.3g} p99 {pc['p99']:.3g} max {drift['max_abs_logprob_diff']:.3g}")
     return ", ".join(parts)
 
 
 def equal_drift_line(e: dict[str, Any]) -> str:
     """The "tokens equal, logprobs differ" finding of a comparison."""
     growth = " -> ".join(_g(q["max_abs_logprob_diff"]) for q in e["growth"])
-    return (f"tokens equal, logprobs differ in {e['prompts']} prompt(s): max |dlogprob| {_g(e['max_abs_logprob_diff'])}, "
+    return (f"tokens equal, logprobs differ in {e['prompts']} prompt(s): max |dlogprob| of chosen tokens {_g(e['max_abs_logprob_diff'])}, "
             f"from prompt {e['first']['prompt_index']} token {e['first']['token_index']}; by quarter of the positions {growth}")
 
 
@@ -217,7 +222,7 @@ def _header(report: dict[str, Any]) -> list[str]:
     if report.get("scope"):
         lines.append(f"scope: {report['scope']}")
     if report.get("sensitivity"):
-        lines += sensitivity_line(report["sensitivity"], report.get("negative_control"))
+        lines += sensitivity_line(report["sensitivity"], report.get("negative_control"), report.get("comparisons", ()))
     return lines
 
 
@@ -226,8 +231,9 @@ def render_text(report: dict[str, Any]) -> str:
     for c in report["comparisons"]:
         extra = ""
         drift = c["drift"]
-        if drift.get("available") and drift.get("max_abs_logprob_diff"):
-            extra = f"  max |dlogprob| {drift['max_abs_logprob_diff']:.3g}"
+        maxima = maxima_text(c)
+        if maxima:
+            extra = f"  {maxima}"
         if drift.get("available") and drift.get("argmax_flips"):
             extra += f"  argmax flips {drift['argmax_flips']}"
         unmatched = len(c["unmatched"]["left_only"]) + len(c["unmatched"]["right_only"])
@@ -272,19 +278,25 @@ def render_text(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _logprob_figure(lp: float | None) -> str:
-    """What was measured of the logprobs, in words: a 0 is said as "none moved", never printed as a figure."""
+def _logprob_figure(lp: float | None, topk: float | None = None) -> str:
+    """What was measured of the logprobs, in words: a 0 is said as "none moved", never printed as a
+    figure; the chosen tokens' maximum, and a top-k entry's difference where a divergence shows a larger one."""
     if lp is None:
         return "logprobs not compared"
+    if topk is not None:
+        return (f"max |dlogprob| of chosen tokens {lp:.3g}, " if lp else "") + f"of top-k entries >={topk:.3g}"
     if lp == 0.0:
         return "tokens diverged; no logprob moved before them"
-    return f"max |dlogprob| {lp:.3g}"
+    return f"max |dlogprob| of chosen tokens {lp:.3g}"
 
 
-def sensitivity_line(sens: dict[str, Any], control: dict[str, Any] | None) -> list[str]:
-    """The report's lines: the sensitivity, and the negative control's verdict when one ran."""
+def sensitivity_line(sens: dict[str, Any], control: dict[str, Any] | None, comparisons: Any = ()) -> list[str]:
+    """The report's lines: the sensitivity, and the negative control's verdict when one ran.
+    `comparisons`: the report's, whose divergences may show a top-k difference above the chosen maximum."""
     if sens["drift_observed"]:
-        lines = [f"sensitivity: drift observed in {', '.join(sens['where'])} ({_logprob_figure(sens['max_abs_logprob_diff'])})"]
+        topk = max((b for b in map(topk_bound, comparisons) if b is not None), default=None)
+        topk = topk if topk is not None and topk > (sens["max_abs_logprob_diff"] or 0.0) else None
+        lines = [f"sensitivity: drift observed in {', '.join(sens['where'])} ({_logprob_figure(sens['max_abs_logprob_diff'], topk)})"]
     elif sens["max_abs_logprob_diff"] is None:
         lines = ["sensitivity: no drift observed anywhere (no token moved in any comparison; logprobs not compared)"]
     else:

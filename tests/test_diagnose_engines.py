@@ -127,3 +127,74 @@ def test_negative_control_differs_on_real_engines(backend, tmp_path, two_prompts
     assert nc["differed"] is True and nc["max_abs_logprob_diff"] > 0
     assert got.report["sensitivity"]["where"] == ["negative control"]
     assert "differed as it should" in (tmp_path / "r" / "report.txt").read_text()
+
+
+def _hf_run(out, prompts, env_changes, *extra):
+    """`detllm run` of hf tiny in a process of its own: ATEN_CPU_CAPABILITY is read when torch starts."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env.update(env_changes)
+    proc = subprocess.run([sys.executable, "-m", "detllm", "run", "--backend", "hf", "--model", "tiny", "--prompts", str(prompts),
+                           "--max-new-tokens", "5", "--tier", "2", "--out", str(out), "--no-progress", *extra],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_hf_environment_only_diff_follows_the_kernel_variable(cli, tmp_path, two_prompts):
+    """Two real hf runs that differ only in ATEN_CPU_CAPABILITY (unset: AVX512 here, vs `default`):
+    diff says ENV_MISMATCH, and diagnose switches that variable alone, in a fresh worker, and
+    reproduces the right side. With the variable's value redacted on one side it cannot be
+    switched: diagnose says it could not reproduce the FAIL and lists what it could not switch."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU's torch capability is already DEFAULT: ATEN_CPU_CAPABILITY=default changes nothing")
+    _hf_run(tmp_path / "plain", two_prompts, {})
+    _hf_run(tmp_path / "default", two_prompts, {"ATEN_CPU_CAPABILITY": "default"})
+    r = cli("diff", tmp_path / "plain", tmp_path / "default", "--out", tmp_path / "diff", "--json")
+    assert r.exit_code == 1 and [c["code"] for c in json.loads(r.output)["causes"]][0] == "ENV_MISMATCH"
+    doc = _diagnosis(cli, tmp_path / "diff", tmp_path / "d")
+    rerun, probe = doc["probes"]
+    assert rerun["outcome"] == "persist" and probe["name"] == "ATEN_CPU_CAPABILITY=default" and probe["outcome"] == "follows"
+    assert probe["setting"] == {"env.ATEN_CPU_CAPABILITY": "default"}
+    ran = [read_json(tmp_path / "d" / p["folder"] / "env.json", "env") for p in (rerun, probe)]
+    assert "ATEN_CPU_CAPABILITY" not in ran[0]["env_vars"] and ran[1]["env_vars"]["ATEN_CPU_CAPABILITY"] == "default"
+    assert ran[1]["kernels"]["torch_cpu_capability"] == "DEFAULT" != ran[0]["kernels"]["torch_cpu_capability"]
+    assert doc["knobs"][0]["knob"] == "ATEN_CPU_CAPABILITY" and doc["knobs"][0]["verdict"] == "follows"
+    assert doc["conclusion"].startswith("The divergence follows ATEN_CPU_CAPABILITY")
+
+    _hf_run(tmp_path / "hidden", two_prompts, {"ATEN_CPU_CAPABILITY": "default"}, "--redact-env-var", "ATEN_CPU_CAPABILITY")
+    assert cli("diff", tmp_path / "hidden", tmp_path / "plain", "--out", tmp_path / "diff2").exit_code == 1
+    doc = _diagnosis(cli, tmp_path / "diff2", tmp_path / "d2")
+    assert doc["baseline"]["diverged"] is False  # the left side's settings, re-run here, pass
+    assert doc["conclusion"].startswith("Could not reproduce the diff's FAIL here")
+    assert "env_vars.ATEN_CPU_CAPABILITY (recorded as <redacted>" in doc["conclusion"]
+    assert "kernels.torch_cpu_capability ('DEFAULT' vs " in doc["conclusion"]
+    assert {"env_vars.ATEN_CPU_CAPABILITY", "kernels.torch_cpu_capability"} <= {s["knob"] for s in doc["skipped_knobs"]}
+
+
+def _diagnosis(cli, folder, out, *args):
+    r = cli("diagnose", folder, "--out", out, *args)
+    assert r.exit_code == 0, r.output
+    return read_json(out / "diagnosis.json", "diagnosis")
+
+
+def test_llamacpp_logprobs_difference_is_probed(cli, tmp_path, two_prompts):
+    """llama.cpp's n_probs changes its sampler's sum order: --logprobs 1 vs 5 moves a logprob, diff
+    says CONFIG_MISMATCH, and diagnose probes logprobs=5 on the left side's settings (R13)."""
+    llama_server_or_fail()
+    for k in ("1", "5"):
+        r = cli("run", "--backend", "llamacpp", "--model", "tiny", "--prompts", two_prompts, "--max-new-tokens", "8", "--tier", "2",
+                "--logprobs", k, "--out", tmp_path / f"k{k}", "--no-progress")
+        assert r.exit_code == 0, r.output
+    r = cli("diff", tmp_path / "k1", tmp_path / "k5", "--out", tmp_path / "diff", "--json")
+    assert r.exit_code == 1 and json.loads(r.output)["causes"][0]["code"] == "CONFIG_MISMATCH"
+    doc = _diagnosis(cli, tmp_path / "diff", tmp_path / "d")
+    assert doc["source"]["kind"] == "diff" and [p["name"] for p in doc["probes"]] == ["left settings again", "logprobs=5"]
+    probe = doc["probes"][1]
+    assert probe["setting"] == {"logprobs": 5} and probe["outcome"] == "follows"
+    assert read_json(tmp_path / "d" / probe["folder"] / "run_config.json", "run_config")["config"]["logprobs"] == 5
+    assert doc["conclusion"].startswith("The divergence follows logprobs")

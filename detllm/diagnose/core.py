@@ -445,7 +445,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
                    "seconds_used": round(time.monotonic() - t0, 2), "exhausted": not runner.left()},
         "probes": runner.results,
         "not_run": not_run,
-        "skipped_knobs": skipped,
+        "skipped_knobs": skipped + recorded.unswitched(cannot),
         "knobs": knobs,
         "passing_settings": passing,
         "prefill_vs_decode": prefill,

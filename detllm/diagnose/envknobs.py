@@ -41,7 +41,8 @@ def differences(left_env: dict[str, Any], right_env: dict[str, Any]) -> tuple[di
             cannot.append(f"env_vars.{name} ({_show(a)} vs {_show(b)})")
     derived = {f for name in switch for f in _DERIVED.get(name, ())}
     threads_switched = any(name.endswith("NUM_THREADS") for name in switch)
-    ignore = set(VOLATILE_KEYS) | {"backend", "env_vars"}  # the engine's own report is compared as BACKEND_MISMATCH
+    # the engine's own report is compared as BACKEND_MISMATCH; the document's version is not the machine's
+    ignore = set(VOLATILE_KEYS) | {"backend", "env_vars", "schema_version", "artifact_type"}
     if left_env.get("torch") is None or right_env.get("torch") is None:
         ignore.add("torch")
     for d in flat_diff({k: v for k, v in left_env.items() if k not in ignore}, {k: v for k, v in right_env.items() if k not in ignore}):

@@ -219,8 +219,7 @@ def diagnose_diff(plan: DiffPlan, diff_dir: Path, out: Path, limits, progress, o
             results.append(entry)
     knobs = _rank(results)
     follows = [k for k in knobs if k["verdict"] == "follows"]
-    skipped = plan.named + [{"knob": c.split(" (")[0], "reason": f"a recorded environment difference diagnose cannot switch here: {c}"}
-                            for c in plan.cannot]
+    skipped = plan.named + unswitched(plan.cannot)
     doc = artifacts.stamp("diagnosis", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(),
         "source": {"kind": "diff", "path": str(diff_dir), "left": str(left["path"]), "status": rep["status"],
@@ -253,6 +252,11 @@ def _rank(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, k in enumerate(knobs, 1):
         k["rank"] = i
     return knobs
+
+
+def unswitched(cannot: list[str]) -> list[dict[str, str]]:
+    """skipped_knobs entries for the recorded environment differences diagnose cannot switch."""
+    return [{"knob": c.split(" (")[0], "reason": f"a recorded environment difference diagnose cannot switch here: {c}"} for c in cannot]
 
 
 def not_switched(cannot: list[str]) -> str:

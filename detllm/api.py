@@ -75,16 +75,14 @@ def _redaction(redact: bool, redact_env_vars: Sequence[str] | None) -> Redaction
 def _execute(command: str, config: RunConfig | None, prompts: Any, out: Any, out_dir: Any, force: bool, progress,
              sign_key, redact: bool, redact_env_vars, fields: dict[str, Any]) -> Outcome:
     cfg = make_config(config, **fields)
-    make_report = None
     if command == "check":
-        from .cacheprobe import cache_report, probe_config, wants_probe
+        from .cacheprobe import probe_config, wants_probe
 
-        if wants_probe(cfg):  # check --cache-probe (backend openai): cold/warm runs, CACHE_VARIANCE verdict
+        if wants_probe(cfg):  # check --cache-probe (backend openai): cold/warm runs; its verdict: checkverdict.py
             cfg = probe_config(cfg)
-            make_report = cache_report(cfg)
     cfg.validate(command=command)  # a bad setting is named before a bad prompt list
     return execute(cfg, command=command, prompt_set=resolve_prompts(prompts), out=_out(out, out_dir), force=force,
-                   progress=progress, sign_key=sign_key, redaction=_redaction(redact, redact_env_vars), make_report=make_report)
+                   progress=progress, sign_key=sign_key, redaction=_redaction(redact, redact_env_vars))
 
 
 def run(config: RunConfig | None = None, *, prompts: Prompts = None, out: str | Path | None = None,  # type: ignore[valid-type]

@@ -10,7 +10,7 @@ server reported. Reads trace records only; the request sequence lives in the bac
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
@@ -32,33 +32,34 @@ def probe_config(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, runs=max(config.runs, len(SIDES)))
 
 
-def cache_report(config: RunConfig) -> Callable[[list, int, dict], dict]:
-    """make_report for runner.execute: the check's comparisons, renamed by side, and CACHE_VARIANCE
-    in place of RUN_VARIANCE (within a probe folder nothing but the cache differs between runs)."""
-    def make(records: list[dict[str, Any]], tier: int, summary: dict[str, Any]) -> dict[str, Any]:
-        comps = check_comparisons(records, base_batch=1, runs=config.runs, batch_sizes=(1,), tier=tier, atol=config.atol, floor=None)
-        for c in comps:
-            run = int(c["right"].split("run_", 1)[1].split("@", 1)[0].strip()) if "run_" in c["right"] else None
-            if run is not None:
-                c["name"] = f"{side_name(run)} vs cold"
-        report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={**summary, "cache_probe": sides(records)})
-        for group in ("causes", "info"):
-            for cause in report.get(group, []):
-                if cause["code"] == "RUN_VARIANCE":
-                    cause["code"] = "CACHE_VARIANCE"
-                    ev = cause["evidence"]
-                    ev.pop("recorded_differences", None)
-                    ev["comparisons"] = [f"{side_name(int(n.split('_', 1)[1].split(' ')[0]))} vs cold" if n.startswith("run_") else n
-                                         for n in ev.get("comparisons", [])]
-                    ev["sides"] = sides(records)
-                    drift = [c.get("drift") or {} for c in comps if c["status"] != "PASS"]
-                    ev["max_abs_logprob_diff"] = max((d.get("max_abs_logprob_diff") or 0.0 for d in drift if d.get("available")), default=None)
-                    ev["argmax_flips"] = sum(d.get("argmax_flips") or 0 for d in drift if d.get("available")) if drift else None
-        if report["category"] == "RUN_VARIANCE":
-            report["category"] = "CACHE_VARIANCE"
-        return report
-
-    return make
+def cache_report(config: RunConfig, records: list[dict[str, Any]], *, tier: int, floor: float | None,
+                 summary: dict[str, Any], drift: bool = True) -> dict[str, Any]:
+    """report.json of a probe folder (called by checkverdict.check_verdict, for the runner and for
+    verify alike): the check's comparisons with the run's noise floor, renamed by side, and
+    CACHE_VARIANCE in place of RUN_VARIANCE (within a probe folder nothing but the cache differs
+    between runs)."""
+    comps = check_comparisons(records, base_batch=1, runs=config.runs, batch_sizes=(1,), tier=tier, atol=config.atol,
+                              floor=floor, sampled=not config.decoding.greedy, drift=drift)
+    for c in comps:
+        run = int(c["right"].split("run_", 1)[1].split("@", 1)[0].strip()) if "run_" in c["right"] else None
+        if run is not None:
+            c["name"] = f"{side_name(run)} vs cold"
+    report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={**summary, "cache_probe": sides(records)})
+    for group in ("causes", "info"):
+        for cause in report.get(group, []):
+            if cause["code"] == "RUN_VARIANCE":
+                cause["code"] = "CACHE_VARIANCE"
+                ev = cause["evidence"]
+                ev.pop("recorded_differences", None)
+                ev["comparisons"] = [f"{side_name(int(n.split('_', 1)[1].split(' ')[0]))} vs cold" if n.startswith("run_") else n
+                                     for n in ev.get("comparisons", [])]
+                ev["sides"] = sides(records)
+                drifts = [c.get("drift") or {} for c in comps if c["status"] != "PASS"]
+                ev["max_abs_logprob_diff"] = max((d.get("max_abs_logprob_diff") or 0.0 for d in drifts if d.get("available")), default=None)
+                ev["argmax_flips"] = sum(d.get("argmax_flips") or 0 for d in drifts if d.get("available")) if drifts else None
+    if report["category"] == "RUN_VARIANCE":
+        report["category"] = "CACHE_VARIANCE"
+    return report
 
 
 def side_name(run: int) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import artifacts, schema_io
-from .artifacts import ENV, MANIFEST, RUN_CONFIG, TRACE
+from .artifacts import APPLIED, ENV, MANIFEST, RUN_CONFIG, TRACE
 from .env import detllm_version
 from .errors import ArtifactError, IntegrityError
 from .hashing import canonical_json
@@ -29,9 +29,16 @@ from .tracescan import Lines, digest, scan_line, scan_record
 
 SIG = "manifest.sig"
 SEAL_FILES = (MANIFEST, SIG)  # never listed in the manifest itself
-CHAIN = "detllm-trace-chain/1"
-GENESIS_TAG = b"detllm-trace-chain/1 genesis\x00"  # 29 bytes
-RECORD_TAG = b"detllm-trace-chain/1 record\x00"  # 28 bytes
+# The chain format a manifest names (trace.chain). /2 (schema_version 3 on) binds every input verify's
+# re-derivation reads: run_config.json, env.json and determinism_applied.json (the effective tier, the
+# applied settings that set the noise floor). /1 (schema_versions 1 and 2) bound run_config.json and
+# env.json only; its folders still verify by that rule.
+CHAIN = "detllm-trace-chain/2"
+CHAIN_V1 = "detllm-trace-chain/1"
+GENESIS_TAG = b"detllm-trace-chain/2 genesis\x00"  # 29 bytes
+RECORD_TAG = b"detllm-trace-chain/2 record\x00"  # 28 bytes
+_TAGS = {CHAIN: (GENESIS_TAG, RECORD_TAG),
+         CHAIN_V1: (b"detllm-trace-chain/1 genesis\x00", b"detllm-trace-chain/1 record\x00")}
 UNHASHED = hashlib.sha256(b"detllm: not hashed (remote)").digest()  # genesis input for a null model digest
 LOCATOR_HEX = 16  # hex digits of each h_i kept in the manifest to name the first broken line
 _CHUNK = 1 << 20  # 1 MiB reads
@@ -40,8 +47,9 @@ _CHUNK = 1 << 20  # 1 MiB reads
 # ---------------------------------------------------------------- the chain
 
 
-def genesis(run_config: bytes, env: bytes) -> bytes:
-    """h_0 = SHA256(GENESIS_TAG || SHA256(run_config.json) || SHA256(env.json) || weights || tokenizer).
+def genesis(run_config: bytes, env: bytes, applied: bytes | None, chain: str = CHAIN) -> bytes:
+    """h_0 = SHA256(GENESIS_TAG || SHA256(run_config.json) || SHA256(env.json) || SHA256(determinism_applied.json)
+    || weights || tokenizer); chain /1 (schema_versions 1-2) leaves determinism_applied.json out (`applied` unused).
     A digest recorded as null (a remote server's weights, "weights not hashed: remote") enters as
     UNHASHED, 32 bytes that no sha256 of real files is known to produce."""
     try:
@@ -52,16 +60,27 @@ def genesis(run_config: bytes, env: bytes) -> bytes:
         raise ArtifactError(f"{RUN_CONFIG}: cannot read the model identity the chain starts from") from exc
     if len(ident) != 64:
         raise ArtifactError(f"{RUN_CONFIG}: model weights_sha256/tokenizer_sha256 are not sha256 digests")
-    return _sha(GENESIS_TAG + _sha(run_config) + _sha(env) + ident)
+    if chain == CHAIN_V1:
+        return _sha(_TAGS[chain][0] + _sha(run_config) + _sha(env) + ident)
+    if applied is None:
+        raise ArtifactError(f"{APPLIED} is missing; the trace's hash chain starts from it")
+    return _sha(_TAGS[chain][0] + _sha(run_config) + _sha(env) + _sha(applied) + ident)
 
 
-def step(prev: bytes, record: Any, index: int) -> bytes:
+def step(prev: bytes, record: Any, index: int, chain: str = CHAIN) -> bytes:
     """h_i = SHA256(RECORD_TAG || h_{i-1} || SHA256(canonical JSON of record i) || i as 8 bytes LE); i from 1."""
-    return step_digest(prev, _sha(canonical_json(record)), index)
+    return step_digest(prev, _sha(canonical_json(record)), index, chain)
 
 
-def step_digest(prev: bytes, record_sha256: bytes, index: int) -> bytes:
-    return _sha(RECORD_TAG + prev + record_sha256 + index.to_bytes(8, "little"))
+def step_digest(prev: bytes, record_sha256: bytes, index: int, chain: str = CHAIN) -> bytes:
+    return _sha(_TAGS[chain][1] + prev + record_sha256 + index.to_bytes(8, "little"))
+
+
+def folder_genesis(folder: Path, chain: str = CHAIN) -> bytes:
+    """genesis() of the files in `folder` (determinism_applied.json read only where the chain binds it)."""
+    applied = folder / APPLIED
+    return genesis((folder / RUN_CONFIG).read_bytes(), (folder / ENV).read_bytes(),
+                   applied.read_bytes() if chain != CHAIN_V1 and applied.is_file() else None, chain)
 
 
 def _sha(data: bytes) -> bytes:
@@ -120,10 +139,10 @@ def build_manifest(folder: Path, record_digests: list[bytes] | None = None) -> d
 
 
 def _chain_of(folder: Path, digests: list[bytes] | None = None) -> tuple[dict[str, Any], tuple[str, int]]:
-    for name in (RUN_CONFIG, ENV):
+    for name in (RUN_CONFIG, ENV, APPLIED):
         if not (folder / name).is_file():
             raise ArtifactError(f"{folder}: {name} is missing; the trace's hash chain starts from it")
-    h0 = genesis((folder / RUN_CONFIG).read_bytes(), (folder / ENV).read_bytes())
+    h0 = folder_genesis(folder)
     h, locators, lines = h0, [], Lines(folder / TRACE)
     if digests is not None:
         if sum(1 for _ in lines) == len(digests):  # every byte is still read: the file's sha256 and size
@@ -289,13 +308,15 @@ def _check_trace(folder: Path, trace: dict[str, Any], entry: dict[str, Any]) -> 
     """Stream trace.jsonl once: its file digest, every record's schema, and the chain.
     Locating runs from the manifest's genesis so an edited env.json does not hide a bad line."""
     out: list[Problem] = []
+    chain = trace["chain"]  # the manifest's schema allows only the chain of its own schema_version
     try:
-        h0 = genesis((folder / RUN_CONFIG).read_bytes(), (folder / ENV).read_bytes())
+        h0 = folder_genesis(folder, chain)
     except (OSError, ArtifactError):
         h0 = None  # the missing or changed file is already named
     genesis_ok = h0 is not None and h0.hex() == trace["genesis"]
     if h0 is not None and not genesis_ok:
-        out.append(Problem(TRACE, f"chain genesis does not match: {RUN_CONFIG}, {ENV} or the model identity changed"))
+        bound = f"{RUN_CONFIG}, {ENV}" + ("" if chain == CHAIN_V1 else f", {APPLIED}")
+        out.append(Problem(TRACE, f"chain genesis does not match: {bound} or the model identity changed"))
     h, locators, expected = bytes.fromhex(trace["genesis"]), trace["record_hashes"], trace["records"]
     first: Problem | None = None
     lines, n = Lines(folder / TRACE), 0
@@ -313,9 +334,9 @@ def _check_trace(folder: Path, trace: dict[str, Any], entry: dict[str, Any]) -> 
             continue
         # hashed here, not on Lines' thread: hashlib lets go of the GIL on the long pieces, which is
         # when that thread gets it to hash the file (handing lines to it stalls both on the GIL)
-        nxt = step_digest(h, digest(guess), n)
+        nxt = step_digest(h, digest(guess), n, chain)
         if n <= expected and nxt.hex()[:LOCATOR_HEX] != locators[n - 1]:
-            nxt = step(h, json.loads(body), n)  # the guess was not canonical: re-serialise (at most once)
+            nxt = step(h, json.loads(body), n, chain)  # the guess was not canonical: re-serialise (at most once)
         h = nxt
         if n > expected or h.hex()[:LOCATOR_HEX] != locators[n - 1]:
             first = Problem(f"{TRACE} line {n}", "record does not match the hash chain (edited, reordered, inserted or removed)")
@@ -361,5 +382,5 @@ def _schema_problems(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str
 
 
 
-__all__ = ["CHAIN", "Problem", "Seal", "Verification", "build_manifest", "check_bytes", "check_trace_record", "genesis",
+__all__ = ["CHAIN", "CHAIN_V1", "Problem", "Seal", "Verification", "build_manifest", "check_bytes", "check_trace_record", "folder_genesis", "genesis",
            "open_seal", "scan_line", "seal", "step"]

@@ -1,12 +1,14 @@
 """Re-derive a sealed folder's verdict from its own trace, so a report cannot be forged.
 
-Owns one question `verify` asks after the bytes check out: does report.json's status,
+Owns one question `verify` asks after the bytes check out: do report.json's tier, status,
 category and first divergence follow from the sealed trace under the recorded settings
-(run_config.json: batch sizes, runs, atol, dtype; determinism_applied.json: the effective
-tier and what was applied)? It runs the same comparison code `check` ran (compare/), and
-never an engine. Folders without a trace (diff --out), replays (their verdict is a diff
-against the pack, which is not in the folder) and folders written under an earlier
-schema_version are reported as not re-derived, in plain words.
+(run_config.json: batch sizes, runs, atol, dtype, tier, mode; determinism_applied.json: the
+capabilities and applied settings; from schema_version 3 all bound by the chain's genesis)?
+The tier is gated again from the request and the capabilities; the verdict is made by the
+function the runner called (checkverdict.check_verdict), never an engine. Folders without a
+trace (diff --out), replays (their verdict is a diff against the pack, which is not in the
+folder) and folders written under an earlier schema_version are reported as not re-derived,
+in plain words.
 """
 
 from __future__ import annotations
@@ -43,36 +45,61 @@ def rederive_verdict(folder: Path) -> str:
                              hint="the report does not belong to this run")
     if command == "replay":
         return "verdict not re-derived: a replay's verdict is a diff against the pack it replayed, which is not in the folder"
+    tier = expected_tier(run_config, applied)
+    got = report.get("tier") or {}
+    if (got.get("requested"), got.get("effective")) != (run_config["config"]["tier"], tier):
+        raise IntegrityError(f"{REPORT}: tier is {got}, but the chained request and the recorded capabilities give "
+                             f"{{'requested': {run_config['config']['tier']}, 'effective': {tier}}}", hint=_EDITED)
     expected = expected_verdict(folder, run_config, applied, command)
     for name in CHECKED_FIELDS:
         if _canon(report.get(name)) != _canon(expected[name]):
             raise IntegrityError(
                 f"{REPORT}: {name} is {_show(report.get(name))}, but the sealed trace gives {_show(expected[name])}",
-                hint="the verdict was edited after the run; re-run the check")
+                hint=_EDITED)
     return f"verdict re-derived from the trace: {expected['status']}" + \
         (f" ({expected['category']})" if expected["status"] == "FAIL" else "")
 
 
-def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str, Any], command: str) -> dict[str, Any]:
-    """{status, category, first_divergence} as `run`/`check` computes them from this trace."""
-    if command == "run":
-        return {"status": "RECORDED", "category": "RECORDED", "first_divergence": None}
-    from .compare.divergence import run_noise_floor
-    from .compare.trace import load_records
-    from .compare.verdict import check_comparisons, check_report
+_EDITED = "the verdict was edited after the run; re-run the check"
+
+
+def expected_tier(run_config: dict[str, Any], applied: dict[str, Any]) -> int:
+    """The effective tier, re-derived the way the runner gated it (checkverdict.gate_tier) from the
+    chained request (run_config: tier, mode) and the capabilities the backend declared; raises
+    IntegrityError when determinism_applied.json says otherwise."""
+    from .checkverdict import gate_tier, recorded_capabilities
     from .config import RunConfig
-    from .fresh import fresh_runs
+    from .errors import TierUnsupportedError
 
     config = RunConfig.from_json(run_config["config"])
-    tier = applied["tier_effective"]
+    try:
+        tier, _ = gate_tier(config, recorded_capabilities(applied))
+    except TierUnsupportedError as exc:
+        raise IntegrityError(f"{APPLIED}: records a run that strict mode refuses ({exc.message})", hint=_EDITED) from exc
+    recorded = (applied["tier_requested"], applied["tier_effective"], applied["mode"], applied["downgraded"])
+    if recorded != (config.tier, tier, config.mode, tier != config.tier):
+        raise IntegrityError(
+            f"{APPLIED}: tier_requested/tier_effective/mode/downgraded are {list(recorded)}, but the chained request "
+            f"(tier {config.tier}, mode {config.mode}) under the recorded capabilities gives "
+            f"{[config.tier, tier, config.mode, tier != config.tier]}", hint=_EDITED)
+    return tier
+
+
+def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str, Any], command: str) -> dict[str, Any]:
+    """{status, category, first_divergence} as `run`/`check` computes them from this trace, by the
+    function the runner called (checkverdict.check_verdict: a plain check or a cache probe)."""
+    if command == "run":
+        return {"status": "RECORDED", "category": "RECORDED", "first_divergence": None}
+    from .checkverdict import check_verdict
+    from .compare.divergence import run_noise_floor
+    from .compare.trace import load_records
+    from .config import RunConfig
+
+    config = RunConfig.from_json(run_config["config"])
     floor = run_noise_floor(config.dtype, applied["settings"], run_config["model"].get("quantization"))
     records, _ = load_records(folder / TRACE)
-    # the same call as runner._finish makes for a check (keep the two in step; tests verify untouched checks),
-    # without the drift aggregation: status, category and first divergence do not read it
-    comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
-                              tier=tier, atol=config.atol, floor=floor, fresh=fresh_runs(config),
-                              sampled=not config.decoding.greedy, drift=False)
-    report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={}, records=records)
+    # status, category and first divergence do not read the drift aggregation: skipped
+    report = check_verdict(config, records, tier=expected_tier(run_config, applied), floor=floor, summary={}, drift=False)
     return {name: report[name] for name in CHECKED_FIELDS}
 
 

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import artifacts, fresh
-from .backends.base import Backend, Capabilities, options_json
+from .backends.base import Backend, options_json
 from .batching import batch_requests, plan_batches, trace_record
 from .backends.registry import create_backend
 from .compare.divergence import run_noise_floor
-from .compare.verdict import check_comparisons, check_report
+from .checkverdict import check_verdict, gate_tier
 from .config import RunConfig
 from .control import negative_control
 from .env import Redaction, collect_env, detllm_version
-from .errors import EXIT_FAIL, EXIT_PASS, DetllmError, TierUnsupportedError, UsageError
+from .errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
 from .folderlock import exclusive_writer
 from .integrity import seal
 from .prompts import FILLERS, PromptSet, load_prompts
@@ -56,17 +56,6 @@ class Outcome:
     @property
     def exit_code(self) -> int:
         return EXIT_FAIL if self.status == "FAIL" else EXIT_PASS
-
-
-def gate_tier(config: RunConfig, caps: Capabilities) -> tuple[int, str | None]:
-    """(effective tier, downgrade reason). Strict mode refuses instead of downgrading."""
-    max_tier = caps.max_tier if caps.logprobs else min(caps.max_tier, 1)
-    if config.tier <= max_tier:
-        return config.tier, None
-    why = f"backend {config.backend!r} enforces tier {max_tier} at most" + (f": {'; '.join(caps.notes)}" if caps.notes else "")
-    if config.mode == "strict":
-        raise TierUnsupportedError(f"tier {config.tier} refused in strict mode: {why}", hint=f"use --tier {max_tier} or --mode best-effort")
-    return max_tier, why
 
 
 def check_fits(input_ids: Sequence[Sequence[int]], max_new_tokens: int, limit: int | None) -> None:
@@ -219,12 +208,9 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
             "causes": [], "first_divergence": None, "comparisons": [], "summary": summary,
         })
     else:
-        compared = compared_records(out, records)
-        comps = check_comparisons(compared, base_batch=config.batch_size, runs=config.runs,
-                                  batch_sizes=config.batch_sizes, tier=tier, atol=config.atol, floor=floor,
-                                  fresh=fresh.fresh_runs(config), sampled=not config.decoding.greedy)
-        report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary,
-                              scope=fresh.scope_text(config), control=control, records=compared)
+        # the one verdict function verify re-derives with (checkverdict.py): plain check or cache probe
+        report = check_verdict(config, compared_records(out, records), tier=tier, floor=floor, summary=summary,
+                               control=control)
     write_report(out, report, signer=signer, record_digests=digests)
     return Outcome(out, report)
 

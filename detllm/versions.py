@@ -5,11 +5,15 @@ field written by version Y?". Does not own the schemas (schemas/, schemas/v<N>/)
 loading (artifacts.py); diff, report, verify and replay consult this table.
 
 The rule (docs/artifacts.md#versions):
-- `schema_version` is one number for the whole run folder. It is bumped when a field's
-  *meaning* changes (a seed rule, what a hash covers, what an option means) or a field
-  is renamed or removed. Adding an optional field under the same meaning does not bump it.
+- `schema_version` is one number for the whole run folder. It is bumped whenever what a
+  reader takes from a field would change: a field's meaning (a seed rule, what a hash
+  covers, what an option means), a value an older reader of the same version would
+  misread (a null, a string where ids were), or a field renamed or removed. Only an
+  optional field whose absence keeps every old meaning is added without a bump. Nothing
+  changes meaning within a version.
 - Every version this detllm has ever written stays readable: its schemas are frozen in
-  schemas/v<N>/ and each file is validated against the schemas of its own version.
+  schemas/v<N>/ and each file is validated against the schemas of its own version;
+  verify checks each folder by its own version's rule (the chain it names).
 - A diff across versions compares only what both sides recorded with the same meaning.
   A field listed in REDEFINED for the step between the two versions is never used as a
   cause; the report names it under `not_compared` instead.
@@ -19,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CURRENT = "2"
-READABLE = ("1", "2")
+CURRENT = "3"
+READABLE = ("1", "2", "3")
 
 
 @dataclass(frozen=True)
@@ -46,20 +50,31 @@ REDEFINED: tuple[Change, ...] = (
            "prompts; it is hashed apart as chat_template_sha256)", "2"),
     Change("report.first_divergence.near_tie", "version 1: a side's top-1 minus top-2 margin was below the noise floor; "
            "version 2: magnitude.label is tie_flip (both sides' gaps between the two competing tokens are below it)", "2"),
+    Change("report.sensitivity.max_abs_logprob_diff", "version 3: null means no comparison compared logprobs, 0 means "
+           "compared and equal; a version-2 0 may mean either (the null came within version 2, breaking the rule)", "3"),
 )
 
 
-# Fields that gained new values in a version while every old value keeps its meaning. Not a
-# redefinition (a version-1 value compares with a version-2 value as before), listed so readers
-# of old folders know what a new folder may hold.
+# What a seal covers, per version: verify checks each folder by the chain its manifest names
+# (integrity.py), so no diff or replay reads these; listed for readers of old folders.
+SEALED: tuple[Change, ...] = (
+    Change("manifest.trace.genesis", "version 3 (chain detllm-trace-chain/2) binds determinism_applied.json too, every "
+           "input verify's re-derivation reads (the effective tier, the applied settings); versions 1-2 (chain /1) bound "
+           "run_config.json and env.json only, and their verdicts are not re-derived", "3"),
+)
+
+
+# Fields that gained new values while every old value keeps its meaning: compared across versions
+# as before, listed so readers of old folders know what a folder may hold. Since version 3 a new
+# value comes with a bump (both below came within version 2, against the rule).
 EXTENDED: tuple[Change, ...] = (
     Change("run_config.model.weights_sha256", "may be null, with model.remote saying why (backend openai: weights not "
            "hashed, remote); two nulls are unknown, never equal; the trace chain's genesis then takes integrity.UNHASHED "
            "in place of the digest (tokenizer_sha256 likewise)", "2"),
     Change("trace_record.token_ids", "may hold token strings (a served model that gives no ids; evidence.tokens_as says "
-           "which), top_logprobs pairs [token string, logprob]; a record may carry an evidence object", "2"),
-    Change("report.sensitivity.max_abs_logprob_diff", "may be null: no comparison compared logprobs (earlier version-2 "
-           "reports wrote 0 then, so an old 0 may mean not compared)", "2"),
+           "which), top_logprobs pairs [token string, logprob]; a record may carry an evidence object. Came within "
+           "version 2, against the rule (an early version-2 reader takes every element for an id); a version-3 reader "
+           "reads evidence.tokens_as in either version", "2"),
 )
 
 
@@ -80,4 +95,4 @@ def is_redefined(field: str, left: str, right: str) -> bool:
     return any(field == p or field.startswith(p + ".") or field.startswith(p + "[") for p in names)
 
 
-__all__ = ["CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "changes_between", "is_redefined", "redefined_prefixes"]
+__all__ = ["CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "SEALED", "changes_between", "is_redefined", "redefined_prefixes"]

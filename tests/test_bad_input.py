@@ -129,10 +129,11 @@ def test_report_on_a_non_detllm_folder(cli, tmp_path):
 
 def test_report_with_unknown_schema_version(cli, tmp_path):
     import detllm
+    from detllm.schema_io import SCHEMA_VERSION
 
     detllm.check(backend="fake", out=tmp_path / "r")
     p = tmp_path / "r" / "report.json"
-    p.write_text(p.read_text().replace('"schema_version": "2"', '"schema_version": "99"'))
+    p.write_text(p.read_text().replace(f'"schema_version": "{SCHEMA_VERSION}"', '"schema_version": "99"'))
     r = cli("report", tmp_path / "r")
     assert r.exit_code == 5 and "schema_version '99' is not one this detllm reads" in r.stderr
 

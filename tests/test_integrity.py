@@ -75,13 +75,15 @@ def test_chain_is_the_documented_byte_format(run):
     manifest = json.loads((run / "manifest.json").read_text())
     rc = (run / "run_config.json").read_bytes()
     model = json.loads(rc)["model"]
-    h = hashlib.sha256(b"detllm-trace-chain/1 genesis\x00" + hashlib.sha256(rc).digest()
+    assert manifest["trace"]["chain"] == "detllm-trace-chain/2"
+    h = hashlib.sha256(b"detllm-trace-chain/2 genesis\x00" + hashlib.sha256(rc).digest()
                        + hashlib.sha256((run / "env.json").read_bytes()).digest()
+                       + hashlib.sha256((run / "determinism_applied.json").read_bytes()).digest()
                        + bytes.fromhex(model["weights_sha256"]) + bytes.fromhex(model["tokenizer_sha256"])).digest()
     assert h.hex() == manifest["trace"]["genesis"]
     for i, line in enumerate((run / "trace.jsonl").read_text(encoding="utf-8").splitlines(), 1):
         canon = json.dumps(json.loads(line), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-        h = hashlib.sha256(b"detllm-trace-chain/1 record\x00" + h + hashlib.sha256(canon).digest() + i.to_bytes(8, "little")).digest()
+        h = hashlib.sha256(b"detllm-trace-chain/2 record\x00" + h + hashlib.sha256(canon).digest() + i.to_bytes(8, "little")).digest()
         assert h.hex()[:16] == manifest["trace"]["record_hashes"][i - 1]
     assert h.hex() == manifest["trace"]["head"]
 
@@ -521,3 +523,68 @@ def test_lines_yields_every_line_and_hashes_every_byte(tmp_path, monkeypatch, ch
     expected = [(n, line.removesuffix(b"\n")) for n, line in enumerate(io.BytesIO(data), 1)]
     assert list(reader) == expected
     assert (reader.sha.hexdigest(), reader.size) == (hashlib.sha256(data).hexdigest(), len(data))
+
+
+# ---------------------------------------------------------------- R8: every input of the re-derivation is bound
+
+
+@pytest.fixture(scope="module")
+def logprob_fail(tmp_path_factory) -> Path:
+    """A FAIL only tier 2 sees: a logprob moved by 1e-6 on a repeat (at tier 1 it would PASS)."""
+    out = tmp_path_factory.mktemp("tierforge") / "fail"
+    outcome = detllm.check(backend="fake", options={"diverge": "prompt=0,pos=1,run=1,what=logprob"}, tier=2, runs=2,
+                           prompts=["hello there", "general kenobi"], max_new_tokens=6, out=out)
+    assert outcome.status == "FAIL" and outcome.report["tier"] == {"requested": 2, "effective": 2}
+    return out
+
+
+def _downgrade(src: Path, dest: Path, **caps) -> Path:
+    """The review's forgery: tier_effective 2 -> 1 in determinism_applied.json (and, with `caps`, the recorded
+    capabilities that would allow it), report.json made the PASS a tier-1 check gives."""
+    shutil.copytree(src, dest)
+    applied = json.loads((dest / "determinism_applied.json").read_text())
+    applied.update(tier_effective=1, downgraded=True, downgrade_reason="backend 'fake' enforces tier 1 at most")
+    applied["capabilities"].update(caps)
+    (dest / "determinism_applied.json").write_text(json.dumps(applied, indent=2) + "\n")
+    rep = json.loads((dest / "report.json").read_text())
+    rep.update(status="PASS", category="PASS", first_divergence=None, causes=[], tier={"requested": 2, "effective": 1})
+    for c in rep["comparisons"]:
+        c.update(status="INFO", required=False)
+    (dest / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    shutil.rmtree(dest / "diffs", ignore_errors=True)
+    return dest
+
+
+def test_a_fail_forged_to_pass_through_the_effective_tier_is_refused(cli, logprob_fail, tmp_path):
+    forged = _downgrade(logprob_fail, tmp_path / "forged")
+    seal(forged)  # the forger recomputes the manifest
+    r = cli("verify", forged)
+    assert r.exit_code == 6, r.output
+    assert r.stderr.startswith("detllm: error: determinism_applied.json: tier_requested/tier_effective/mode/downgraded "
+                               "are [2, 1, 'best-effort', True], but the chained request (tier 2, mode best-effort) under "
+                               "the recorded capabilities gives [2, 2, 'best-effort', False]"), r.stderr
+    assert cli("pack", forged, "-o", tmp_path / "forged.tar.gz").exit_code == 6
+    assert not (tmp_path / "forged.tar.gz").exists()
+
+
+def test_determinism_applied_is_bound_by_the_chain_genesis(cli, logprob_fail, tmp_path):
+    """Edited and the files' digests recomputed, the trace's chain left as it was: h0 no longer matches;
+    resealed, the head moves (so a published head or a signature tells)."""
+    forged = _downgrade(logprob_fail, tmp_path / "forged", max_tier=1)
+    manifest = json.loads((forged / "manifest.json").read_text())
+    from detllm.integrity import file_digest
+
+    manifest["files"] = [{**f, **dict(zip(("sha256", "size"), file_digest(forged / f["path"])))}
+                         for f in manifest["files"] if (forged / f["path"]).is_file()]
+    (forged / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    r = cli("verify", forged)
+    assert r.exit_code == 6, r.output
+    assert "trace.jsonl: chain genesis does not match: run_config.json, env.json, determinism_applied.json" in r.stderr
+    head = json.loads((logprob_fail / "manifest.json").read_text())["trace"]["head"]
+    assert seal(forged)["trace"]["head"] != head
+
+
+def test_report_tier_must_follow_from_the_request(cli, logprob_fail, tmp_path):
+    forged = forge(logprob_fail, tmp_path / "forged", tier={"requested": 2, "effective": 1})
+    r = cli("verify", forged)
+    assert r.exit_code == 6 and "report.json: tier is {'requested': 2, 'effective': 1}" in r.stderr, r.output

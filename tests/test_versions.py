@@ -49,3 +49,53 @@ def test_versioning_table_names_the_logprobs_rename():
     assert versions.is_redefined("run_config.config.logprobs", "1", "2")
     assert not versions.is_redefined("run_config.config.logprobs", "2", "2")
     assert not versions.is_redefined("run_config.config.seedless", "1", "2")
+
+
+# ------------------------------------------------------------------ version 3 (R18, R8): folders of version 2 stay readable
+
+V2 = Path(__file__).parent / "fixtures" / "v2"  # written by the schema_version 2 code (commit c2372c3), as they came out
+
+
+def test_v2_folders_validate_under_their_own_schemas():
+    for name in ("check_fail", "check_pass", "diff_fail"):
+        folder = V2 / name
+        assert json.loads((folder / "report.json").read_text())["schema_version"] == "2"
+        assert "report.json" in validate_folder(folder)
+
+
+def test_v2_folders_verify_by_their_own_chain(cli):
+    for target in ("check_fail", "check_pass", "check_fail.tar.gz"):
+        r = cli("verify", V2 / target)
+        assert r.exit_code == 0, (target, r.stdout, r.stderr)
+        assert "verdict not re-derived: written under schema_version 2" in r.stdout
+    assert json.loads((V2 / "check_fail" / "manifest.json").read_text())["trace"]["chain"] == "detllm-trace-chain/1"
+
+
+def test_a_v2_trace_edited_is_still_named(cli, tmp_path):
+    import shutil
+
+    folder = tmp_path / "v2"
+    shutil.copytree(V2 / "check_fail", folder)
+    lines = (folder / "trace.jsonl").read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["token_ids"][0] += 1
+    lines[1] = json.dumps(rec)
+    (folder / "trace.jsonl").write_text("\n".join(lines) + "\n")
+    r = cli("verify", folder)
+    assert r.exit_code == 6 and "trace.jsonl line 2" in r.stderr, r.output
+
+
+def test_diff_within_v2_and_across_v2_and_v3():
+    out = detllm.diff(f"{V2 / 'check_fail'}::run_0@batch_1", f"{V2 / 'check_fail'}::run_1@batch_1", tier=2)
+    assert out.status == "FAIL" and out.report["causes"][0]["code"] == "RUN_VARIANCE"
+    assert out.report["schema_version"] == versions.CURRENT == "3"
+
+
+def test_the_in_version_changes_of_version_2_are_redefined_at_version_3():
+    """Two meanings changed within version 2 (R18): the null in sensitivity.max_abs_logprob_diff, and
+    token strings in token_ids; from version 3 on, such a change comes with a bump."""
+    assert versions.is_redefined("report.sensitivity.max_abs_logprob_diff", "2", "3")
+    assert not versions.is_redefined("report.sensitivity.max_abs_logprob_diff", "3", "3")
+    assert any(c.field == "trace_record.token_ids" and "against the rule" in c.what for c in versions.EXTENDED)
+    assert [c.since for c in versions.SEALED] == ["3"]
+    assert versions.READABLE == ("1", "2", "3")

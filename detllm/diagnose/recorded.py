@@ -2,7 +2,8 @@
 recorded differences the divergence follows.
 
 Owns the knobs of a diff (RunConfig fields and backend options that differ between the two
-sides' run_config.json) and their probes: the left side's settings re-run as they were (is the
+sides' run_config.json and can change the computation, and the kernel-steering variables of their
+env.json, see envknobs.py) and their probes: the left side's settings re-run as they were (is the
 left side reproducible?), then with one differing setting switched to the right side's value.
 The knob whose switch reproduces the right side is the one the divergence follows. Backend or
 model differences are named, never probed: one knob cannot turn one engine into another.

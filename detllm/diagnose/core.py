@@ -21,17 +21,14 @@ from .. import artifacts
 from ..config import RunConfig
 from ..env import detllm_version
 from ..errors import ArtifactError, UsageError
-from . import evidence
-from .needle import trial_plan
+from . import evidence, recorded, served
+from .folder import DIAGNOSIS, OWNED, Diagnosis, prompts_from_records
 from .pool import Pool
-from . import recorded
-from . import served
-from .folder import DIAGNOSIS, OWNED, Diagnosis, prompts_from_records, slug
-from .probes import LADDER, Probe, plan
+from .probes import Probe, plan
+from .probing import ProbeRunner
 from .ranking import conclusion, rank_knobs
 
 DEFAULT_BUDGET = "12"  # probes
-NEEDLE_TRIALS = 6
 Progress = Callable[[str], None]
 
 
@@ -89,7 +86,13 @@ def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Pat
     import subprocess
     import sys
 
-    from ..errors import EXIT_CODES, ArtifactError, BackendError, BackendUnavailableError, TierUnsupportedError
+    from ..errors import (
+        EXIT_CODES,
+        ArtifactError,
+        BackendError,
+        BackendUnavailableError,
+        TierUnsupportedError,
+    )
 
     if any(a in ("--out", "-o") or a.startswith("--out=") for a in args):
         raise UsageError("diagnose's --out is the diagnosis folder; the check it runs goes to OUT/baseline")
@@ -111,176 +114,6 @@ def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Pat
     raise err(f"the check to diagnose stopped (exit {code}): {line.removeprefix('detllm: error: ')}")
 
 
-# ------------------------------------------------------------------ probes
-
-
-class _Runner:
-    """Runs probes against a baseline within the budget; keeps the evidence."""
-
-    def __init__(self, pool: Pool, out: Path, base: RunConfig, tier: int, kinds: list[str], baseline: dict[str, Any],
-                 prompts_file: Path, budget: Budget, progress: Progress | None) -> None:
-        self.pool, self.out, self.base, self.tier, self.kinds = pool, out, base, tier, kinds
-        self.baseline, self.prompts, self.budget, self.progress = baseline, str(prompts_file), budget, progress
-        self.started = time.monotonic()
-        self.used = 0
-        self.results: list[dict[str, Any]] = []
-        self.fresh_repeats = 3
-        # a probe compares what it ran itself: check's --negative-control (refused for runs) is not re-run
-        self.probe_base = dataclasses.replace(base, negative_control=False)
-
-    def left(self) -> bool:
-        if self.budget.probes is not None and self.used >= self.budget.probes:
-            return False
-        return self.budget.seconds is None or time.monotonic() - self.started < self.budget.seconds
-
-    def _say(self, text: str) -> None:
-        if self.progress:
-            self.progress(text)
-
-    def _job(self, kind: str, config: RunConfig, name: str, fresh: bool, **extra: Any) -> dict[str, Any]:
-        job = {"kind": kind, "config": config.to_json(), "prompts": self.prompts, "tier": self.tier, **extra}
-        if kind in ("check", "run"):
-            job["out"] = str(self.out / "probes" / slug(name))
-        return self.pool.fresh(job) if fresh else self.pool.shared().run(job)
-
-    def probe_config(self, probe: Probe) -> RunConfig:
-        cfg = probe.apply(self.probe_base)
-        if "run" in self.kinds:  # repeats are what diverged: keep them as the user ran them
-            return dataclasses.replace(cfg, runs=max(2, self.base.runs))
-        return dataclasses.replace(cfg, runs=2, fresh_process=0)
-
-    def run(self, probe: Probe) -> dict[str, Any]:
-        self.used += 1
-        self._say(f"probe {self.used}: {probe.name}")
-        t0 = time.monotonic()
-        entry: dict[str, Any] = {"name": probe.name, "knob": probe.knob, "kind": probe.kind, "setting": probe.setting(),
-                                 "proves": probe.proves, "status": "ran", "outcome": None, "evidence": {}, "folder": None}
-        try:
-            getattr(self, f"_{probe.kind}")(probe, entry)
-        except _ProbeFailed as err:
-            entry["status"], entry["reason"] = "error", str(err)
-        entry["seconds"] = round(time.monotonic() - t0, 2)
-        self.results.append(entry)
-        return entry
-
-    def _judge(self, folder: Path, entry: dict[str, Any], config: RunConfig) -> dict[str, Any]:
-        records = artifacts.load_trace(folder / artifacts.TRACE, validate_records=False)
-        comps = evidence.comparisons(records, tier=self.tier, atol=config.atol, base_batch=config.batch_size, runs=config.runs)
-        sig = evidence.signature(comps)
-        entry["evidence"] = {**sig, "comparisons": comps}
-        entry["folder"] = str(folder.relative_to(self.out))
-        return sig
-
-    def _check(self, probe: Probe, entry: dict[str, Any]) -> None:
-        cfg = self.probe_config(probe)
-        res = self._job("check", cfg, probe.name, probe.fresh)
-        if not res.get("ok"):
-            raise _ProbeFailed(res.get("error", "the probe failed"))
-        sig = self._judge(Path(res["out"]), entry, cfg)
-        entry["outcome"] = evidence.outcome(sig, self.baseline)
-
-    def _ladder(self, probe: Probe, entry: dict[str, Any]) -> None:
-        sizes = tuple(sorted(set(LADDER) | set(self.base.batch_sizes)))
-        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=2, batch_size=1, vary_batch=sizes, fresh_process=0)
-        entry["setting"] = {"vary_batch": list(sizes)}
-        res = self._job("check", cfg, probe.name, False)
-        if not res.get("ok"):
-            raise _ProbeFailed(res.get("error", "the probe failed"))
-        sig = self._judge(Path(res["out"]), entry, cfg)
-        entry["outcome"] = "follows" if sig["diverged_batch_sizes"] else "vanish"
-
-    def _needle(self, probe: Probe, entry: dict[str, Any]) -> None:
-        first = self.baseline.get("first") or {}
-        target = first.get("prompt_index", 0)
-        max_size = max(8, max(self.base.batch_sizes))
-        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=1, batch_size=1, vary_batch=(max_size,), fresh_process=0)
-        n_company = len(Path(self.prompts).read_text(encoding="utf-8").splitlines()) - 1 + 8  # other prompts + fillers
-        trials = trial_plan(max(1, n_company), trials=NEEDLE_TRIALS, max_size=max_size, seed=self.base.seed)
-        res = self._job("needle", cfg, probe.name, False, target=target, plan=trials)
-        if not res.get("ok"):
-            raise _ProbeFailed(res.get("error", "the probe failed"))
-        entry["setting"] = {"prompt_index": target, "trials": len(trials), "max_batch": max_size, "seed": self.base.seed}
-        lps = [t["max_abs_logprob_diff"] for t in res["trials"] if t["max_abs_logprob_diff"] is not None]
-        entry["evidence"] = {**{k: res[k] for k in ("target", "trials", "diverged", "total")},
-                             "max_abs_logprob_diff": max(lps) if lps else None,
-                             "argmax_flips": sum(t["argmax_flips"] for t in res["trials"])}
-        entry["outcome"] = "follows" if res["diverged"] else "vanish"
-
-    def _fresh_process(self, probe: Probe, entry: dict[str, Any]) -> None:
-        n = self.fresh_repeats
-        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
-        folders = []
-        for k in range(n):
-            res = self.pool.fresh({"kind": "run", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
-                                   "out": str(self.out / "probes" / f"{slug(probe.name)}-{k}")})
-            if not res.get("ok"):
-                raise _ProbeFailed(res.get("error", "the probe failed"))
-            folders.append(Path(res["out"]))
-        from ..compare.engine import compare
-
-        ref = artifacts.load_trace(folders[0] / artifacts.TRACE, validate_records=False)
-        comps = []
-        for k, f in enumerate(folders[1:], 1):
-            other = artifacts.load_trace(f / artifacts.TRACE, validate_records=False)
-            c = compare(ref, other, name=f"process {k} vs process 0", kind="run", left_label=f"process_0", right_label=f"process_{k}",
-                        required=True, check_logprobs=self.tier >= 2, atol=cfg.atol)
-            comps.append(evidence._summary(c, "run", cfg.batch_size))
-        sig = evidence.signature(comps)
-        entry["evidence"] = {**sig, "processes": n, "comparisons": comps}
-        entry["folder"] = str((self.out / "probes").relative_to(self.out))
-        entry["outcome"] = "follows" if sig["diverged"] else "vanish"
-
-    def _prefill(self, probe: Probe, entry: dict[str, Any]) -> None:
-        cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
-        res = self._job("score", cfg, probe.name, False)
-        if not res.get("ok"):
-            raise _ProbeFailed(res.get("error", "the probe failed"))
-        res.pop("ok", None)
-        res.pop("seconds", None)
-        entry["evidence"] = res
-        if not res.get("available"):
-            entry["status"], entry["reason"] = "skipped", res.get("reason", "")
-        else:
-            entry["outcome"] = "differs" if res["first_differing_position"] is not None else "equal"
-
-    def confirm(self, probe: Probe, repeats: int) -> dict[str, Any]:
-        """The setting that vanished, re-run as a full check in `repeats` fresh processes. Passing
-        means passing in every one of them: status confirmed (repeats/repeats), failed (a check
-        diverged or errored: the rest are not run), or unconfirmed (the budget ended first)."""
-        cfg = self.probe_config(probe)
-        passes, ran = 0, 0
-        for k in range(repeats):
-            if not self.left():
-                break
-            self.used += 1
-            ran += 1
-            self._say(f"confirm {k + 1}/{repeats}: {probe.name}")
-            res = self.pool.fresh({"kind": "check", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
-                                   "out": str(self.out / "probes" / f"confirm-{slug(probe.name)}-{k}")})
-            if not res.get("ok"):
-                break
-            records = artifacts.load_trace(Path(res["out"]) / artifacts.TRACE, validate_records=False)
-            sig = evidence.signature(evidence.comparisons(records, tier=self.tier, atol=cfg.atol, base_batch=cfg.batch_size, runs=cfg.runs))
-            if sig["diverged"]:
-                break
-            passes += 1
-        status = "confirmed" if passes == repeats else ("failed" if passes < ran else "unconfirmed")
-        setting = _setting_text(probe.setting())
-        summary = {
-            "confirmed": f"{setting}: PASS at tier {self.tier} in {passes}/{repeats} fresh-process checks",
-            "failed": f"{setting} vanished in the probe but failed its confirmation: PASS at tier {self.tier} in {passes}/{ran} "
-                      f"fresh-process checks (--fresh-repeats {repeats})",
-            "unconfirmed": f"{setting} vanished in the probe; unconfirmed: the --budget ended after {passes}/{repeats} "
-                           f"fresh-process checks, all passing",
-        }[status]
-        return {"settings": probe.setting(), "tier": self.tier, "status": status, "fresh_process_passes": passes,
-                "fresh_process_runs": ran, "fresh_repeats": repeats, "summary": summary}
-
-
-class _ProbeFailed(Exception):
-    pass
-
-
 PROBE_KINDS = {"ladder", "needle", "fresh_process", "prefill"}
 KNOWN_KNOBS = {"threads", "dtype", "attn_implementation", "batch_invariant", "kv_type", "flash_attn", "ubatch", "cache_prompt",
                "enforce_eager", "prefix_caching", "max_num_seqs", "concurrency"}
@@ -288,10 +121,6 @@ KNOWN_KNOBS = {"threads", "dtype", "attn_implementation", "batch_invariant", "kv
 
 def _selected(probe: Probe, only: list[str]) -> bool:
     return probe.kind in only or probe.knob in only or probe.name in only
-
-
-def _setting_text(setting: dict[str, Any]) -> str:
-    return " and ".join(f"{k}={v}" for k, v in setting.items()) or "the failing settings"
 
 
 # ------------------------------------------------------------------ the command
@@ -380,7 +209,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
             records = artifacts.load_trace(out / "baseline" / artifacts.TRACE, validate_records=False)
         comps = evidence.comparisons(records, tier=tier, atol=base.atol, base_batch=base.batch_size, runs=base.runs)
         baseline = {**evidence.signature(comps), "comparisons": comps}
-        runner = _Runner(pool, out, base, tier, baseline["kinds"], baseline, prompts_file, limits, progress)
+        runner = ProbeRunner(pool, out, base, tier, baseline["kinds"], baseline, prompts_file, limits, progress)
         runner.fresh_repeats = fresh_repeats
         probes, skipped = plan(base, baseline["kinds"], tier=tier, fresh_repeats=fresh_repeats) if baseline["diverged"] else ([], [])
         if baseline["diverged"]:

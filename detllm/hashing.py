@@ -79,12 +79,16 @@ def weight_files(folder: Path) -> tuple[WeightFile, ...]:
     return tuple(WeightFile(str(p.relative_to(folder)), sha256_file(p), p.stat().st_size) for p in files)
 
 
-# config keys that never change what a model computes: version stamps, names, output switches
+# config keys that never change what a model computes: version stamps, names, output switches, and
+# what a re-save by another transformers version writes on its own (`_from_model_config`: the
+# generation config was derived from config.json; detllm passes every decoding setting explicitly)
 COSMETIC_CONFIG_KEYS = frozenset({
-    "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset", "output_attentions",
-    "output_hidden_states", "return_dict", "torchscript", "use_cache", "id2label", "label2id", "finetuning_task",
-    "problem_type", "task_specific_params",
+    "transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset", "_from_model_config",
+    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "use_cache", "id2label", "label2id",
+    "finetuning_task", "problem_type", "task_specific_params",
 })
+# keys a newer transformers writes under a new name for the same value: hashed under the new name
+RENAMED_CONFIG_KEYS = {"torch_dtype": "dtype"}
 _CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
@@ -101,6 +105,8 @@ def _semantic(path: Path, drop: frozenset[str]) -> str:
     doc = _json_file(path)
     if not isinstance(doc, dict):
         return sha256_file(path)
+    if drop is COSMETIC_CONFIG_KEYS:
+        doc = {RENAMED_CONFIG_KEYS.get(k, k) if RENAMED_CONFIG_KEYS.get(k) not in doc else k: v for k, v in doc.items()}
     return sha256_bytes(canonical_json({k: v for k, v in doc.items() if k not in drop}))
 
 

@@ -50,6 +50,8 @@ REDEFINED: tuple[Change, ...] = (
            "prompts; it is hashed apart as chat_template_sha256)", "2"),
     Change("report.first_divergence.near_tie", "version 1: a side's top-1 minus top-2 margin was below the noise floor; "
            "version 2: magnitude.label is tie_flip (both sides' gaps between the two competing tokens are below it)", "2"),
+    Change("run_config.model.config_sha256", "version 3 also leaves out _from_model_config (written by a re-save, "
+           "not a computation) and hashes torch_dtype under its new name dtype", "3"),
     Change("report.sensitivity.max_abs_logprob_diff", "version 3: null means no comparison compared logprobs, 0 means "
            "compared and equal; a version-2 0 may mean either (the null came within version 2, breaking the rule)", "3"),
 )

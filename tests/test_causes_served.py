@@ -42,6 +42,6 @@ def test_a_warm_repeat_of_a_cold_run_is_cache_variance(llama_served, cli, tmp_pa
         if c["code"] == "RUN_VARIANCE":
             assert not any(differs[n] for n in c["evidence"]["comparisons"]), (c, cached)
     assert res.exit_code == 1, res.output  # warm and cold prompt processing differ in logprobs on this server
-    assert report["category"] == "CACHE_VARIANCE" and "cache_prompt:false" in res.output, res.output
+    assert report["category"] == "CACHE_VARIANCE" and "--opt cache_prompt=false" in res.output, res.output
     res = cli("verify", out)
     assert res.exit_code == 0 and "(CACHE_VARIANCE)" in res.output, res.output

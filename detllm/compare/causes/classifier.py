@@ -1,6 +1,7 @@
 """The cause classifier: runs every detector over two sides (`differences`) and makes what
 they found the ranked causes of a failing comparison, RUN_VARIANCE when nothing recorded
-differs, or information when the outputs agree (`explain`). Detects nothing itself.
+differs, or information when the outputs agree (`explain`); a cause that cannot produce the
+divergence seen ranks below every cause that can (explains.py). Detects nothing itself.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ..engine import align
 from .codes import rank
 from .config import config_mismatch
 from .environment import backend_mismatch, env_mismatch
+from .explains import judge
 from .inputs import model_mismatch, prompt_mismatch, tokenizer_mismatch
 from .notes import Notes, schema_versions
 from .sides import Routed, Side
@@ -61,6 +63,8 @@ def explain(comp: dict[str, Any], left: Side, right: Side,
         c["evidence"] = {"comparisons": [comp["name"]], **c["evidence"]}
     if comp["status"] == "PASS":
         return [], found
+    judge(found, comp, left, right)  # a cause that cannot produce the divergence seen says why, and ranks below
+    found = rank(found)
     if not found:
         what = "none: model, tokenizer, prompts, config, backend, environment, batch, server cache and process agree"
         if notes.not_compared:

@@ -38,19 +38,22 @@ ADVICE = {
     "ENV_MISMATCH": "pin the libraries, drivers and thread settings listed in evidence.differences, or re-run on one machine",
     "BATCH_VARIANCE": "the kernels are not batch invariant: fix the batch size, or use an engine/tier that enforces batch invariance",
     "RUN_VARIANCE": "the engine is nondeterministic at this setting: raise --tier, set --threads, or check for atomics/async kernels",
-    "CACHE_VARIANCE": "a reused prefix is computed differently from a fresh one: turn prefix caching off "
-                      "(llama-server: cache_prompt:false per request; vLLM: --no-enable-prefix-caching) or accept tier 1",
+    "CACHE_VARIANCE": "a reused prefix is computed differently from a fresh one: turn prefix caching off (llama-server: "
+                      "--opt cache_prompt=false, its per-request cache_prompt:false; vLLM: --no-enable-prefix-caching) or accept tier 1",
     "PROCESS_VARIANCE": "state fixed per process changed the result (engine load, kernel autotuning, thread pool): pin "
                         "the threads and kernels, or compare repeats within one process only",
 }
 
 
 def rank(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Causes in RANK order; a model difference that is only a format conversion just after BACKEND_MISMATCH."""
+    """Causes that can produce the divergence seen first (those with evidence.cannot_explain after
+    every one of them, explains.py), each group in RANK order; a model difference that is only a
+    format conversion just after BACKEND_MISMATCH."""
 
-    def key(c: dict[str, Any]) -> float:
+    def key(c: dict[str, Any]) -> tuple[bool, float]:
         r = float(RANK.index(c["code"]))
-        return RANK.index("BACKEND_MISMATCH") + 0.5 if c["code"] == "MODEL_MISMATCH" and c["evidence"].get("converted") else r
+        r = RANK.index("BACKEND_MISMATCH") + 0.5 if c["code"] == "MODEL_MISMATCH" and c["evidence"].get("converted") else r
+        return "cannot_explain" in c["evidence"], r
     return sorted(causes, key=key)
 
 
@@ -63,6 +66,8 @@ def merge(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             by_code[c["code"]] = {"code": c["code"], "evidence": dict(c["evidence"])}
             continue
         ev, new = have["evidence"], c["evidence"]
+        if "cannot_explain" not in new:
+            ev.pop("cannot_explain", None)  # it explains at least one of its comparisons
         ev["comparisons"] = ev.get("comparisons", []) + [n for n in new.get("comparisons", []) if n not in ev.get("comparisons", [])]
         if "prompts_diverged" in new:
             ev["prompts_diverged"] = ev.get("prompts_diverged", 0) + new["prompts_diverged"]

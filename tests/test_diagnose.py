@@ -220,6 +220,33 @@ def test_a_setting_whose_confirmation_the_budget_cut_is_unconfirmed(tmp_path):
     assert "1/1" not in (tmp_path / "d" / "diagnosis.txt").read_text()
 
 
+def test_a_setting_that_fails_one_fresh_process_confirmation_is_not_passing(tmp_path, monkeypatch):
+    """threads=1 vanishes, then the second of three fresh-process confirmations diverges (its process
+    gets a repeat injection, as a flaky engine would): no passing setting, the rest of the
+    confirmations are not run, and the knob only moved the divergence (R5, path 1; it used to read
+    "Minimal passing setting: threads=1: FAIL ... in 2/3")."""
+    import detllm.diagnose.core as core
+
+    class FlakySecondProcess(core.Pool):
+        def fresh(self, job, env=None):
+            if job.get("out", "").endswith("confirm-threads=1-1"):
+                opts = job["config"]["options"]
+                job = {**job, "config": {**job["config"], "options": {**opts, "diverge": opts["diverge"] + ";prompt=1,pos=2,run=1"}}}
+            return super().fresh(job, env)
+
+    monkeypatch.setattr(core, "Pool", FlakySecondProcess)
+    doc = diagnose(fake(vary_batch=(1, 8), diverge=BATCH8, stable_threads=1), out=tmp_path / "d", only=["threads"], fresh_repeats=3).doc
+    probe = next(p for p in doc["probes"] if p["name"] == "threads=1")
+    conf = probe["evidence"]["confirmation"]
+    assert probe["outcome"] == "vanish" and conf["status"] == "failed"
+    assert (conf["fresh_process_passes"], conf["fresh_process_runs"], conf["fresh_repeats"]) == (1, 2, 3)
+    assert not (tmp_path / "d" / "probes" / "confirm-threads=1-2").exists()
+    assert doc["passing_settings"] is None and doc["isolated"] is False
+    assert knob(doc, "threads")["verdict"] == "moves"
+    assert "Minimal passing setting" not in doc["conclusion"]
+    assert "threads=1 vanished in the probe but failed its confirmation: PASS at tier 2 in 1/2 fresh-process checks" in doc["conclusion"]
+
+
 def test_fresh_process_probe_of_a_check_recorded_with_negative_control(cli, tmp_path):
     """check --negative-control is check's alone; the fresh-process probe re-runs the settings as runs (R10)."""
     assert cli("check", "--backend", "fake", "--model", "fake", "--opt", "diverge=prompt=0,pos=1,run=1", "--negative-control",

@@ -15,6 +15,7 @@ import typer
 
 from ..errors import EXIT_CODES, DetllmError, UsageError
 from ..schema_io import to_json
+from .usage import Group
 
 EXIT_HELP = "Exit codes (every command): " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
 
@@ -24,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,  # usage errors: one line and exit 2 (usage.py)
 )
 
 # options that several command families take, spelled and explained once

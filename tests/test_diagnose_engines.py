@@ -39,10 +39,13 @@ def test_llamacpp_batch_drift_follows_batch_composition(cli, tmp_path, two_promp
     assert top["knob"] == "batch composition" and top["verdict"] == "follows"
     ladder = next(p for p in doc["probes"] if p["kind"] == "ladder")
     assert 4 in ladder["evidence"]["diverged_batch_sizes"] and ladder["evidence"]["max_abs_logprob_diff"] > 0
-    kv = next(p for p in doc["probes"] if p["name"] == "kv_type=f32")
-    assert kv["status"] == "ran" and kv["outcome"] in ("persist", "move", "vanish")
-    # either a setting passes (and is confirmed) or the diagnosis says none of those tried does
-    assert doc["passing_settings"] is not None or "Nothing isolates it" in doc["conclusion"]
+    # on llama.cpp's CPU kernels neither the f32 KV cache nor turning flash attention off removes
+    # the batch drift (measured: kv_type=f32 persists, flash_attn=off moves it): no passing setting
+    knobs = {p["name"]: p for p in doc["probes"] if p["kind"] == "check"}
+    assert set(knobs) == {"kv_type=f32", "flash_attn=off"}
+    assert all(p["status"] == "ran" and p["outcome"] in ("persist", "move") for p in knobs.values())
+    assert doc["passing_settings"] is None and doc["isolated"] is False
+    assert "Nothing isolates it: no setting tried (flash_attn=off, kv_type=f32) makes it vanish" in doc["conclusion"]
     pv = doc["prefill_vs_decode"]
     assert pv["status"] == "ran" and pv["positions"] > 0 and pv["max_abs_logprob_diff"] >= 0.0
     assert (tmp_path / "d" / "probes" / "kv_type=f32" / "report.json").is_file()
@@ -67,6 +70,8 @@ def test_hf_tier3_batch_drift_vanishes_with_the_batch_invariant_mode(cli, tmp_pa
     assert doc["knobs"][1]["verdict"] == "vanishes"
     ps = doc["passing_settings"]
     assert ps["settings"] == {"batch_invariant": "true"} and ps["fresh_process_passes"] == ps["fresh_process_runs"] == 2
+    conf = next(p for p in doc["probes"] if p["name"] == "batch_invariant=true")["evidence"]["confirmation"]
+    assert conf["status"] == "confirmed" and conf["fresh_process_passes"] == conf["fresh_repeats"] == 2
     assert "PASS at tier 3 in 2/2 fresh-process checks" in doc["conclusion"]
     pv = doc["prefill_vs_decode"]
     assert pv["status"] == "ran" and pv["positions"] == 10 and pv["method"].startswith("one forward pass")

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from .divergence import LABELS, first_divergence, first_token_difference
 from .divergence import noise_floor as dtype_noise_floor
+from .represent import comparable
 from .steps import abs_diff, finite
 from .trace import fast_path, payload_shape, same_output, use_fast_path
 
@@ -324,6 +325,7 @@ def compare(
     if noise_floor is None and dtype is not None:
         noise_floor = dtype_noise_floor(dtype)
     pairs, left_only, right_only = align(left, right)
+    pairs = comparable(pairs)  # like with like: token strings vs ids, unknown input ids (represent.py)
     divs: list[dict[str, Any]] = []
     identical: set[int] = set()
     jobs: list[int] = []  # differing pairs with large payloads read from disk: as arrays when there are a few

@@ -10,6 +10,7 @@ from typing import Any
 
 from ... import versions
 from ..engine import align
+from ..represent import mixed
 from .codes import rank
 from .config import config_mismatch
 from .environment import backend_mismatch, env_mismatch
@@ -28,6 +29,9 @@ def differences(left: Side, right: Side, comp: dict[str, Any], notes: Notes | No
     pairs = align(left.records, right.records)[0] if left.records is not None and right.records is not None else []
     full = all(s.run_config is not None and s.env is not None for s in (left, right))
     notes = notes if notes is not None else Notes()
+    if "token representation" in mixed(pairs):
+        notes.skip("trace_record.token_ids", "token strings on one side, ids on the other: compared as token texts, "
+                   "the top-k only where every entry's text is known (compare/represent.py)")
     routed = Routed()
     if full:
         notes.versions = schema_versions(left, right)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..represent import input_ids_known
 from .notes import Notes
 from .sides import CAP, Side, cut, lr
 
@@ -56,6 +57,11 @@ def tokenizer_mismatch(left: Side, right: Side, pairs: list[tuple[dict, dict]], 
     """Input ids first: they are what the engine saw, comparable across engines. The
     tokenizer hash is compared only where it is computed the same way (same engine and
     model format); identical tokenizer files at different paths hash the same."""
+    known = [(a, b) for a, b in pairs if input_ids_known(a) and input_ids_known(b)]
+    if len(known) < len(pairs):  # the server tokenized the text: its ids are unknown, never different
+        notes.skip("trace_record.input_ids", "unknown on one side, neither equal nor different: the server tokenized the "
+                   "prompt text (evidence.prompt_as text)")
+    pairs = known
     differ = [(a, b) for a, b in pairs if a["input_ids_sha256"] != b["input_ids_sha256"]]
     ev: dict[str, Any] = {}
     if differ:

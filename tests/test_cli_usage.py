@@ -62,7 +62,14 @@ def _required():
             yield path, name, others
 
 
-NUMERIC, TAKES_VALUE, REQUIRED = list(_numeric()), list(_takes_value()), list(_required())
+def _paths():
+    for path, cmd in COMMANDS:
+        for p in cmd.params:
+            if p.param_type_name == "option" and p.type_descriptor.is_path:
+                yield from ((path, flag) for flag in p.opts)
+
+
+NUMERIC, TAKES_VALUE, REQUIRED, PATHS = list(_numeric()), list(_takes_value()), list(_required()), list(_paths())
 
 
 @pytest.fixture
@@ -101,6 +108,8 @@ def test_the_app_has_what_these_tests_walk():
     assert (("check",), "--tier", int) in NUMERIC and (("check",), "--temperature", float) in NUMERIC
     assert (("diff",), "--atol", float) in NUMERIC and (("sweep",), "--repeats", int) in NUMERIC
     assert {(("verify",), "PACK"), (("pack",), "--output"), (("sweep",), "--axis")} <= {r[:2] for r in REQUIRED}
+    assert {(("check",), "--out"), (("check",), "-o"), (("pack",), "--output"), (("report",), "--in"),
+            (("verify",), "--pubkey")} <= set(PATHS)
 
 
 @pytest.mark.parametrize("path,flag,kind", NUMERIC, ids=[f"{' '.join(p)} {f}" for p, f, _ in NUMERIC])
@@ -154,10 +163,18 @@ def test_unknown_options_commands_and_extra_arguments(invoke):
                                           "(see `detllm verify --help`)")
 
 
-@pytest.mark.parametrize("args", [["check", "--out", ""], ["check", "--junit="], ["report", ""], ["verify", ""]])
-def test_an_empty_path_is_one_line_through_the_app_too(invoke, args):
-    """The empty-path rule sits in the app's group, so CliRunner (and any caller of `app`) meets it too."""
-    assert one_line(invoke(*args)).endswith("is empty; give a path (use . for the current folder)")
+@pytest.mark.parametrize("path,flag", PATHS, ids=[f"{' '.join(p)} {f}" for p, f in PATHS])
+def test_an_empty_path_is_one_line_for_every_path_option(invoke, path, flag):
+    """An empty path would silently mean the current folder. The rule sits in the app's group and
+    reads the path options from the commands, so CliRunner meets it too and a new one is covered."""
+    assert one_line(invoke(*path, flag, "")) == f"{flag} is empty; give a path (use . for the current folder)"
+    if flag.startswith("--"):
+        assert one_line(invoke(*path, f"{flag}=")) == f"{flag} is empty; give a path (use . for the current folder)"
+
+
+@pytest.mark.parametrize("args", [["report", ""], ["verify", ""], ["models", "export", "tiny", ""]])
+def test_an_empty_path_argument_is_one_line(invoke, args):
+    assert one_line(invoke(*args)) == "an argument is empty; give a path (use . for the current folder)"
 
 
 class Colour(str, enum.Enum):

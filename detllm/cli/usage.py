@@ -21,27 +21,35 @@ try:  # typer vendors click from 0.2x on
 except ImportError:  # older typer: click itself
     from click import exceptions as click_errors
 
-# Options whose value is a path: an empty value would silently mean the current folder.
-PATH_FLAGS = ("--out", "-o", "--output", "--prompts", "--prompt-file", "--junit", "--html", "--plot", "--sign-key",
-              "--pubkey", "--llama-bin", "--in")
 # commands whose numeric options are RunConfig's settings, so their declared ranges (config.Range) apply
 RANGED_COMMANDS = ("run", "check", "sweep")
 
 
-def empty_path_argument(args: list[str]) -> str | None:
+def empty_path_argument(args: list[str], path_flags: set[str]) -> str | None:
     """The flag (or "an argument") given an empty value, where an empty string would silently
     mean the current folder; None when there is none."""
     for i, arg in enumerate(args):
         if arg == "":
             prev = args[i - 1] if i else ""
-            if prev in PATH_FLAGS:
+            if prev in path_flags:
                 return prev
             if not prev.startswith("-"):
                 return "an argument"
-        for flag in PATH_FLAGS:
-            if flag.startswith("--") and arg == flag + "=":
-                return flag
+        if arg.endswith("=") and arg[:-1] in path_flags and arg.startswith("--"):
+            return arg[:-1]
     return None
+
+
+def path_flags(group: Any) -> set[str]:
+    """Every spelling of every option whose value is a path, in every command of the group."""
+    flags: set[str] = set()
+    for cmd in group.commands.values():
+        if getattr(cmd, "commands", None):
+            flags |= path_flags(cmd)
+        for p in cmd.params:
+            if p.param_type_name == "option" and p.type_descriptor.is_path:
+                flags.update(p.opts)
+    return flags
 
 
 class Group(TyperGroup):
@@ -52,7 +60,7 @@ class Group(TyperGroup):
         if not standalone_mode:
             return super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
         argv = sys.argv[1:] if args is None else list(args)
-        flag = empty_path_argument(argv)
+        flag = empty_path_argument(argv, path_flags(self)) if any(a == "" or a.endswith("=") for a in argv) else None
         if flag is not None:
             typer.echo(f"detllm: error: {flag} is empty; give a path (use . for the current folder)", err=True)
             sys.exit(2)
@@ -183,4 +191,4 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()).rstrip(".")
 
 
-__all__ = ["Group", "empty_path_argument", "expected", "explain"]
+__all__ = ["Group", "empty_path_argument", "expected", "explain", "path_flags"]

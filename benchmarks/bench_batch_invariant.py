@@ -5,6 +5,8 @@ backend's own loop, three ways, interleaved and repeated (best of REPEAT): plain
 batch-invariant mode, and sequential batch-1 plain generation (the trivial batch-invariant way,
 which the mode must beat at batch >= 4). Then an op-level breakdown (torch.profiler, self CPU
 time by ATen op) of one plain and one invariant run at --profile-batch. Goal: <= 1.3x at batch 8.
+First, the probe's own cost (invariant.coverage, paid once per model, device, attention and thread
+count): the blocked linear at every row offset of both blocks, and the rest, by process CPU time.
 
     .venv/bin/python benchmarks/bench_batch_invariant.py [--model smollm2-135m] [--tokens 64]
         [--batches 1,8,16] [--repeat 2] [--threads 1] [--clock wall|cpu] [--profile-batch 8] [--json out.json]
@@ -53,6 +55,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     backend = HFBackend(args.model, options=HFOptions(batch_invariant=True))
+    probe = _probe_cost(torch, backend)
     ops = backend._invariant_ops()
     assert not hf_invariant.uncovered(ops), hf_invariant.uncovered(ops)
     decoding = Decoding(max_new_tokens=args.tokens)
@@ -91,8 +94,35 @@ def main() -> None:
     breakdown = _profile(backend, gen, mode, args.profile_batch) if args.profile_batch else {}
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"model": args.model, "tokens": args.tokens, "threads": args.threads, "clock": args.clock, "rows": rows,
+            json.dump({"model": args.model, "tokens": args.tokens, "threads": args.threads, "clock": args.clock, "probe": probe, "rows": rows,
                        "ops": breakdown, "blocks": {"decode": hf_invariant.DECODE_BLOCK, "prefill": hf_invariant.PREFILL_BLOCK}}, fh, indent=1)
+
+
+def _probe_cost(torch, backend: HFBackend) -> dict:
+    """CPU seconds of the tier-3 probe, cold (best of 2): the whole coverage() and its linear part,
+    and the linear part without the every-offset pass (what the probe cost before it covered every offset)."""
+    model, device = backend.model, backend.device
+    every = hf_invariant._every_offset
+
+    def cpu(fn) -> float:
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.process_time()
+            with torch.inference_mode():
+                fn()
+            best = min(best, time.process_time() - t0)
+        return round(best, 3)
+
+    out = {"coverage_s": cpu(lambda: hf_invariant._coverage(model, backend.options.attn_implementation, device)),
+           "linear_s": cpu(lambda: hf_invariant._probe_linears(torch, model, device))}
+    hf_invariant._every_offset = lambda *a, **k: None
+    try:
+        out["linear_without_every_offset_s"] = cpu(lambda: hf_invariant._probe_linears(torch, model, device))
+    finally:
+        hf_invariant._every_offset = every
+    print(f"probe (cold, CPU s): coverage {out['coverage_s']}, of which linear {out['linear_s']} "
+          f"(without the every-offset pass {out['linear_without_every_offset_s']})")
+    return out
 
 
 def _profile(backend, gen, mode, batch: int) -> dict:

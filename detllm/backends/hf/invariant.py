@@ -202,6 +202,10 @@ def _probe_rows(torch, name: str, fn, width: int, device: str) -> Op:
 
 
 def _probe_linears(torch, model, device: str) -> Op:
+    """Per weight shape and block size: the probe row at every offset of a block among random rows
+    (a sequence's rows land at any offset: the prompt's real rows of all sequences are concatenated,
+    a decode step has one row per sequence), then at the first, middle and last rows of batches that
+    end in a zero-padded block or cross a block edge."""
     shapes = sorted({(m.in_features, m.out_features, m.bias is not None)
                      for m in model.modules() if isinstance(m, torch.nn.Linear)})
     for k, n, has_bias in shapes:
@@ -209,12 +213,37 @@ def _probe_linears(torch, model, device: str) -> Op:
         weight = torch.randn((n, k), generator=gen).to(device)
         bias = torch.randn((n,), generator=gen).to(device) if has_bias else None
         for block in (DECODE_BLOCK, PREFILL_BLOCK):
+            fn = lambda x, block=block: block_linear(torch, x, weight, bias, block)  # noqa: E731
+            where = _every_offset(torch, fn, k, block, device)
             sizes = _PROBE_SIZES if block == DECODE_BLOCK else (1, 65)
-            where = _same_row_everywhere(torch, lambda x: block_linear(torch, x, weight, bias, block), k, device, sizes)
+            where = where or _same_row_everywhere(torch, fn, k, device, sizes)
             if where:
                 return Op("linear", False, f"not covered: a {k}->{n} linear in {block}-row blocks changed at {where}")
     return Op("linear", True, f"replaced: fixed-shape row blocks ({DECODE_BLOCK} rows decoding, {PREFILL_BLOCK} for the "
-              f"prompt) through one GEMM call each; probed bitwise for {len(shapes)} weight shapes")
+              f"prompt) through one GEMM call each; probed bitwise for {len(shapes)} weight shapes at every row offset "
+              f"of both blocks (among random rows) and in zero-padded and edge-crossing batches")
+
+
+_OFFSET_BLOCKS = 8  # the every-offset probe's blocks per call: block j holds the probe at offsets j, j + 8, ...
+
+
+def _every_offset(torch, fn, width: int, block: int, device: str) -> str | None:
+    """One call on 8 blocks of random rows, block j holding the probe row at every offset o with
+    o % 8 == j: every offset of the block is computed once, by the very GEMM shape a run uses, with
+    random rows around it (8 GEMM calls, not one per offset: a 64-row block costs 512 rows, not
+    4,096). None if every copy is bitwise the probe alone, else the first offset where it differed."""
+    gen = torch.Generator().manual_seed(2)
+    probe = torch.randn((1, width), generator=gen).to(device)
+    alone = fn(probe)[0]
+    stride = min(block, _OFFSET_BLOCKS)
+    batch = torch.randn((stride * block, width), generator=gen).to(device)
+    at = [j * block + o for j in range(stride) for o in range(j, block, stride)]  # (row, its offset o) per copy
+    batch[at] = probe[0]
+    got = fn(batch)
+    for row in at:
+        if not torch.equal(got[row], alone):
+            return f"offset {row % block} of a {block}-row block"
+    return None
 
 
 def _probe_rotary(torch, model, device: str) -> Op:

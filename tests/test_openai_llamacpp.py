@@ -87,6 +87,11 @@ def test_cache_probe_cold_vs_warm(llama_served, cli, tmp_path):
     assert sides["run_1"]["cached_prompt_tokens"] > 0  # the warm side really reused the cache
     names = [c["name"] for c in report["comparisons"]]
     assert "warm vs cold" in names and "after_shared_prefix vs cold" in names
+    # whichever way the engine went, verify re-derives this very verdict (one verdict maker, R2) and pack takes it
+    ok = cli("verify", out)
+    assert ok.exit_code == 0, ok.output
+    assert f"verdict re-derived from the trace: {report['status']}" in ok.stdout
+    assert cli("pack", out, "-o", tmp_path / "cache.tar.gz").exit_code == 0
 
 
 def test_server_killed_mid_run_is_a_backend_error_and_nothing_complete(tmp_path):

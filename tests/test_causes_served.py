@@ -11,12 +11,14 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.engine
+import detllm
+from detllm.compare.verdict import check_comparisons, check_report
 
 PROMPTS = ["The capital of France is a city that", "Once upon a time there was a small", "def add(a, b):\n    return",
            "Numbers: 1 2 3 4 5 6 7 8 9 10 11"]
 
 
+@pytest.mark.engine
 def test_a_warm_repeat_of_a_cold_run_is_cache_variance(llama_served, cli, tmp_path):
     out = tmp_path / "served"
     args = ["check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--runs", "3",
@@ -45,3 +47,27 @@ def test_a_warm_repeat_of_a_cold_run_is_cache_variance(llama_served, cli, tmp_pa
     assert report["category"] == "CACHE_VARIANCE" and "--opt cache_prompt=false" in res.output, res.output
     res = cli("verify", out)
     assert res.exit_code == 0 and "(CACHE_VARIANCE)" in res.output, res.output
+
+
+def _verdict(records):
+    comps = check_comparisons(records, base_batch=1, runs=2, batch_sizes=(1,), tier=2, atol=0.0, floor=1e-4, drift=False)
+    return check_report(comps, tier_requested=2, tier_effective=2, summary={}, records=records)
+
+
+@pytest.mark.parametrize("left, right, code", [
+    ({"cached_prompt_tokens": 0}, {"cached_prompt_tokens": 7}, "CACHE_VARIANCE"),
+    ({"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 1}},
+     {"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 3}}, "BATCH_VARIANCE"),
+    ({"cached_prompt_tokens": 0}, {}, "RUN_VARIANCE"),  # not reported on one side: unknown, not different
+    ({"server_batch": {"in_flight": 1, "source": "/slots", "samples": 0, "server_busy_max": None}},
+     {"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 3}}, "RUN_VARIANCE"),
+])
+def test_each_per_record_fact_is_a_recorded_difference(tmp_path, left, right, code):
+    """The records of a real failing check (a flip in run 1), given what a server would have said about
+    each run: a fact that differs is the cause; one a side did not report is no difference."""
+    out = detllm.check(backend="fake", runs=2, tier=2, options={"diverge": "prompt=0,pos=1,run=1"}, out=tmp_path / "c").out_dir
+    records = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    for r in records:
+        r["evidence"] = dict(left if r["run_index"] == 0 else right)
+    report = _verdict(records)
+    assert report["category"] == code and [c["code"] for c in report["causes"]] == [code], report["causes"]

@@ -1,6 +1,7 @@
-"""BATCH_VARIANCE and the evidence of run variance: batch sizes and composition, the settings
-that follow them, a served backend's own account of its batching and prefix cache, and where
-the outputs diverged. Does not decide when variance is the cause (classifier.py).
+"""BATCH_VARIANCE, CACHE_VARIANCE and PROCESS_VARIANCE, and the evidence of run variance: batch
+sizes and composition, the settings that follow them, what each record says about how it was
+computed (the server's batch and prefix cache, a fresh process), and where the outputs diverged.
+Does not decide when variance is the cause (classifier.py).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def server_batching(records: list[dict[str, Any]] | None) -> dict[str, Any] | No
     batches = list(groups.values())  # one per group of requests sent together (its records share it)
     if not batches:
         return None
-    busy = [b["server_busy_max"] for b in batches if "server_busy_max" in b]
+    busy = [b["server_busy_max"] for b in batches if isinstance(b.get("server_busy_max"), int)]  # not sampled: unknown
     return {"in_flight": max(b["in_flight"] for b in batches), "source": batches[0].get("source"),
             "samples": sum(b.get("samples", 0) for b in batches), "server_busy_max": max(busy) if busy else None}
 

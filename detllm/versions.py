@@ -54,6 +54,26 @@ REDEFINED: tuple[Change, ...] = (
            "not a computation) and hashes torch_dtype under its new name dtype", "3"),
     Change("report.sensitivity.max_abs_logprob_diff", "version 3: null means no comparison compared logprobs, 0 means "
            "compared and equal; a version-2 0 may mean either (the null came within version 2, breaking the rule)", "3"),
+    Change("report.causes", "version 3: RUN_VARIANCE only when every per-record fact that can change the computation "
+           "agrees (cached prompt tokens: CACHE_VARIANCE; the server's batch: BATCH_VARIANCE; a fresh process: "
+           "PROCESS_VARIANCE, new); a cause that cannot produce the divergence seen ranks below every one that can "
+           "(evidence.cannot_explain)", "3"),
+    Change("report.first_divergence.magnitude.label", "version 3: a logprob divergence after which one side stops "
+           "earlier is length at every tier; version 2 called it tokens_equal_logprobs_differ at tier 2 and above", "3"),
+)
+
+
+# Meanings of diagnose's and sweep's conclusions (diagnosis.json, sweep.json) that changed. No diff,
+# verify or replay reads these files across versions; listed so a reader of an old one reads it right.
+CONCLUDED: tuple[Change, ...] = (
+    Change("diagnosis.passing_settings", "version 3: a setting whose probe diverged nowhere and that passed every one "
+           "of the --fresh-repeats fresh-process checks (else listed as failed or unconfirmed); version 2 could name "
+           "a setting that failed some, or whose probe still diverged elsewhere (isolated likewise)", "3"),
+    Change("sweep.reference_cell", "version 3: the first cell that ran (null when none did); version 2 named the first "
+           "cell even when it errored and the rates were measured against another", "3"),
+    Change("sweep.cells.prompt_wilson_95", "version 3: the Wilson interval over prompts, the independent unit; version 2's "
+           "wilson_95 counted prompts x repeats as independent trials (too narrow by about the square root of the "
+           "repeats)", "3", was=("sweep.cells.wilson_95",)),
 )
 
 
@@ -97,4 +117,4 @@ def is_redefined(field: str, left: str, right: str) -> bool:
     return any(field == p or field.startswith(p + ".") or field.startswith(p + "[") for p in names)
 
 
-__all__ = ["CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "SEALED", "changes_between", "is_redefined", "redefined_prefixes"]
+__all__ = ["CONCLUDED", "CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "SEALED", "changes_between", "is_redefined", "redefined_prefixes"]

@@ -133,6 +133,7 @@ def _resave_as_older_transformers(folder: Path) -> None:
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
+@pytest.mark.engine
 def test_a_resaved_config_is_no_model_difference_and_the_length_limit_leads(tmp_path):
     """The real case: one model folder, its config re-saved by another transformers between the runs,
     --max-new-tokens 16 vs 24. The divergence is a length stop at token 16; the cause is the setting."""

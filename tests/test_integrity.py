@@ -588,3 +588,12 @@ def test_report_tier_must_follow_from_the_request(cli, logprob_fail, tmp_path):
     forged = forge(logprob_fail, tmp_path / "forged", tier={"requested": 2, "effective": 1})
     r = cli("verify", forged)
     assert r.exit_code == 6 and "report.json: tier is {'requested': 2, 'effective': 1}" in r.stderr, r.output
+
+
+def test_an_honest_downgraded_check_verifies(cli, tmp_path):
+    """Best-effort tier 3 on a backend that enforces tier 1: the gate re-derived at verify time agrees."""
+    out = tmp_path / "down"
+    outcome = detllm.check(backend="fake", options={"max_tier": "1"}, tier=3, mode="best-effort", vary_batch=(1, 2), out=out)
+    assert outcome.report["tier"] == {"requested": 3, "effective": 1}
+    r = cli("verify", out)
+    assert r.exit_code == 0 and "verdict re-derived from the trace: PASS" in r.stdout, r.output

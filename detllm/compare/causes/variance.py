@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from ..engine import parse_label, select
 from .sides import Routed, Side, cut, lr
 
 

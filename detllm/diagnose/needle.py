@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from ..compare.steps import abs_diff
 from ..config import RunConfig
 
 
@@ -31,14 +32,18 @@ def compare_generations(ref, got, *, tier: int, atol: float) -> dict[str, Any]:
     if first is None and len(ref.token_ids) != len(got.token_ids):
         first = min(len(ref.token_ids), len(got.token_ids))
     shared = first if first is not None else len(ref.token_ids)
-    lp = None
+    lp, nulls = None, 0
     if ref.logprobs is not None and got.logprobs is not None:
-        lp = max((abs(a - b) for a, b in zip(ref.logprobs[:shared], got.logprobs[:shared])), default=0.0)
+        # the one NaN rule (compare/steps.py): a null on one side only is a difference, never a number in the maximum
+        diffs = [abs_diff(a, b) for a, b in zip(ref.logprobs[:shared], got.logprobs[:shared])]
+        nulls = sum(1 for d in diffs if d == float("inf"))
+        lp = max((d for d in diffs if d != float("inf")), default=0.0)
     flips = 0
     if ref.top_logprobs and got.top_logprobs:
         flips = sum(1 for a, b in zip(ref.top_logprobs[:shared + 1], got.top_logprobs[:shared + 1]) if a and b and a[0][0] != b[0][0])
-    diverged = first is not None or (tier >= 3 and lp is not None and lp > atol)
-    return {"diverged": diverged, "first_token_index": first, "max_abs_logprob_diff": lp, "argmax_flips": flips}
+    diverged = first is not None or (tier >= 3 and lp is not None and (lp > atol or nulls > 0))
+    return {"diverged": diverged, "first_token_index": first, "max_abs_logprob_diff": lp, "argmax_flips": flips,
+            "null_logprob_steps": nulls}
 
 
 def run_needle(config: RunConfig, job: dict[str, Any]) -> dict[str, Any]:

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..compare.steps import abs_diff
 from ..config import RunConfig
 
 
 def compare_scores(decoded: list[float], scored: list[float], *, atol: float = 0.0) -> dict[str, Any]:
     """max |d| over positions and the first position where |d| > atol (None: none differs)."""
-    diffs = [abs(a - b) for a, b in zip(decoded, scored)]
+    # the one NaN rule (compare/steps.py): a null on one side only differs, and stays out of max and mean
+    diffs = [abs_diff(a, b) for a, b in zip(decoded, scored)]
     first = next((i for i, d in enumerate(diffs) if d > atol), None)
-    return {"positions": len(diffs), "max_abs_logprob_diff": max(diffs, default=0.0), "first_differing_position": first,
-            "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else 0.0}
+    finite = [d for d in diffs if d != float("inf")]
+    return {"positions": len(diffs), "max_abs_logprob_diff": max(finite, default=0.0), "first_differing_position": first,
+            "mean_abs_logprob_diff": sum(finite) / len(finite) if finite else 0.0, "null_logprob_positions": len(diffs) - len(finite)}
 
 
 def run_prefill_probe(config: RunConfig, job: dict[str, Any]) -> dict[str, Any]:

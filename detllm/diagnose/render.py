@@ -28,10 +28,19 @@ def _probe_line(p: dict[str, Any]) -> tuple[str, str, str, str, str]:
     return p["name"], result, where, _num(ev.get("max_abs_logprob_diff")), _num(ev.get("argmax_flips"))
 
 
-def render_text(doc: dict[str, Any]) -> str:
+def baseline_words(doc: dict[str, Any]) -> str:
+    """What the baseline showed here, in words: a FAIL it was asked about that did not diverge here
+    did not reproduce; it is never called "no divergence"."""
     base = doc["baseline"]
-    lines = [f"DIAGNOSIS {doc['backend']} {doc['model']} at tier {doc['tier_requested']}: "
-             + ("diverges (" + ", ".join(base["kinds"]) + ")" if base["diverged"] else "no divergence"),
+    if base["diverged"]:
+        return "diverges (" + ", ".join(base["kinds"]) + ")"
+    if (doc.get("source") or {}).get("status") == "FAIL":
+        return "the FAIL did not reproduce here"
+    return "no divergence"
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    lines = [f"DIAGNOSIS {doc['backend']} {doc['model']} at tier {doc['tier_requested']}: " + baseline_words(doc),
              doc["conclusion"], ""]
     if doc["knobs"]:
         lines.append("knobs, ranked:")
@@ -57,7 +66,7 @@ def render_text(doc: dict[str, Any]) -> str:
 def render_markdown(doc: dict[str, Any]) -> str:
     base = doc["baseline"]
     out = [f"# detllm diagnosis: {doc['backend']} / {doc['model']} at tier {doc['tier_requested']}", "",
-           f"**{'Diverges: ' + ', '.join(base['kinds']) if base['diverged'] else 'No divergence'}.** {doc['conclusion']}", ""]
+           f"**{'Diverges: ' + ', '.join(base['kinds']) if base['diverged'] else baseline_words(doc)[0].upper() + baseline_words(doc)[1:]}.** {doc['conclusion']}", ""]
     if doc["knobs"]:
         out += ["| rank | knob | verdict | evidence |", "|---|---|---|---|"]
         out += [f"| {k['rank']} | {k['knob']} | {k['verdict']} | {k['summary']} |" for k in doc["knobs"]]
@@ -91,8 +100,7 @@ def render_html(doc: dict[str, Any]) -> str:
 
     base = doc["baseline"]
     title = f"detllm diagnosis: {doc['backend']} / {doc['model']}"
-    verdict = (f"<span class='verdict FAIL'>diverges ({esc(', '.join(base['kinds']))})</span>" if base["diverged"]
-               else "<span class='verdict PASS'>no divergence</span>")
+    verdict = f"<span class='verdict {'FAIL' if base['diverged'] else 'PASS'}'>{esc(baseline_words(doc))}</span>"
     src = doc.get("source") or {}
     body = [f"<h1>{esc(title)}: {verdict}</h1>",
             f"<p>tier {esc(doc['tier_requested'])} (requested) · {esc(src.get('kind'))} {esc(src.get('path') or '')}"

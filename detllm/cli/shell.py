@@ -7,6 +7,7 @@ no domain logic.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -27,6 +28,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     cls=Group,  # usage errors: one line and exit 2 (usage.py)
 )
+
+
+def _version(value: bool) -> None:
+    """--version: this detllm's version and the run-folder schema it writes, for a CI log to pin."""
+    if value:
+        from ..env import detllm_version
+        from ..versions import CURRENT
+
+        typer.echo(f"detllm {detllm_version()} (writes run folders of schema_version {CURRENT})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version, help="Print the version and exit.")] = False) -> None:
+    """Is your LLM inference deterministic? Check it, prove it with a repro pack, diff it."""
+
 
 # options that several command families take, spelled and explained once
 Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, fake.")]
@@ -86,7 +103,7 @@ def print_verdict(report: dict, out_dir: Path | None) -> None:
 
     con = _console()
     colour = {"PASS": "green", "FAIL": "red"}.get(report["status"], "yellow")
-    text = render_text(report).splitlines()
+    text = render_text(report, shlex.quote(str(out_dir)) if out_dir is not None else "RUN_DIR").splitlines()
     con.print(f"[bold {colour}]{text[0]}[/]")
     for line in text[1:]:
         con.print(line, markup=False)
@@ -94,22 +111,37 @@ def print_verdict(report: dict, out_dir: Path | None) -> None:
         con.print(f"run folder: {out_dir}", markup=False)
 
 
+def warn(text: str) -> None:
+    typer.echo(f"detllm: warning: {text}", err=True)
+
+
 def publish(report: dict, junit: Path | None) -> None:
-    """CI outputs: JUnit XML when asked for, and report.md appended to $GITHUB_STEP_SUMMARY
-    when GitHub Actions sets it."""
-    from ..render.github import append_step_summary
+    """CI outputs: JUnit XML when asked for, report.md appended to $GITHUB_STEP_SUMMARY when
+    GitHub Actions sets it, and in CI ($CI set) a tier requested but not checked as a warning on
+    stderr. The step summary is a side channel: a file that cannot be written is a warning, never
+    a change of the verdict's exit code."""
+    from ..render.github import append_step_summary, step_summary_target, tier_warning
     from ..render.junit import write_junit
 
     if junit is not None:
         write_junit(report, junit)
-    append_step_summary(report)
+    try:
+        append_step_summary(report)
+    except OSError as err:
+        warn(f"$GITHUB_STEP_SUMMARY ({step_summary_target()}) cannot be written ({err.strerror or err}): "
+             "no step summary; the verdict stands")
+    warning = tier_warning(report)
+    if warning and os.environ.get("CI", "").lower() not in ("", "0", "false"):  # GitHub, GitLab and most CIs set CI=true
+        warn(warning)
 
 
 def emit(outcome, *, as_json: bool, junit: Path | None = None) -> int:
-    """Publish CI outputs, print report.json or the verdict, return the exit code."""
+    """Publish CI outputs, print report.json (with out_dir, the folder written, first) or the
+    verdict, return the exit code."""
     publish(outcome.report, junit)
     if as_json:
-        typer.echo(to_json(outcome.report))  # json.dumps(indent=2)'s bytes, faster on a large report
+        out_dir = None if outcome.out_dir is None else str(outcome.out_dir)
+        typer.echo(to_json({"out_dir": out_dir, **outcome.report}))  # json.dumps(indent=2)'s bytes, faster on a large report
     else:
         print_verdict(outcome.report, outcome.out_dir)
     return outcome.exit_code

@@ -3,7 +3,8 @@
 A diverged prompt in a required comparison is a <failure> typed with the cause of its own
 comparison (a check's causes name the comparisons they explain) and its magnitude label;
 a prompt present on one side only fails as PROMPT_MISMATCH; a divergence the tier
-does not require passes with the difference in <system-out>. CI systems read this.
+does not require passes with the difference in <system-out>. A tier requested but not checked
+(best-effort downgrade) is each suite's <properties>, so a green gate says what it tested. CI systems read this.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import atomic_write_text
+from .github import tier_warning
 from .text import cause_summary, divergence_lines
 
 
@@ -31,6 +33,12 @@ def _suite(report: dict[str, Any], comp: dict[str, Any]) -> ET.Element:
     top = cause_of(report, comp)
     classname = f"detllm.{report['command']}"
     suite = ET.Element("testsuite", {"name": comp["name"]})
+    warning = tier_warning(report)
+    if warning:  # <properties> comes first in a testsuite
+        props = ET.SubElement(suite, "properties")
+        for name, value in (("detllm.tier_requested", report["tier"]["requested"]), ("detllm.tier_checked", report["tier"]["effective"]),
+                            ("detllm.warning", warning)):
+            ET.SubElement(props, "property", {"name": name, "value": str(value)})
     by_prompt = {d["prompt_index"]: d for d in comp["divergences"]}
     failures = 0
     indexes = comp.get("prompts") or sorted(by_prompt)  # reports written before "prompts" existed list no others
@@ -55,7 +63,7 @@ def _suite(report: dict[str, Any], comp: dict[str, Any]) -> ET.Element:
             case = _case(suite, classname, f"prompt {i} ({where.replace('_', ' ')})")
             ET.SubElement(case, "failure", {"type": "PROMPT_MISMATCH",
                                             "message": f"prompt {i} exists {where.replace('_', ' ')}: compared with nothing"})
-    suite.set("tests", str(len(suite)))
+    suite.set("tests", str(len(suite.findall("testcase"))))
     suite.set("failures", str(failures))
     suite.set("errors", "0")
     return suite

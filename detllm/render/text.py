@@ -226,7 +226,21 @@ def _header(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_text(report: dict[str, Any]) -> str:
+# the causes `detllm diagnose` probes for a check: a setting of the run can make them vanish
+DIAGNOSABLE = frozenset({"RUN_VARIANCE", "BATCH_VARIANCE", "CACHE_VARIANCE", "PROCESS_VARIANCE", "CONFIG_MISMATCH", "ENV_MISMATCH"})
+
+
+def next_step(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
+    """The line after a verdict with causes: a check's FAIL that diagnose can probe names
+    `detllm diagnose` on its folder first, then the top cause's advice."""
+    code = report["causes"][0]["code"]
+    if report["command"] == "check" and report["status"] == "FAIL" and code in DIAGNOSABLE:
+        return f"next: detllm diagnose {run_dir} (finds the setting that makes it stop); {ADVICE[code]}"
+    return f"next: {ADVICE[code]}"
+
+
+def render_text(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
+    """The verdict in plain text; `run_dir`: the folder's name in a suggested command."""
     lines = _header(report)
     for c in report["comparisons"]:
         extra = ""
@@ -274,7 +288,7 @@ def render_text(report: dict[str, Any]) -> str:
     if report["first_divergence"] is not None:
         lines += divergence_lines(report["first_divergence"])
     if report["causes"]:
-        lines.append(f"next: {ADVICE[report['causes'][0]['code']]}")
+        lines.append(next_step(report, run_dir))
     return "\n".join(lines) + "\n"
 
 

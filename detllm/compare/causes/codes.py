@@ -37,7 +37,7 @@ ADVICE = {
     "BACKEND_MISMATCH": "different engines or builds run different kernels; pin one engine version, or accept tier 1 across engines",
     "ENV_MISMATCH": "pin the libraries, drivers and thread settings listed in evidence.differences, or re-run on one machine",
     "BATCH_VARIANCE": "the kernels are not batch invariant: fix the batch size, or use an engine/tier that enforces batch invariance",
-    "RUN_VARIANCE": "the engine is nondeterministic at this setting: raise --tier, set --threads, or check for atomics/async kernels",
+    "RUN_VARIANCE": "the engine is nondeterministic at this setting: set --threads, or look for atomics/async kernels",
     "CACHE_VARIANCE": "a reused prefix is computed differently from a fresh one: turn prefix caching off (llama-server: "
                       "--opt cache_prompt=false, its per-request cache_prompt:false; vLLM: --no-enable-prefix-caching) or accept tier 1",
     "PROCESS_VARIANCE": "state fixed per process changed the result (engine load, kernel autotuning, thread pool): pin "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import artifacts
+from ..archive import is_archive, open_run_path
 from ..config import RunConfig
 from ..env import detllm_version
 from ..errors import ArtifactError, UsageError
@@ -68,16 +69,19 @@ def _check_out(out: Path, force: bool) -> None:
             raise UsageError(f"--out {str(out)!r} holds an earlier diagnosis", hint="pass --force to replace it")
 
 
-def read_failing(run_dir: Path) -> tuple[RunConfig, int, list[dict[str, Any]], list[str], dict[str, Any]]:
-    """(config, requested tier, records, prompts, source) of a check (or run) folder."""
+def read_failing(run_dir: Path, shown: str | None = None) -> tuple[RunConfig, int, list[dict[str, Any]], list[str], dict[str, Any]]:
+    """(config, requested tier, records, prompts, source) of a check (or run) folder; `shown`: the
+    path the user gave (a pack, where `run_dir` is its extracted copy)."""
     run_dir = Path(run_dir)
+    shown = shown or str(run_dir)
     if not artifacts.is_detllm_folder(run_dir):
-        raise ArtifactError(f"{str(run_dir)!r} is not a detllm run or diff folder", hint="pass the folder a failing check or diff wrote")
+        raise ArtifactError(f"{shown!r} is not a detllm run or diff folder, nor a pack of one",
+                            hint="pass the folder (or .tar.gz pack) a failing check or diff wrote")
     folder = artifacts.load_run(run_dir)
     rep = folder.report or {}
-    source = {"kind": "folder", "path": str(run_dir), "status": rep.get("status"), "recorded_causes": [c["code"] for c in rep.get("causes", [])]}
+    source = {"kind": "folder", "path": shown, "status": rep.get("status"), "recorded_causes": [c["code"] for c in rep.get("causes", [])]}
     config = RunConfig.from_json(folder.run_config["config"])
-    return config, folder.applied["tier_requested"], folder.records, prompts_from_records(folder.records, str(run_dir)), source
+    return config, folder.applied["tier_requested"], folder.records, prompts_from_records(folder.records, shown), source
 
 
 def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Path:
@@ -129,9 +133,20 @@ def _selected(probe: Probe, only: list[str]) -> bool:
 def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = None, prompts: str | Path | None = None,
              out: str | Path | None = None, force: bool = False, budget: str | int | None = None, fresh_repeats: int = 3,
              progress: Progress | None = None, check_args: list[str] | None = None, only: list[str] | None = None) -> Diagnosis:
-    """Diagnose a failing check folder or diff folder (`run_dir`), or run the check `config`
-    first; write diagnosis.json/.txt/.md under `out` and return it. `only` keeps the probes whose
-    knob, name or kind is listed (e.g. ["ladder", "kv_type", "prefill"])."""
+    """Diagnose a failing check folder or diff folder (`run_dir`, or a .tar.gz pack of a check
+    folder), or run the check `config` first; write diagnosis.json/.txt/.md under `out` and return
+    it. `only` keeps the probes whose knob, name or kind is listed (e.g. ["ladder", "kv_type", "prefill"])."""
+    if run_dir is not None and is_archive(run_dir):  # a pack: read from a temporary extraction, nothing written into it
+        with open_run_path(run_dir) as folder:
+            return _diagnose(config, run_dir=folder, prompts=prompts, out=out, force=force, budget=budget, fresh_repeats=fresh_repeats,
+                             progress=progress, check_args=check_args, only=only, shown=str(run_dir))
+    return _diagnose(config, run_dir=run_dir, prompts=prompts, out=out, force=force, budget=budget, fresh_repeats=fresh_repeats,
+                     progress=progress, check_args=check_args, only=only)
+
+
+def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: str | Path | None, out: str | Path | None,
+              force: bool, budget: str | int | None, fresh_repeats: int, progress: Progress | None, check_args: list[str] | None,
+              only: list[str] | None, shown: str | None = None) -> Diagnosis:
     from .render import render_html, render_markdown, render_text
 
     if sum(x is not None for x in (config, run_dir, check_args)) != 1:
@@ -169,7 +184,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
     else:
         prompts_list, diff_dir, diff_failed, cannot = None, None, False, []
     if run_dir is not None:
-        base, tier, records, texts, source = read_failing(Path(run_dir))
+        base, tier, records, texts, source = read_failing(Path(run_dir), shown)
         if check_args is not None:
             source["kind"] = "check"
     else:
@@ -214,6 +229,7 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
         probes, skipped = plan(base, baseline["kinds"], tier=tier, fresh_repeats=fresh_repeats) if baseline["diverged"] else ([], [])
         if baseline["diverged"]:
             probes, skipped = served.add_cache_knob(probes, skipped, base, server)
+            probes = [p for p in probes if p.undoes] + [p for p in probes if not p.undoes]  # your own settings first
         if only:
             not_run_only = [p for p in probes if not _selected(p, only)]
             probes = [p for p in probes if _selected(p, only)]
@@ -227,13 +243,16 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
             nonlocal passing, confirmation, isolated_by
             got = runner.run(probe)
             if probe.kind == "check" and got["outcome"] == "vanish":  # passing only once every fresh-process check passes
-                confirmation = got["evidence"]["confirmation"] = runner.confirm(probe, fresh_repeats)
+                got["evidence"]["confirmation"] = runner.confirm(probe, fresh_repeats)
+                if isolated_by is not None:  # a later undo: its own evidence, the passing setting stays the first confirmed
+                    return
+                confirmation = got["evidence"]["confirmation"]
                 if confirmation["status"] == "confirmed":
                     isolated_by = probe
                     passing = {k: confirmation[k] for k in ("settings", "tier", "fresh_process_passes", "fresh_process_runs", "summary")}
 
         for probe in probes:
-            if isolated_by is not None and probe.kind in ("check", "fresh_process"):
+            if isolated_by is not None and probe.kind in ("check", "fresh_process") and not probe.undoes:  # every undo is tried
                 not_run.append({"name": probe.name, "reason": f"skipped: the cause is isolated ({isolated_by.name} makes it vanish)"})
                 continue
             if not runner.left():

@@ -53,19 +53,25 @@ def comparisons(records: list[dict[str, Any]], *, tier: int, atol: float = 0.0, 
     return out
 
 
+def _max_lp(comps: list[dict[str, Any]]) -> float | None:
+    lps = [c["max_abs_logprob_diff"] for c in comps if c["max_abs_logprob_diff"] is not None]
+    return max(lps) if lps else None
+
+
 def signature(comps: list[dict[str, Any]]) -> dict[str, Any]:
     """The divergence in a few numbers: which kinds diverged, the earliest divergence, the
-    largest |dlogprob| over aligned steps, and argmax flips."""
+    largest |dlogprob| over aligned steps of the comparisons that diverged (a comparison the tier
+    accepts is not the divergence: its drift is `passing_max_abs_logprob_diff`), and argmax flips."""
     bad = [c for c in comps if c["diverged"]]
     firsts = [c["first"] for c in bad if c["first"] is not None]
     first = min(firsts, key=lambda f: (f["prompt_index"], f["token_index"])) if firsts else None
-    lps = [c["max_abs_logprob_diff"] for c in comps if c["max_abs_logprob_diff"] is not None]
     return {
         "diverged": bool(bad),
         "kinds": sorted({c["kind"] for c in bad}),
         "diverged_batch_sizes": sorted({c["batch_size"] for c in bad if c["kind"] == "batch"}),
         "first": first,
-        "max_abs_logprob_diff": max(lps) if lps else None,
+        "max_abs_logprob_diff": _max_lp(bad),
+        "passing_max_abs_logprob_diff": _max_lp([c for c in comps if not c["diverged"]]),
         "argmax_flips": sum(c["argmax_flips"] for c in comps),
         "prompts_diverged": max((c["prompts_diverged"] for c in bad), default=0),
     }

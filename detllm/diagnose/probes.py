@@ -31,9 +31,12 @@ class Probe:
     # (the engine's default) included, and environment variables (None: unset) for a fresh process
     config: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str | None] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()  # --opt names removed, so the backend's default applies (an undo whose default is None)
+    undoes: dict[str, str] = field(default_factory=dict)  # an undo: the user's own --opt values this probe takes back
 
     def setting(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.options)
+        s.update({k: None for k in self.unset})
         s.update(self.config)
         s.update({f"env.{k}": v for k, v in self.env.items()})
         if self.threads is not None:
@@ -43,7 +46,7 @@ class Probe:
         return s
 
     def apply(self, config: RunConfig) -> RunConfig:
-        opts = dict(config.options)
+        opts = {k: v for k, v in config.options if k not in self.unset}
         opts.update(self.options)
         return dataclasses.replace(
             config, mode="best-effort", threads=self.threads if self.threads is not None else config.threads,
@@ -72,9 +75,55 @@ def _knob(probes, skipped, fields, config, key, value, *, proves, cost=1.0, fres
         probes.append(Probe(f"{key}={value}", key, "check", proves, cost, options={key: str(value)}, fresh=fresh))
 
 
+# --opt settings never taken back by an undo probe: what the check asks of whom, not how the engine
+# computes (with compare/causes' INERT_OPTIONS: ports, timeouts, paths, key names)
+NOT_UNDONE = {
+    "base_url": "which server answers",
+    "cache_probe": "the check's own design (each prompt cold, then warm)",
+    "trust_remote_code": "what loads the model",
+    "server": "names the server's kind",
+    "chat": "what is asked (chat messages or a prompt)",
+}
+
+
+def undo_probes(config: RunConfig) -> list[Probe]:
+    """One probe per --opt the user set away from the backend's default, taking it back to the
+    default (the option removed where the default is None: the engine's own). Not for the fake
+    backend, whose options are its script (what it computes), nor for NOT_UNDONE/INERT_OPTIONS."""
+    from ..backends.base import options_json, parse_options
+    from ..backends.registry import BACKENDS, backend_class
+    from ..compare.causes import INERT_OPTIONS
+
+    if config.backend == "fake" or config.backend not in BACKENDS or backend_class(config.backend).Options is None:
+        return []
+    options = backend_class(config.backend).Options
+    defaults = options_json(options())
+    probes = []
+    for key, raw in config.options:
+        if key in NOT_UNDONE or key in INERT_OPTIONS or key not in defaults:
+            continue
+        value = options_json(parse_options(options, ((key, raw),), config.backend))[key]
+        default = defaults[key]
+        if value == default:
+            continue
+        shown = "default" if default is None else str(default).lower()
+        probes.append(Probe(f"{key}={shown}", key, "check", f"whether taking back your own --opt {key}={raw} (the backend's "
+                            f"default: {'unset' if default is None else shown}) makes it stop", 0.5,
+                            options={} if default is None else {key: shown}, unset=(key,) if default is None else (),
+                            undoes={key: raw}))
+    return probes
+
+
 def plan(config: RunConfig, kinds: list[str], *, tier: int, fresh_repeats: int = 3) -> tuple[list[Probe], list[dict[str, str]]]:
-    """(probes cheapest first, skipped knobs with the reason) for a divergence of `kinds`
-    ("run", "batch") seen at `tier`."""
+    """(probes, skipped knobs with the reason) for a divergence of `kinds` ("run", "batch") seen at
+    `tier`: first every undo of the user's own settings (undo_probes), then the rest cheapest first."""
+    undo = undo_probes(config)
+    probes, skipped = _new_settings(config, kinds, tier=tier, fresh_repeats=fresh_repeats)
+    names = {p.name for p in undo}
+    return undo + [p for p in probes if p.name not in names], skipped
+
+
+def _new_settings(config: RunConfig, kinds: list[str], *, tier: int, fresh_repeats: int) -> tuple[list[Probe], list[dict[str, str]]]:
     probes: list[Probe] = []
     skipped: list[dict[str, str]] = []
     fields = option_fields(config.backend)
@@ -160,4 +209,4 @@ def _vllm_knobs(probes, skipped, fields, config) -> None:
         skipped.append({"knob": "batch_invariant", "reason": why})
 
 
-__all__ = ["LADDER", "Probe", "option_fields", "plan"]
+__all__ = ["LADDER", "NOT_UNDONE", "Probe", "option_fields", "plan", "undo_probes"]

@@ -68,6 +68,8 @@ class ProbeRunner:
             getattr(self, f"_{probe.kind}")(probe, entry)
         except _ProbeFailed as err:
             entry["status"], entry["reason"] = "error", str(err)
+        if probe.undoes:  # takes back the user's own setting: ranked above a new setting (ranking.py)
+            entry["evidence"]["undoes"] = dict(probe.undoes)
         entry["seconds"] = round(time.monotonic() - t0, 2)
         self.results.append(entry)
         return entry
@@ -175,6 +177,8 @@ class ProbeRunner:
             passes += 1
         status = "confirmed" if passes == repeats else ("failed" if passes < ran else "unconfirmed")
         setting = _setting_text(probe.setting())
+        if probe.undoes:
+            setting = f"{setting} (your own {', '.join(f'--opt {k}={v}' for k, v in probe.undoes.items())} taken back)"
         summary = {
             "confirmed": f"{setting}: PASS at tier {self.tier} in {passes}/{repeats} fresh-process checks",
             "failed": f"{setting} vanished in the probe but failed its confirmation: PASS at tier {self.tier} in {passes}/{ran} "
@@ -191,7 +195,7 @@ class _ProbeFailed(Exception):
 
 
 def _setting_text(setting: dict[str, Any]) -> str:
-    return " and ".join(f"{k}={v}" for k, v in setting.items()) or "the failing settings"
+    return " and ".join(f"{k}={'default' if v is None else v}" for k, v in setting.items()) or "the failing settings"
 
 
 __all__ = ["ProbeRunner"]

@@ -11,8 +11,10 @@ from typing import Any
 
 def rank_knobs(results: list[dict[str, Any]], baseline: dict[str, Any]) -> list[dict[str, Any]]:
     """One entry per knob: follows (the divergence comes with it), vanishes (setting it removes
-    the divergence), moves (it changes the divergence), not_followed; in that order."""
+    the divergence), moves (it changes the divergence), not_followed; in that order, and within a
+    verdict a knob that takes back the user's own setting (evidence.undoes) before a new setting."""
     knobs: dict[str, dict[str, Any]] = {}
+    undone: set[str] = set()
     order = {"follows": 0, "vanishes": 1, "moves": 2, "not_followed": 3}
     base_lp = baseline.get("max_abs_logprob_diff") or 0.0
     for r in results:
@@ -26,8 +28,14 @@ def rank_knobs(results: list[dict[str, Any]], baseline: dict[str, Any]) -> list[
         k["probes"].append(r["name"])
         if order[verdict] < order[k["verdict"]]:
             k["verdict"] = verdict
-        k["summary"] = "; ".join(x for x in (k["summary"], _knob_summary(r, base_lp)) if x)
-    ranked = sorted(knobs.values(), key=lambda k: order[k["verdict"]])
+        undoes = r["evidence"].get("undoes")
+        if undoes and verdict == k["verdict"]:
+            undone.add(r["knob"])
+        text = _knob_summary(r, base_lp)
+        if undoes:
+            text = f"takes back your own {', '.join(f'--opt {a}={b}' for a, b in undoes.items())}: {text}"
+        k["summary"] = "; ".join(x for x in (k["summary"], text) if x)
+    ranked = sorted(knobs.values(), key=lambda k: (order[k["verdict"]], k["knob"] not in undone))
     for i, k in enumerate(ranked, 1):
         k["rank"] = i
     return ranked
@@ -47,7 +55,11 @@ def _knob_summary(r: dict[str, Any], base_lp: float) -> str:
     if conf:
         word += (f" in the probe ({conf['status']}: {conf['fresh_process_passes']} of {conf['fresh_process_runs']} fresh-process "
                  f"checks passed, --fresh-repeats {conf['fresh_repeats']})")
-    return f"{r['name']}: {word}" + _lp(ev) + (f" (was {base_lp:.3g})" if r["outcome"] != "vanish" and base_lp else "")
+    if r["outcome"] == "vanish":  # no divergence left: a drift the tier accepts is said to be that, never the divergence's size
+        lp = ev.get("passing_max_abs_logprob_diff")
+        return f"{r['name']}: {word}" + (f"; no divergence left (the drift left, max |dlogprob| {lp:.3g}, is within what the tier "
+                                         "accepts)" if lp else "")
+    return f"{r['name']}: {word}" + _lp(ev) + (f" (was {base_lp:.3g})" if base_lp else "")
 
 
 def _lp(ev: dict[str, Any]) -> str:

@@ -28,8 +28,18 @@ def choice(doc: Any) -> dict[str, Any]:
     try:
         choice = doc["choices"][0]
     except (KeyError, IndexError, TypeError):
-        raise BackendError(f"the server's answer has no choices: {str(doc)[:200]}") from None
+        raise BackendError(f"the server's answer has no choices ({shape(doc)})") from None
     return choice if isinstance(choice, dict) else {}
+
+
+def shape(doc: Any) -> str:
+    """What an answer holds, for an error line: its keys, never its (long, partly private) values."""
+    if isinstance(doc, dict):
+        keys = sorted(str(k) for k in doc)
+        return "its keys: " + ", ".join(keys[:12]) + (", ..." if len(keys) > 12 else "") if keys else "an empty object"
+    if isinstance(doc, list):
+        return f"a JSON list of {len(doc)}"
+    return "a text answer, not JSON" if isinstance(doc, str) else "no body"
 
 
 def _tok(token: Any, ident: Any) -> tuple[str, int | None]:
@@ -87,4 +97,4 @@ def cached_tokens(doc: Any) -> int | None:
     return None
 
 
-__all__ = ["cached_tokens", "choice", "steps"]
+__all__ = ["cached_tokens", "choice", "shape", "steps"]

@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 from ...config import Decoding, RunConfig
-from ...errors import UsageError
+from ...errors import BackendError, BackendUnavailableError, UsageError
 from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF
 from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
-from .answers import cached_tokens as _cached_tokens, choice as _choice, steps as _steps
+from .answers import cached_tokens as _cached_tokens, choice as _choice, shape as _answers_shape, steps as _steps
 from .load import Endpoint, Reply, safe_url as _safe_url
 from .options import OpenAIOptions, validate
 
@@ -133,13 +133,28 @@ class OpenAIBackend(Backend):
             self.endpoint.post(self.path, self._body(req, Decoding(max_new_tokens=1), seed=0, n_logprobs=1, logprobs=False),
                                what="the capability probe")
             return False, False, f"the server rejected logprobs: {exc.message}"
+        self._refuse_other_api(reply.doc)
         steps = _steps(_choice(reply.doc).get("logprobs"))
         if not steps:
             return False, False, "the server answered without logprobs"
         ids = all(s.id is not None for s in steps) and all(t[1] is not None for s in steps for t in s.top)
         return True, ids, ""
 
-    def _tokenize(self, text: str, *, special: bool = True) -> list[int] | None:
+    def _refuse_other_api(self, doc: Any) -> None:
+        """An answer without OpenAI `choices` means --base-url is not the OpenAI root: llama-server
+        answers its native API (`content`, `tokens`) at the root too (exit 4, before anything is written)."""
+        if isinstance(doc, dict) and "choices" in doc:
+            return
+        url = _safe_url(self.endpoint.url(self.path))
+        if isinstance(doc, dict) and "content" in doc and not self.endpoint.base_url.endswith("/v1"):
+            raise BackendUnavailableError(f"{url} answered with llama-server's native API, not the OpenAI one",
+                                          hint=f"use --base-url {_safe_url(self.endpoint.base_url)}/v1")
+        raise BackendUnavailableError(f"{url} did not answer like an OpenAI completion ({_answers_shape(doc)})",
+                                      hint="--base-url must be the OpenAI-compatible root, e.g. http://host:port/v1")
+
+    def _tokenize(self, text: str, *, special: bool = True, fault: bool = False) -> list[int] | None:
+        """The server's token ids for `text`, or None where it has no /tokenize. With `fault` (the
+        run's prompts: /tokenize answered before the run) a failure is the backend's (exit 8)."""
         if self.kind == "llamacpp":
             status, doc = self.endpoint.try_post("/tokenize", {"content": text, "add_special": special, "parse_special": special}, root=True)
         elif self.kind in ("vllm", "sglang"):
@@ -147,7 +162,14 @@ class OpenAIBackend(Backend):
         else:
             return None
         if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("tokens"), list):
-            return None
+            if not fault:
+                return None
+            url = _safe_url(self.endpoint.url("/tokenize", root=True))
+            if status == 0:  # the server tokenized the probe, and now nothing listens: it went away
+                raise BackendError(f"the server went away while tokenizing the prompts: {url} could not be reached ({doc})",
+                                   hint="the server was stopped or crashed; nothing of this run is complete: start it again and rerun")
+            raise BackendError(f"{url} failed while tokenizing the prompts (HTTP {status}) although it tokenized before the run",
+                               hint="a server fault; nothing of this run is complete (--opt prompt_as=text lets the server tokenize)")
         toks = doc["tokens"]
         return [int(t["id"]) if isinstance(t, dict) else int(t) for t in toks]
 
@@ -163,9 +185,8 @@ class OpenAIBackend(Backend):
     def tokenize(self, text: str) -> list[int]:
         if self.prompt_as != "ids":
             return []  # the server tokenizes text (or renders chat messages) itself; nothing to record
-        ids = self._tokenize(text)
-        if ids is None:
-            raise UsageError(f"the server stopped tokenizing at {_safe_url(self.endpoint.root)}/tokenize", hint="pass --opt prompt_as=text")
+        ids = self._tokenize(text, fault=True)
+        assert ids is not None  # fault=True raises instead
         return ids
 
     def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:

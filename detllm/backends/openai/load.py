@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from ...errors import BackendError, BackendUnavailableError, UsageError
 
+WATCH_INTERVAL = 1.0  # seconds between /health looks (on a new connection) while a group is in flight
 RETRY_STATUS = (429, 503)  # the server says it did not take the request: resending is safe
 INSTALL_HINT = "install httpx: pip install 'detllm[openai]'"
 # /metrics gauges of requests the engine is computing right now (vLLM, SGLang, TGI)
@@ -100,13 +101,13 @@ class Endpoint:
             return await self._send(client, path, body, root=root, what=what, t0=time.monotonic())
 
     def try_post(self, path: str, body: Any, *, root: bool = False, timeout: float = 30.0) -> tuple[int, Any]:
-        """(status, body) of an optional endpoint (tokenize, cache reset); (0, None) when unreachable."""
+        """(status, body) of an optional endpoint (tokenize, cache reset); (0, why) when unreachable."""
         httpx = _httpx()
         try:
             with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout)) as client:
                 resp = client.post(self.url(path, root=root), json=body)
-        except httpx.HTTPError:
-            return 0, None
+        except httpx.HTTPError as exc:
+            return 0, f"{type(exc).__name__}: {exc or 'no detail'}"
         return resp.status_code, _body(resp)
 
     # -- a group of requests started together --
@@ -125,18 +126,57 @@ class Endpoint:
             t0 = time.monotonic()
             tasks = [asyncio.create_task(self._send(client, path, b, root=False, what=f"request {i}", t0=t0)) for i, b in enumerate(bodies)]
             sampler = asyncio.create_task(self._sample(client, sample, interval, evidence)) if sample else None
+            answers = asyncio.gather(*tasks)
+            watch = asyncio.create_task(self._watch(n))
             try:
-                replies = await asyncio.gather(*tasks)
+                done, _ = await asyncio.wait({answers, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if answers not in done:
+                    watch.result()  # the watcher only ever returns by raising: the server is going away
+                replies = answers.result()
             except BaseException:
                 for t in tasks:
                     t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*tasks, answers, return_exceptions=True)  # answers too: its outcome is retrieved, never logged
                 raise
             finally:
-                if sampler is not None:
-                    sampler.cancel()
-                    await asyncio.gather(sampler, return_exceptions=True)
+                for side in (sampler, watch):
+                    if side is not None:
+                        side.cancel()
+                        await asyncio.gather(side, return_exceptions=True)
         return list(replies), evidence
+
+    async def _watch(self, in_flight: int) -> None:
+        """While a group is in flight, ask for /health on a NEW connection every WATCH_INTERVAL s.
+        A server stopped normally (llama-server on SIGTERM) keeps the open connections and never
+        answers them, but refuses new ones: two refusals in a row (or a /health that answered 200
+        and now fails with 5xx) end the group at once instead of waiting out request_timeout."""
+        httpx = _httpx()
+        health = self.url("/health", root=True)
+        bad, healthy = 0, False
+        timeout = httpx.Timeout(5.0, connect=self.connect_timeout)
+        async with httpx.AsyncClient(headers=self._headers, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            while True:
+                await asyncio.sleep(0.25 if bad else WATCH_INTERVAL)
+                try:
+                    resp = await client.get(health)
+                except httpx.ConnectError as exc:
+                    why = f"it refused a new connection ({exc or type(exc).__name__})"
+                except httpx.HTTPError:  # slow or odd, not gone: no conclusion
+                    bad = 0
+                    continue
+                else:
+                    if resp.status_code == 200:
+                        bad, healthy = 0, True
+                        continue
+                    if not (healthy and resp.status_code >= 500):
+                        continue  # a server without /health answers 404: nothing to learn
+                    why = f"its /health now fails with HTTP {resp.status_code}"
+                bad += 1
+                if bad >= 2:
+                    raise BackendError(f"the server at {safe_url(self.root)} is going away (shutting down or stopped): {why} "
+                                       f"while {in_flight} request(s) were in flight",
+                                       hint="a server that is shutting down never answers the requests it holds; "
+                                            "nothing of this run is complete: start the server again and rerun")
 
     async def _sample(self, client, source: str, interval: float, evidence: BatchEvidence) -> None:
         """Poll the server while the batch is in flight; a failed poll is skipped, never fatal."""

@@ -87,3 +87,20 @@ def test_a_check_fail_names_diagnose_on_its_folder_and_diagnose_takes_it(cli, tm
     assert d.exit_code == 0, d.output
     assert (tmp_path / "diag" / "diagnosis.json").is_file()
 
+
+
+
+def test_the_issue_text_installs_this_detllm_from_its_repository(tmp_path):
+    """Not PyPI's `detllm` (the older 0.1, which cannot read these packs): the install that
+    tests/test_ci_action.py and tests/test_install.py run, with the extra the run's engine needs."""
+    from detllm.reporting import render_path
+
+    import detllm
+
+    fixtures = Path(__file__).parent / "fixtures" / "diff"
+    detllm.check(backend="fake", out=tmp_path / "check", max_new_tokens=4, options={"diverge": "prompt=0,pos=1,run=1"})
+    detllm.diff(fixtures / "base", fixtures / "engine_llamacpp", out=tmp_path / "diff")
+    for folder, extra in ((tmp_path / "check", "."), (tmp_path / "diff", "'.[hf]'")):  # fake: no extra; llamacpp's built-in GGUF: hf
+        text = render_path(folder, "issue")
+        assert f"With detllm from its repository (in a clone: `pip install -c constraints.txt {extra}`; " in text
+        assert "pip install detllm" not in text

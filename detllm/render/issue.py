@@ -265,11 +265,14 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
         lines += [f"{side.name} ({side.backend}):", "", *_fence("\n".join(_env_lines(side)))]
     lines += ["", "#### Reproduce", ""]
     target = folder if report["command"] != "diff" else None
+    extras = ",".join(dict.fromkeys(x for x in ({"hf": "hf", "llamacpp": "hf", "vllm": "vllm", "openai": "openai"}.get(e) for e in engines) if x))
+    install = (f"detllm from its repository (in a clone: `pip install -c constraints.txt {shlex.quote(f'.[{extras}]' if extras else '.')}`; "
+               "PyPI's `detllm` is the older 0.1, which cannot read these packs)")  # docs/ci.md#install
     if target is not None:
-        lines += [f"With detllm (`pip install detllm`), from the pack of this run (`detllm pack {shlex.quote(str(target))} -o pack.tar.gz`, attached):",
+        lines += [f"With {install}, from the pack of this run (`detllm pack {shlex.quote(str(target))} -o pack.tar.gz`, attached):",
                   "", *_fence(f"detllm verify pack.tar.gz && detllm replay pack.tar.gz", "bash")]
     else:
-        lines += ["With detllm, from the packs of the two runs (`detllm pack FOLDER -o left.tar.gz`, and right), attached:", "",
+        lines += [f"With {install}, from the packs of the two runs (`detllm pack FOLDER -o left.tar.gz`, and right), attached:", "",
                   *_fence("detllm replay left.tar.gz && detllm replay right.tar.gz\n"
                           f"detllm diff left.tar.gz right.tar.gz", "bash")]
     for side in sides:

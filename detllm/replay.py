@@ -65,7 +65,7 @@ def replay(
             return execute(
                 config, command="replay", out=out, force=force, backend=backend, progress=progress,
                 prompt_set=prompts, sign_key=sign_key,
-                make_report=lambda records, _tier, summary: replay_report(pack, recorded, out, records, summary),
+                make_report=lambda records, tier, summary: replay_report(pack, recorded, out, records, summary, config=config, tier=tier),
             )
         finally:
             backend.close()
@@ -196,9 +196,10 @@ def check_model(recorded: dict[str, Any], local: dict[str, Any], *, allow: bool)
 
 
 def replay_report(pack: Path | str, recorded: artifacts.RunFolder, out: Path, records: list[dict[str, Any]],
-                  summary: dict[str, Any]) -> dict[str, Any]:
+                  summary: dict[str, Any], *, config: RunConfig | None = None, tier: int | None = None) -> dict[str, Any]:
     """The replay's report.json: `detllm diff` (diff.diff_report) of every (run, batch size) the
-    pack recorded, pack on the left, replay on the right; the first failing one decides."""
+    pack recorded, pack on the left, replay on the right; the first failing one decides. Its
+    summary.reproduction says, in the pack's terms, whether the pack's own verdict recurs here."""
     from .compare.causes import Side
     from .compare.engine import label, select
     from .diff import diff_report
@@ -213,11 +214,47 @@ def replay_report(pack: Path | str, recorded: artifacts.RunFolder, out: Path, re
                      here[artifacts.ENV], here[artifacts.RUN_CONFIG], here[artifacts.APPLIED])
         reports.append(diff_report(left, right, atol=recorded.run_config["config"]["atol"]))
     decisive = next((r for r in reports if r["status"] == "FAIL"), reports[0])
+    failed = sum(r["status"] == "FAIL" for r in reports)
+    extra = {}
+    if config is not None and tier is not None:
+        extra["reproduction"] = reproduction(recorded.report or {}, config, records, tier, here, matches=not failed)
     return {
         **decisive,
         "command": "replay",
         "status": "FAIL" if decisive["status"] == "FAIL" else "PASS",
         "comparisons": [c for r in reports for c in r["comparisons"]],
-        "summary": {**summary, "pack": str(pack), "selections": len(reports),
-                    "failed": sum(r["status"] == "FAIL" for r in reports)},
+        "summary": {**summary, "pack": str(pack), "selections": len(reports), "failed": failed, **extra},
     }
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    return report["status"] + ("" if report["category"] in ("PASS", report["status"]) else f" [{report['category']}]")
+
+
+def reproduction(pack_report: dict[str, Any], config: RunConfig, records: list[dict[str, Any]], tier: int,
+                 here: dict[str, Any], *, matches: bool) -> dict[str, Any]:
+    """Whether the pack's own verdict recurs here: the replay's records judged as the pack's check
+    judged its own (checkverdict.check_verdict, the one verdict maker), in the reporter's terms
+    ("the pack's FAIL [RUN_VARIANCE] reproduces here"). `matches`: every selection of the replay
+    equals the pack's (the replay's PASS), which makes a reproduction exact."""
+    if pack_report.get("command") != "check":
+        return {"pack": None, "here": None, "reproduces": None, "matches_pack": matches,
+                "line": f"the pack holds a detllm {pack_report.get('command', 'run')}, not a check: it has no verdict to reproduce; "
+                        + ("this machine computes every output it recorded" if matches else "this machine computes other outputs (below)")}
+    from .checkverdict import check_verdict
+    from .compare.divergence import run_noise_floor
+
+    floor = run_noise_floor(config.dtype, here[artifacts.APPLIED]["settings"], here[artifacts.RUN_CONFIG]["model"].get("quantization"))
+    mine = check_verdict(config, records, tier=tier, floor=floor, summary={}, drift=False)
+    theirs, ours = _verdict(pack_report), _verdict(mine)
+    same = (pack_report["status"], pack_report["category"]) == (mine["status"], mine["category"])
+    exact = "exactly: every run and batch size computes the outputs the pack recorded" if matches else \
+        "though with other outputs than the pack's (the differences below)"
+    if pack_report["status"] == "FAIL":
+        line = (f"the pack's {theirs} reproduces here, {exact}" if same else
+                f"the pack's {theirs} does not reproduce here: the same check passes here at tier {tier}" if mine["status"] == "PASS" else
+                f"the pack's {theirs} does not reproduce here as recorded: the same check gives {ours} here")
+    else:
+        line = (f"the pack's {theirs} still passes here, {exact}" if same else f"the pack's {theirs} no longer passes here: the same "
+                                                                                 f"check gives {ours} here")
+    return {"pack": theirs, "here": ours, "reproduces": same, "matches_pack": matches, "line": line}

@@ -207,6 +207,8 @@ def _header(report: dict[str, Any]) -> list[str]:
     tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
     category = "" if report["category"] in ("PASS", report["status"]) else f" [{report['category']}]"
     lines = [f"detllm {report['command']}: {report['status']}{category}"]
+    if report["command"] == "replay" and (s.get("reproduction") or {}).get("line"):  # the pack's verdict, in the reporter's terms
+        lines.append(s["reproduction"]["line"])
     if report["command"] == "diff" and "left" in s:
         for name in ("left", "right"):
             x = s[name]

@@ -33,6 +33,30 @@ def _argv_flags(argv: Any) -> dict[str, Any]:
     return out
 
 
+def _served_aliases(lb: dict[str, Any], rb: dict[str, Any], engine: list[dict[str, Any]], notes: Notes) -> list[dict[str, Any]]:
+    """A served model's name (/v1/models `id`: llama-server's --alias, vLLM's --served-model-name)
+    is a label, not the engine: a differing id is noted, not a difference, where something the
+    server reports about the weights behind the name (the entry's `root` or `meta`, llama-server's
+    /props model_path) was recorded on both sides and agrees, and none of it differs."""
+    lm, rm = lb.get("models"), rb.get("models")
+    if not (isinstance(lm, list) and isinstance(rm, list) and len(lm) == len(rm)):
+        return engine
+    lp, rp = (lb.get("props") or {}).get("model_path"), (rb.get("props") or {}).get("model_path")
+    out = []
+    for d in engine:
+        i = next((i for i in range(len(lm)) if d["field"] == f"backend.models[{i}].id"), None)
+        a, b = (lm[i], rm[i]) if i is not None and isinstance(lm[i], dict) and isinstance(rm[i], dict) else ({}, {})
+        known = [k for k in ("root", "meta") if a.get(k) is not None and b.get(k) is not None]
+        agree = [f"models[{i}].{k}" for k in known if a[k] == b[k]] + (["props.model_path"] if lp is not None and lp == rp else [])
+        disagree = any(a[k] != b[k] for k in known) or (None not in (lp, rp) and lp != rp)
+        if i is None or not agree or disagree:
+            out.append(d)
+            continue
+        notes.note({**d, "field": f"env.{d['field']}"}, "the name the server serves the model under (llama-server --alias, vLLM "
+                   f"--served-model-name), not the engine: what the server reports about the weights agrees ({', '.join(agree)})")
+    return out
+
+
 def backend_mismatch(left: Side, right: Side, notes: Notes, routed: Routed) -> dict[str, Any] | None:
     ln, rn = left.run_config["config"]["backend"], right.run_config["config"]["backend"]
     lb, rb = left.env.get("backend") or {}, right.env.get("backend") or {}
@@ -46,6 +70,8 @@ def backend_mismatch(left: Side, right: Side, notes: Notes, routed: Routed) -> d
     skip |= same_content
     skip |= set(_ENGINE_MIRRORED) | set(HARDWARE_KEYS)
     engine = flat_diff({k: v for k, v in lb.items() if k not in skip}, {k: v for k, v in rb.items() if k not in skip}, "backend")
+    if ln == rn == "openai":
+        engine = _served_aliases(lb, rb, engine, notes)
     if ln == rn:
         la, ra = _argv_flags(lb.get("argv")), _argv_flags(rb.get("argv"))
         engine += flat_diff({k: v for k, v in la.items() if k not in _ARGV_MIRRORED},

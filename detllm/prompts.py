@@ -1,8 +1,8 @@
 """Prompt sets: the built-in defaults, prompt files, and filler prompts for batches.
 
 A prompt file is `.jsonl` (one JSON object per line with a "prompt" or "text"
-string, or a bare JSON string) or plain text (one prompt per non-blank line); the
-seed's `--prompt-file` is always JSONL. Prompts may also be given inline (`--prompt`,
+string, or a bare JSON string), `.json` (one JSON array of such values) or plain text
+(one prompt per non-blank line); the seed's `--prompt-file` is always JSONL. Prompts may also be given inline (`--prompt`,
 the API's `prompts=[...]`). Read and validated before anything runs; a bad file is
 one UsageError naming the line.
 """
@@ -96,9 +96,17 @@ def resolve_prompts(prompts: "str | Path | Sequence[str] | PromptSet | None" = N
     return load_prompts(prompts)
 
 
+def _prompt_of(obj: object, where: str) -> str:
+    """A prompt from one JSON value: a string, or an object's "prompt" (or "text") string."""
+    text = obj if isinstance(obj, str) else obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
+    if not isinstance(text, str) or not text:
+        raise UsageError(f"{where}: expected an object with a non-empty \"prompt\" (or \"text\") string, or a non-empty string")
+    return text
+
+
 def load_prompts(path: str | Path | None, *, jsonl: bool | None = None) -> PromptSet:
     """The built-in prompts (no path) or a prompt file; `jsonl` forces (or forbids) JSONL,
-    otherwise the `.jsonl` suffix decides."""
+    otherwise the suffix decides: `.jsonl` JSONL, `.json` one JSON array, else one prompt per line."""
     if path is None:
         return PromptSet(BUILTIN_PROMPTS, "builtin")
     p = Path(path)
@@ -117,10 +125,17 @@ def load_prompts(path: str | Path | None, *, jsonl: bool | None = None) -> Promp
                 obj = json.loads(line)
             except ValueError as exc:
                 raise UsageError(f"prompt file {str(p)!r} line {n}: not valid JSON") from exc
-            text = obj if isinstance(obj, str) else obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
-            if not isinstance(text, str) or not text:
-                raise UsageError(f"prompt file {str(p)!r} line {n}: expected an object with a non-empty \"prompt\" string")
-            texts.append(text)
+            texts.append(_prompt_of(obj, f"prompt file {str(p)!r} line {n}"))
+    elif p.suffix == ".json":  # one JSON document: an array of prompts, never one text prompt holding the brackets
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise UsageError(f"prompt file {str(p)!r}: not valid JSON ({exc.msg}, line {exc.lineno})",
+                             hint="a .json prompt file holds one JSON array; for one prompt per line use .txt, for JSONL .jsonl") from exc
+        if not isinstance(doc, list):
+            raise UsageError(f"prompt file {str(p)!r}: a .json prompt file holds a JSON array of prompts, got a JSON {type(doc).__name__}",
+                             hint='["first prompt", {"prompt": "second"}]; for JSONL use .jsonl')
+        texts = [_prompt_of(obj, f"prompt file {str(p)!r} item {i}") for i, obj in enumerate(doc)]
     else:
         texts = [line for line in raw.splitlines() if line.strip()]
     if not texts:

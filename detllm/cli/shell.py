@@ -46,7 +46,7 @@ def _root(version: Annotated[bool, typer.Option("--version", is_eager=True, call
 
 
 # options that several command families take, spelled and explained once
-Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, fake.")]
+Backend = Annotated[str, typer.Option("--backend", "-b", help="Engine: hf, vllm, llamacpp, openai (a running server: --base-url), fake.")]
 Model = Annotated[str, typer.Option("--model", "-m", help="Built-in model (tiny, smollm2-135m), local path, or hub id.")]
 JUnit = Annotated[Optional[Path], typer.Option("--junit", help="Also write JUnit XML here (one testcase per prompt) for CI.")]
 SignKey = Annotated[Optional[Path], typer.Option("--sign-key", help="Ed25519 PEM private key: sign manifest.json into manifest.sig (needs the cryptography package).")]
@@ -158,13 +158,17 @@ def write_html(outcome, path: Path | None) -> None:
 
 
 class ProgressBar:
-    """Prompts done / total and tokens/s on stderr, only when stderr is a terminal (CI logs stay
-    clean); a rich bar created on first update (imports nothing until used)."""
+    """Prompt runs done / total (prompts x runs x batch sizes) and tokens/s on stderr, only when
+    stderr is a terminal (CI logs stay clean); a rich bar created on first update (imports nothing
+    until used), its rate counted from the start of the run."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled, self.bar, self.task, self.t0 = enabled and sys.stderr.isatty(), None, None, 0.0
 
     def __enter__(self):
+        import time
+
+        self.t0 = time.monotonic()  # the first update comes after the first prompt's tokens: they count from here
         return self.update if self.enabled else None
 
     def update(self, done: int, total: int, tokens: int = 0) -> None:
@@ -173,11 +177,10 @@ class ProgressBar:
         if self.bar is None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts  {task.fields[rate]}"),
+            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("prompt runs  {task.fields[rate]}"),
                                 console=_console(stderr=True), transient=True)
             self.bar.start()
             self.task = self.bar.add_task("generating", total=total, rate="")
-            self.t0 = time.monotonic()
         elapsed = time.monotonic() - self.t0
         rate = f"{tokens / elapsed:.1f} tokens/s" if elapsed > 0 and tokens else ""
         self.bar.update(self.task, completed=done, rate=rate)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+from types import SimpleNamespace
 from difflib import get_close_matches
 from typing import Any, get_args, get_origin
 
@@ -40,6 +41,21 @@ def empty_path_argument(args: list[str], path_flags: set[str]) -> str | None:
     return None
 
 
+def dashed_path_value(args: list[str], path_flags: set[str]) -> tuple[str, str] | None:
+    """(flag, value) where a path option took an option as its value (`--html --json` would write
+    a file named --json); None when there is none. `./--json` still names such a file."""
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--":
+            return None
+        if arg in path_flags and args[i + 1].startswith("--"):
+            return arg, args[i + 1]
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if eq and flag in path_flags and value.startswith("--"):
+            return flag, value
+    return None
+
+
 def path_flags(group: Any) -> set[str]:
     """Every spelling of every option whose value is a path, in every command of the group."""
     flags: set[str] = set()
@@ -52,6 +68,24 @@ def path_flags(group: Any) -> set[str]:
     return flags
 
 
+def bare_flags(group: Any) -> None:
+    """A flag takes no value, so its help shows no type: typer's plain help already leaves it out,
+    its rich help printed `--json <bool>`. Every flag of every command, --help included, shows none."""
+    names = (group.context_settings or {}).get("help_option_names", ["--help"])
+    for cmd in [group, *group.commands.values()]:
+        if cmd is not group and getattr(cmd, "commands", None):
+            bare_flags(cmd)
+            continue
+        helper = cmd.get_help_option(SimpleNamespace(help_option_names=names))  # what get_help_option reads of a context
+        for p in [*cmd.params, helper]:
+            if p is not None and getattr(p, "is_flag", False):
+                p.display_type_rich = _no_type
+
+
+def _no_type(ctx: Any = None) -> None:
+    return None
+
+
 class Group(TyperGroup):
     """The app's top-level group: typer's, with every usage error turned into one line (explain)."""
 
@@ -60,9 +94,16 @@ class Group(TyperGroup):
         if not standalone_mode:
             return super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
         argv = sys.argv[1:] if args is None else list(args)
+        bare_flags(self)
         flag = empty_path_argument(argv, path_flags(self)) if any(a == "" or a.endswith("=") for a in argv) else None
         if flag is not None:
             typer.echo(f"detllm: error: {flag} is empty; give a path (use . for the current folder)", err=True)
+            sys.exit(2)
+        dashed = dashed_path_value(argv, path_flags(self)) if any(a.startswith("--") for a in argv) else None
+        if dashed is not None:
+            flag, value = dashed
+            typer.echo(f"detllm: error: {flag} needs a path, got the option {value!r} "
+                       f"(give {flag} its path; for a file named {value}, write ./{value})", err=True)
             sys.exit(2)
         try:
             code = super().main(args=argv, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
@@ -191,4 +232,4 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()).rstrip(".")
 
 
-__all__ = ["Group", "empty_path_argument", "expected", "explain", "path_flags"]
+__all__ = ["Group", "bare_flags", "dashed_path_value", "empty_path_argument", "expected", "explain", "path_flags"]

@@ -134,3 +134,13 @@ def test_the_action_default_arguments_pass_on_the_real_hf_tiny_model(tmp_path):
     assert gate.stdout.startswith("detllm check: PASS\ntier 2  backend hf  model tiny") and gate.stderr == ""
     report = json.loads((act.workspace / "detllm-out" / "run" / "report.json").read_text())
     assert report["tier"] == {"requested": 2, "effective": 2} and report["summary"]["batch_sizes"] == [1, 2]
+
+
+def test_docs_ci_job_and_inputs_agree_with_the_action():
+    doc = (ROOT / "docs" / "ci.md").read_text()
+    job = yaml.safe_load(doc.split("```yaml\n", 1)[1].split("```", 1)[0])
+    step = next(s for s in job["jobs"]["determinism"]["steps"] if s.get("id") == "detllm")
+    assert set(step["with"]) <= set(ACTION["inputs"])
+    assert "--mode strict" in step["with"]["args"]
+    listed = re.findall(r"`([\w-]+)`", doc.split("Inputs: ", 1)[1].split("\n\n", 1)[0])
+    assert set(ACTION["inputs"]) <= set(listed), "docs/ci.md lists every input"

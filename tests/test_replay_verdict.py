@@ -86,3 +86,28 @@ def test_served_pack_replayed_on_a_renamed_uncached_server_does_not_reproduce_an
     assert "BACKEND_MISMATCH" not in [c["code"] for c in rep["causes"]]
     alias = next(n for n in rep["inert_differences"] if n["field"] == "env.backend.models[0].id")
     assert (alias["left"], alias["right"]) == ("tiny", served_id) and "props.model_path" in alias["why"]
+
+
+@pytest.mark.parametrize("right_model,right_path,alias", [
+    ({"id": "gguf-tiny/model.gguf", "owned_by": "llamacpp", "meta": {"n_params": 100, "size": 5}}, "/m/tiny.gguf", True),
+    ({"id": "other", "owned_by": "llamacpp", "meta": {"n_params": 200, "size": 9}}, "/m/tiny.gguf", False),  # other weights
+    ({"id": "other", "owned_by": "llamacpp", "meta": {"n_params": 100, "size": 5}}, "/m/other.gguf", False),  # another file
+    ({"id": "other", "owned_by": "x"}, None, False),  # nothing about the weights recorded: the id may name other weights
+])
+def test_a_renamed_id_is_an_alias_only_where_the_weights_behind_it_agree(right_model, right_path, alias):
+    from detllm.compare.causes.environment import backend_mismatch
+    from detllm.compare.causes.notes import Notes
+    from detllm.compare.causes.sides import Routed, Side
+
+    def side(model, path):
+        env = {"backend": {"name": "openai", "server": "llamacpp", "models": [model],
+                           **({"props": {"model_path": path, "build_info": "b1"}} if path else {})}}
+        rc = {"config": {"backend": "openai"}, "backend_options": {"base_url": "u"}}
+        return Side("s", 0, 1, [], "f", env, rc, {"settings": []})
+
+    left = {"id": "tiny", "owned_by": "llamacpp", "meta": {"n_params": 100, "size": 5}}
+    notes = Notes()
+    ev = backend_mismatch(side(left, "/m/tiny.gguf"), side(right_model, right_path), notes, Routed())
+    fields = [d["field"] for d in (ev or {}).get("engine", [])]
+    assert ("backend.models[0].id" not in fields) is alias
+    assert any(n["field"] == "env.backend.models[0].id" for n in notes.inert) is alias

@@ -82,8 +82,10 @@ def test_served_pack_replayed_on_a_renamed_uncached_server_does_not_reproduce_an
     rep = json.loads(r.output)
     assert rep["summary"]["reproduction"]["line"] == f"the pack's {verdict} does not reproduce here: the same check passes here at tier 2"
     assert rep["summary"]["reproduction"]["reproduces"] is False and rep["summary"]["reproduction"]["here"] == "PASS"
-    assert rep["causes"][0]["code"] == "CACHE_VARIANCE", rep["causes"]  # the real change: cache on vs off
-    assert "BACKEND_MISMATCH" not in [c["code"] for c in rep["causes"]]
+    codes = [c["code"] for c in rep["causes"]]
+    # the real change is named (cache on vs off: 81 vs 0 cached prompt tokens in run 1), the alias is not;
+    # not asserted first: the server's sampled batch (BATCH_VARIANCE's evidence) depends on the load
+    assert "CACHE_VARIANCE" in codes and "BACKEND_MISMATCH" not in codes, codes
     alias = next(n for n in rep["inert_differences"] if n["field"] == "env.backend.models[0].id")
     assert (alias["left"], alias["right"]) == ("tiny", served_id) and "props.model_path" in alias["why"]
 

@@ -5,6 +5,7 @@ recorded trace bit for bit (the real llama-server binary, the shared smollm2 run
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ def test_issue_has_verdict_divergence_env_and_reproduction(cli, fake_fail):
     assert f"id {d['left']['token_id']} {d['left']['token_text']!r}" in md and f"id {d['right']['token_id']}" in md
     for section in ("#### Describe the bug", "#### Your current environment", "#### Reproduce", "Determinism settings applied"):
         assert section in md
-    assert "detllm replay pack.tar.gz" in md and f"detllm pack {fake_fail.out_dir}" in md
+    assert "detllm replay pack.tar.gz" in md and "detllm pack [temp]/c -o pack.tar.gz" in md  # the folder is pytest's
     env = json.loads((fake_fail.out_dir / "env.json").read_text())
     assert f"Python: {env['python']['version']}" in md and env["cpu"]["model"] in md
 
@@ -80,7 +81,7 @@ def test_raw_llamacpp_call_reproduces_the_trace(smollm2_sides, tmp_path):
     assert md.startswith("<!-- llama.cpp's bug template")
     assert "llama.cpp version: version:" in md and "llama-server sha256:" in md
     server_line, curl = _code_block(md, "Raw llama.cpp call", "bash").split(" &\n", 1)
-    argv = shlex.split(server_line)
+    argv = [os.path.expanduser(a) for a in shlex.split(server_line)]  # as a shell reads it: the model path is shown from ~
     assert argv[0] == "llama-server"
     argv[0] = str(find_server())
     port = free_port()

@@ -178,11 +178,12 @@ def test_each_figure_names_its_quantity_and_no_maximum_sits_below_a_difference(t
     assert report["comparisons"][0]["drift"]["max_abs_logprob_diff"] == pytest.approx(1.86e-05)
     out = _render_all(report, folder)
     assert "max |dlogprob| of chosen tokens 1.86e-05, of top-k entries >=8.77e-05" in out["txt"]
-    assert "|logprob difference| 8.77e-05, of a top-k entry id 40's logprob; the chosen token's logprob is equal" in out["txt"]
-    assert "\\|logprob difference\\| 8.77e-05, of a top-k entry id 40's logprob; the chosen token's logprob is equal" in out["md"]
+    named = "8.77e-05, of a top-k entry id 40's logprob: -2.5 vs -2.50009 (right - left = -8.77e-05); the chosen token's logprob is equal"
+    assert f"|logprob difference| {named}" in out["txt"]
+    assert f"\\|logprob difference\\| {named}" in out["md"]
     assert "1.86e-05 (top-k entries ≥8.77e-05)" in out["md"]
     assert "of top-k entries &gt;=8.77e-05" in out["html"] and "of a top-k entry id 40&#x27;s logprob" in out["html"]
-    assert "8.77e-05, of a top-k entry id 40's logprob; the chosen token's logprob is equal" in out["issue"]
+    assert named in out["issue"]
     for text in out.values():  # the unnamed figures once printed
         assert "diverged  max |dlogprob| 1.86e-05  " not in text and "difference| 8.77e-05\n" not in text
         assert "at this step (chosen token and top-k)" not in text and "largest |logprob difference| at this step:" not in text

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
-from .figures import difference_text, topk_bound
+from .figures import apart, chosen_logprobs, difference_text, differing_entry, entry_text, topk_bound
+from .paths import mask_paths
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'none'; connect-src 'none'; "
        "font-src 'none'; object-src 'none'; media-src 'none'; frame-src 'none'; form-action 'none'; base-uri 'none'")
@@ -39,15 +40,17 @@ th{background:#f6f8fa} td{overflow-wrap:anywhere} code,.mono{font-family:ui-mono
 .prompt{color:#57606a;border-right:2px solid #0969da;padding-right:3px;margin-right:3px}.lp{color:#57606a;font-size:11px}
 .cell-PASS{background:#dafbe1}.cell-FAIL{background:#ffebe9}.cell-INFO{background:#fff8c5}.cell-base{background:#eaeef2}
 .muted{color:#57606a}.diff-l{background:#ffebe9}.diff-r{background:#dafbe1}
+tr.hl td,p.hl{background:#fff8c5;font-weight:700} tr.hl td{border:2px solid #9a6700}
 svg text{font:11px system-ui,sans-serif;fill:#57606a}
 """
 
 
 def esc(value: Any) -> str:
-    """Text from a pack, safe as HTML text or a quoted attribute value."""
+    """Text from a pack, safe as HTML text or a quoted attribute value, its paths shown as
+    render/paths.py shows them (nothing under a home or temporary folder)."""
     if not isinstance(value, str):
         value = json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else str(value)
-    return html.escape(value, quote=True)
+    return html.escape(mask_paths(value), quote=True)
 
 
 def _num(x: Any, fmt: str = ".6g") -> str:
@@ -105,18 +108,27 @@ def _chips(record: dict[str, Any] | None, d: dict[str, Any], side: str) -> str:
     return f"<div class='chips'>{''.join(parts)}</div>"
 
 
-def _tip(tok: dict[str, Any]) -> str:
+def _tip(tok: dict[str, Any], logprob: str | None = None) -> str:
+    """`logprob`: the value as printed beside the other side's (figures.chosen_logprobs)."""
     if tok["token_id"] is None:
         return "generation ended"
-    return f"id {tok['token_id']}" + (f" · logprob {tok['logprob']:.6g}" if tok.get("logprob") is not None else "")
+    if logprob is None and tok.get("logprob") is not None:
+        logprob = f"{tok['logprob']:.6g}"
+    return f"id {tok['token_id']}" + (f" · logprob {logprob}" if logprob is not None else "")
 
 
 def _topk(d: dict[str, Any]) -> str:
+    """Both sides' top-k at the divergence; the entry whose difference is the divergence's is
+    highlighted (class `hl`) on each side that holds it, its value printed apart from the other's."""
     texts = {s["token_id"]: s["token_text"] for s in (d["left"], d["right"]) if s["token_id"] is not None}
+    e = differing_entry(d)
+    shown = dict(zip(("left", "right"), apart(e["left"], e["right"]))) if e is not None else {}
     cols = []
     for side in ("left", "right"):
-        rows = "".join(f"<tr><td class='mono'>{esc(tid)}</td><td class='mono'>{esc(repr(texts[tid])) if tid in texts else ''}</td>"
-                       f"<td class='mono'>{_num(lp, '.6g')}</td></tr>" for tid, lp in d[side].get("top_logprobs") or [])
+        rows = "".join((f"<tr class='hl' title='{esc(entry_text(d))}'>" if e is not None and tid == e["id"] else "<tr>")
+                       + f"<td class='mono'>{esc(tid)}</td><td class='mono'>{esc(repr(texts[tid])) if tid in texts else ''}</td>"
+                       f"<td class='mono'>{esc(shown[side]) if e is not None and tid == e['id'] else _num(lp, '.6g')}</td></tr>"
+                       for tid, lp in d[side].get("top_logprobs") or [])
         cols.append(f"<table><tr><th>id</th><th>token</th><th>logprob</th></tr>{rows or '<tr><td colspan=3>not recorded</td></tr>'}</table>")
     return f"<div class='sides'><div>{cols[0]}</div><div>{cols[1]}</div></div>"
 
@@ -128,14 +140,14 @@ def _divergence(d: dict[str, Any], records: tuple[dict | None, dict | None]) -> 
            f"<b>{esc(d['token_index'])}</b>, kind <code>{esc(d['kind'])}</code>, in <i>{esc(d['comparison'])}</i>; "
            f"near tie: {esc(tie)}; noise floor {esc(_num(d.get('noise_floor'), 'g'))}</p>",
            "<div class='sides'>"]
-    for side, rec in zip(("left", "right"), records):
+    for side, rec, lp in zip(("left", "right"), records, chosen_logprobs(d)):
         tok = d[side]
         chosen = "(end of generation)" if tok["token_id"] is None else repr(tok["token_text"])
         out.append(f"<div class='side'><h3>{esc(side)}: {esc(tok['label'])}</h3>{_chips(rec, d, side)}"
-                   f"<p class='mono'>divergent token: {esc(chosen)} · {esc(_tip(tok))} · margin {esc(_num(tok.get('margin'), '.4g'))}</p></div>")
+                   f"<p class='mono'>divergent token: {esc(chosen)} · {esc(_tip(tok, lp))} · margin {esc(_num(tok.get('margin'), '.4g'))}</p></div>")
     out.append("</div>")
-    if d.get("logprob_abs_diff") is not None:
-        out.append(f"<p>at this step: {esc(difference_text(d, '.6g'))}</p>")
+    if difference_text(d):
+        out.append(f"<p class='hl'>at this step: {esc(difference_text(d, '.6g'))}</p>")
     out += ["<h3>top-k at the divergence</h3>", _topk(d)]
     return out
 

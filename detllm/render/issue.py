@@ -18,7 +18,8 @@ from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
 from ..env import REDACTED, redact_env
-from .figures import difference_text
+from .figures import chosen_logprobs, difference_text
+from .paths import mask_paths
 from .text import cause_summary
 
 # env var families each engine's maintainers ask about (vLLM's collect_env prints these)
@@ -109,15 +110,17 @@ def _verdict(report: dict[str, Any]) -> list[str]:
                          + ("" if c["required"] else " (not required at this tier)"))
     d = report["first_divergence"]
     if d is not None:
-        def tok(x: dict[str, Any]) -> str:
+        lps = dict(zip(("left", "right"), chosen_logprobs(d)))
+
+        def tok(x: dict[str, Any], side: str) -> str:
             if x["token_id"] is None:
                 return "generation ended"
-            return f"id {x['token_id']} {x['token_text']!r}" + (f" (logprob {x['logprob']:.6g})" if x.get("logprob") is not None else "")
+            return f"id {x['token_id']} {x['token_text']!r}" + (f" (logprob {lps[side]})" if lps[side] is not None else "")
 
         lines += ["", f"First divergence: prompt {d['prompt_index']}, generated token {d['token_index']} ({d['kind']})"
                   + (", a near tie" if d["near_tie"] else "") + ":", "",
-                  f"- `{d['left']['label']}`: {tok(d['left'])}", f"- `{d['right']['label']}`: {tok(d['right'])}",
-                  *([f"- the {difference_text(d, '.6g')}".replace("|", "\\|")] if d.get("logprob_abs_diff") is not None else []),
+                  f"- `{d['left']['label']}`: {tok(d['left'], 'left')}", f"- `{d['right']['label']}`: {tok(d['right'], 'right')}",
+                  *([f"- the {difference_text(d, '.6g')}".replace("|", "\\|")] if difference_text(d) else []),
                   "", "Common prefix:", "", *_fence(d["common_prefix_text"][-300:] or "(empty)")]
     if report["causes"]:
         lines += ["", "Causes detllm ranked (most likely first):", ""]
@@ -154,7 +157,7 @@ def _env_lines(side: _Side) -> list[str]:
         out += [f"llama.cpp version: {b.get('version')}", f"llama.cpp build_info (/props): {b.get('build_info')}",
                 f"package: {b.get('package')}", f"llama-server sha256: {b.get('binary_sha256')}",
                 f"n_ctx: {b.get('n_ctx')}, total_slots: {b.get('total_slots')}",
-                "command line: llama-server " + " ".join(shlex.quote(_safe_arg(a)) for a in b.get("argv") or [])]
+                "command line: llama-server " + " ".join(_sh(_safe_arg(a)) for a in b.get("argv") or [])]
     elif engine == "vllm":
         out += [f"vLLM: {b.get('distribution')} {b.get('version')} ({b.get('build')} build; git sha not recorded by the wheel)",
                 f"platform: {b.get('platform')}, device: {b.get('device_name')}, attention backend: {b.get('attention_backend')}, "
@@ -168,6 +171,18 @@ def _env_lines(side: _Side) -> list[str]:
     shown = {k: v for k, v in env_vars.items() if k.startswith(prefixes)} if prefixes else env_vars
     out.append("Environment variables: " + (", ".join(f"{k}={v}" for k, v in shown.items()) or "none of " + "/".join(prefixes) + "*"))
     return out
+
+
+def _sh(arg: str) -> str:
+    """One shell word, its path shown as mask_paths shows it; `~/` left unquoted, so the shell expands it."""
+    arg = mask_paths(arg)
+    return "~/" + shlex.quote(arg[2:]) if arg.startswith("~/") else shlex.quote(arg)
+
+
+def _py_path(path: str) -> str:
+    """A model path as a Python expression, shown as mask_paths shows it (`~` expanded at run time)."""
+    shown = mask_paths(path)
+    return f"os.path.expanduser({shown!r})" if shown.startswith("~") else repr(shown)
 
 
 def _safe_arg(arg: str) -> str:
@@ -202,7 +217,7 @@ def _raw_call(side: _Side, record: dict[str, Any] | None, occurrence: int = 0) -
                 "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0,
                 "n_probs": cfg.get("logprobs", cfg.get("logprobs_top_k")), "post_sampling_probs": False, "return_tokens": True,
                 "cache_prompt": bool(applied.get("cache_prompt", {}).get("value", False)), "stream": False}
-        server = "llama-server " + " ".join(shlex.quote(_safe_arg(a).replace("<port>", "8080")) for a in argv)
+        server = "llama-server " + " ".join(_sh(_safe_arg(a).replace("<port>", "8080")) for a in argv)
         return ["Raw llama.cpp call (the same server flags and /completion body detllm used):", "",
                 *_fence(f"{server} &\ncurl -s http://127.0.0.1:8080/completion -H 'Content-Type: application/json' \\\n"
                         f"  -d {shlex.quote(json.dumps(body))}", "bash")]
@@ -218,7 +233,7 @@ def _raw_call(side: _Side, record: dict[str, Any] | None, occurrence: int = 0) -
         extra = "".join(f", {k}={v!r}" for k, v in llm_kw.items() if v is not None)
         code = ("import os\n" + "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in sorted(env_vars.items()))
                 + "from vllm import LLM, SamplingParams\n"
-                f"llm = LLM(model={model.get('path') or cfg['model']!r}, dtype={cfg['dtype']!r}, seed=0{extra}, "
+                f"llm = LLM(model={_py_path(model.get('path') or cfg['model'])}, dtype={cfg['dtype']!r}, seed=0{extra}, "
                 "logprobs_mode='raw_logprobs')\n"
                 f"params = SamplingParams(temperature={dec['temperature']}, top_p={dec['top_p']}, top_k={dec['top_k']}, "
                 f"max_tokens={dec['max_new_tokens']}, seed={seed}, logprobs={cfg['logprobs']})\n"
@@ -228,8 +243,9 @@ def _raw_call(side: _Side, record: dict[str, Any] | None, occurrence: int = 0) -
     if engine == "hf":
         greedy = dec["temperature"] == 0
         attn = ((side.env or {}).get("backend") or {}).get("attn_implementation")
-        code = (f"import torch\nfrom transformers import AutoModelForCausalLM\n"
-                f"model = AutoModelForCausalLM.from_pretrained({model.get('path') or cfg['model']!r}, dtype=torch."
+        where = _py_path(model.get("path") or cfg["model"])
+        code = (("import os\n" if where.startswith("os.") else "") + "import torch\nfrom transformers import AutoModelForCausalLM\n"
+                f"model = AutoModelForCausalLM.from_pretrained({where}, dtype=torch."
                 f"{cfg['dtype'] if cfg['dtype'] != 'auto' else 'float32'}" + (f", attn_implementation={attn!r}" if attn else "") + ")\n"
                 f"torch.manual_seed({seed})\nids = torch.tensor([{ids_text.split('  #')[0]}])\n"
                 f"out = model.generate(ids, max_new_tokens={dec['max_new_tokens']}, do_sample={not greedy}"
@@ -287,4 +303,4 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
         if raw:
             lines += ["", *raw]
         lines += _applied(side)
-    return "\n".join(lines) + "\n"
+    return mask_paths("\n".join(lines)) + "\n"  # the whole text: no path under a home or temporary folder

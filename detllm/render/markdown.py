@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
-from .figures import difference_text, topk_bound
+from .figures import apart, chosen_logprobs, difference_text, differing_entry, topk_bound
 from .text import MAGNITUDE_TITLES, cause_summary, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
 
 
@@ -40,16 +40,31 @@ def _tok(side: dict[str, Any]) -> str:
     return f"{side['token_id']} {_cell(repr(side['token_text']))}"
 
 
-def _top(side: dict[str, Any], texts: dict[int, str]) -> str:
+def _top(side: dict[str, Any], texts: dict[int, str], entry: tuple[int, str] | None = None) -> str:
+    """A side's top-k, one entry a line; `entry` (id, its value printed apart from the other side's):
+    the differing entry, in bold."""
     top = side.get("top_logprobs") or []
-    return "<br>".join(" ".join([str(tid)] + ([_cell(repr(texts[tid]))] if tid in texts else []) + [_num(lp, ".4g")])
-                       for tid, lp in top) or "n/a"
+    rows = []
+    for tid, lp in top:
+        value = f"**{entry[1]}** ◀" if entry is not None and tid == entry[0] else _num(lp, ".4g")
+        rows.append(" ".join([str(tid)] + ([_cell(repr(texts[tid]))] if tid in texts else []) + [value]))
+    return "<br>".join(rows) or "n/a"
+
+
+def _entries(d: dict[str, Any]) -> tuple[tuple[int, str] | None, tuple[int, str] | None]:
+    """The differing entry on each side, (id, value printed apart), for the top-k cells."""
+    e = differing_entry(d)
+    if e is None:
+        return None, None
+    values = apart(e["left"], e["right"]) if e["only"] is None else (apart(e[e["only"]], None)[0],) * 2
+    return tuple(None if e[s] is None else (e["id"], v) for s, v in zip(("left", "right"), values))  # type: ignore[return-value]
 
 
 def _divergence(d: dict[str, Any]) -> list[str]:
     left, right = d["left"], d["right"]
     texts = {s["token_id"]: s["token_text"] for s in (left, right) if s["token_id"] is not None}
     label = (d.get("magnitude") or {}).get("label")
+    lps, entries = chosen_logprobs(d), _entries(d)
     if label:
         tie = f"**{MAGNITUDE_TITLES.get(label, label)}**: {magnitude_line(d).partition(': ')[2] or 'noise floor ' + _num(d['noise_floor'], 'g')}"
     else:  # a report written before magnitudes existed
@@ -62,17 +77,17 @@ def _divergence(d: dict[str, Any]) -> list[str]:
         "Common prefix (the generated text both sides agree on):", "", *_fenced(d["common_prefix_text"][-400:] or "(empty)"), "",
         f"| | left: {_cell(left['label'])} | right: {_cell(right['label'])} |", "|---|---|---|",
         f"| token | {_tok(left)} | {_tok(right)} |",
-        f"| logprob of its own token | {_num(left['logprob'])} | {_num(right['logprob'])} |",
+        f"| logprob of its own token | {lps[0] or 'n/a'} | {lps[1] or 'n/a'} |",
         *([] if left["token_id"] == right["token_id"] else
           [f"| logprob of the other side's token | {_num(left['other_logprob'])} | {_num(right['other_logprob'])} |"]),
         f"| margin (top-1 minus top-2) | {_num(left['margin'], '.4g')} | {_num(right['margin'], '.4g')} |",
-        f"| top-k | {_top(left, texts)} | {_top(right, texts)} |",
+        f"| top-k | {_top(left, texts, entries[0])} | {_top(right, texts, entries[1])} |",
     ]
     if d["kind"] == "input_ids" and d.get("input_ids"):
         ids = d["input_ids"]
         lines += [f"| input ids | {_cell(ids['left'])} | {_cell(ids['right'])} |",
                   f"| first different input id | {ids['first_difference']} | |"]
-    if d.get("logprob_abs_diff") is not None:
+    if difference_text(d):
         lines += ["", "The " + difference_text(d, ".6g").replace("|", "\\|") + "."]
     return lines + [""]
 

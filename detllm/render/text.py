@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
-from .figures import difference_parts, difference_text, maxima_text, share, topk_bound
+from .figures import chosen_logprobs, difference_parts, difference_text, maxima_text, share, topk_bound
 
 
 def short(value: Any, width: int = 40) -> str:
@@ -98,10 +98,10 @@ def cause_summary(cause: dict[str, Any]) -> str:
     return "same model, tokenizer, prompts, config, engine, environment and batch" + which + where
 
 
-def _tok(side: dict[str, Any], same_token: bool) -> str:
+def _tok(side: dict[str, Any], same_token: bool, logprob: str | None) -> str:
     if side["token_id"] is None:
         return "<end of generation>"
-    lp = f" logprob {side['logprob']:.6g}" if side.get("logprob") is not None else ""
+    lp = f" logprob {logprob}" if logprob is not None else ""
     other = f" (other's token {side['other_logprob']:.6g})" if side.get("other_logprob") is not None and not same_token else ""
     margin = f" margin {side['margin']:.3g}" if side.get("margin") is not None else ""
     return f"id {side['token_id']} {side['token_text']!r}{lp}{other}{margin}"
@@ -110,17 +110,18 @@ def _tok(side: dict[str, Any], same_token: bool) -> str:
 def divergence_lines(d: dict[str, Any]) -> list[str]:
     width = max(len(d["left"]["label"]), len(d["right"]["label"]), 12)
     same = d["left"]["token_id"] == d["right"]["token_id"]
+    lp = chosen_logprobs(d)
     lines = [
         f"first divergence ({d['comparison']}): prompt {d['prompt_index']}, generated token {d['token_index']}, kind {d['kind']}",
         f"  common prefix: {d['common_prefix_text'][-80:]!r}",
-        f"  {d['left']['label']:<{width}} {_tok(d['left'], same)}",
-        f"  {d['right']['label']:<{width}} {_tok(d['right'], same)}",
+        f"  {d['left']['label']:<{width}} {_tok(d['left'], same, lp[0])}",
+        f"  {d['right']['label']:<{width}} {_tok(d['right'], same, lp[1])}",
     ]
     if d["kind"] == "input_ids":
         ids = d.get("input_ids") or {}
         at = f" (first difference at input id {ids['first_difference']})" if ids.get("first_difference") is not None else ""
         lines.append(f"  the prompt was tokenized differently on the two sides{at}")
-    if d.get("logprob_abs_diff") is not None:
+    if difference_text(d):
         lines.append(f"  {difference_text(d)}")
     m = magnitude_line(d)
     if m:

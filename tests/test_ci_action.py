@@ -61,7 +61,7 @@ class Runner:
         out.write_text("")
         script = self.tmp / f"{step_id}.sh"
         script.write_text(self.expand(step["run"]))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GITHUB_", "DETLLM_", "PIP_REQUIRE"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GITHUB_")}  # this job's own, if it runs in Actions
         env.update({k: self.expand(str(v)) for k, v in step.get("env", {}).items()})
         env.update(CI="true", GITHUB_ACTIONS="true", GITHUB_OUTPUT=str(out), GITHUB_STEP_SUMMARY=str(self.summary),
                    GITHUB_WORKSPACE=str(self.workspace), RUNNER_TEMP=str(self.tmp / "runner-temp"))

@@ -69,6 +69,9 @@ CONCLUDED: tuple[Change, ...] = (
     Change("diagnosis.passing_settings", "version 3: a setting whose probe diverged nowhere and that passed every one "
            "of the --fresh-repeats fresh-process checks (else listed as failed or unconfirmed); version 2 could name "
            "a setting that failed some, or whose probe still diverged elsewhere (isolated likewise)", "3"),
+    Change("diagnosis.baseline.max_abs_logprob_diff", "version 3: the largest |dlogprob| of the comparisons that diverged "
+           "(each probe's evidence likewise; the drift of comparisons the tier accepts is passing_max_abs_logprob_diff); "
+           "version 2 took it over every comparison, a passing batch comparison's drift included", "3"),
     Change("sweep.reference_cell", "version 3: the first cell that ran (null when none did); version 2 named the first "
            "cell even when it errored and the rates were measured against another", "3"),
     Change("sweep.cells.prompt_wilson_95", "version 3: the Wilson interval over prompts, the independent unit; version 2's "

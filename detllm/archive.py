@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Iterator
 
 from .errors import ArtifactError, IntegrityError
+from .schema_io import _UMASK
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 # What a run folder holds: JSON, JSON lines, rendered text, the signature, plots. Anything else
@@ -70,6 +71,7 @@ def write_tar_gz(run_dir: Path, names: list[str], dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a pack is shared (CI caches, other users) like any file asked for
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz, \
                 tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for d in sorted({""} | {str(PurePosixPath(n).parent) for n in names} - {"."}):

@@ -24,7 +24,8 @@ def pick_format(fmt: str | None, out: Path | None) -> str:
     if fmt is None:
         return _SUFFIX.get(out.suffix.lower(), "txt") if out is not None else "txt"
     if fmt not in FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}",
+                         hint="for JUnit XML pass --junit FILE" if fmt.lower() in ("junit", "xml") else None)
     return fmt
 
 

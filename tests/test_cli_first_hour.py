@@ -93,3 +93,74 @@ def test_progress_counts_prompt_runs_and_its_rate_from_the_start(monkeypatch):
         con.print(bar.bar.get_renderable())
     text = con.export_text()
     assert "1/16 prompt runs" in text and "4.0 tokens/s" in text, text
+
+
+def test_report_format_junit_points_to_the_junit_option(cli, tmp_path):
+    run = tmp_path / "r"
+    assert cli("run", "--backend", "fake", "--max-new-tokens", "2", "--out", run, "--no-progress").exit_code == 0
+    res = cli("report", run, "--format", "junit")
+    assert res.exit_code == 2
+    assert res.stderr.strip() == ("detllm: error: --format must be one of txt, json, md, html, issue, got 'junit' "
+                                  "(for JUnit XML pass --junit FILE)"), res.stderr
+    ok = cli("report", run, "--junit", tmp_path / "j.xml")  # and the option it names does write JUnit
+    assert ok.exit_code == 0 and (tmp_path / "j.xml").read_text().lstrip().startswith("<?xml")
+
+
+def _mode(path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_pack_is_written_like_any_file_asked_for(cli, tmp_path):
+    """0666 & ~umask (0644 under the usual 022), not mkstemp's 0600 (before)."""
+    import os
+
+    run = tmp_path / "r"
+    assert cli("run", "--backend", "fake", "--max-new-tokens", "2", "--out", run, "--no-progress").exit_code == 0
+    old = os.umask(0o022)
+    try:
+        res = cli("pack", run, "-o", tmp_path / "p.tar.gz")
+    finally:
+        os.umask(old)
+    assert res.exit_code == 0, res.output
+    assert _mode(tmp_path / "p.tar.gz") == 0o644
+
+
+def test_an_exported_model_is_written_like_any_file_asked_for(cli, tmp_path, monkeypatch):
+    """The cache may hold model.safetensors as 0600 (its writer's choice): the export is 0644 under
+    umask 022 all the same (before: copy2 carried the 0600 over)."""
+    import os
+
+    from detllm.models import builtin_path
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DETLLM_CACHE", str(cache))
+    weights = builtin_path("tiny", "hf") / "model.safetensors"
+    weights.chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        res = cli("models", "export", "tiny", tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert res.exit_code == 0, res.output
+    files = sorted((tmp_path / "out").iterdir())
+    assert "model.safetensors" in [f.name for f in files]
+    assert {f.name: _mode(f) for f in files} == {f.name: 0o644 for f in files}
+
+
+def test_a_hub_id_with_the_hub_unreachable_fails_at_once(cli, tmp_path, monkeypatch):
+    """A hub id not in the hub cache, with the hub's endpoint refusing connections (a closed loopback
+    port): refused in one line naming why, before the hub client's retries (about 50 s offline)."""
+    import huggingface_hub.constants as hub
+
+    from detllm.backends.llamacpp import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(hub, "ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    res = cli("run", "--backend", "hf", "--model", "nobody/no-such-model", "--out", tmp_path / "r", "--no-progress")
+    assert res.exit_code == 2, res.output
+    assert ("model 'nobody/no-such-model' is not in the hub cache and the hub cannot be reached: cannot connect to "
+            f"127.0.0.1:{endpoint.rsplit(':', 1)[1]}") in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

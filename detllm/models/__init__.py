@@ -136,7 +136,9 @@ def list_models() -> list[dict[str, object]]:
 
 
 def export_model(name: str, dest: Path, fmt: str = "hf") -> Path:
-    """Copy a built-in model to `dest` as a plain folder (hf) or a folder with model.gguf."""
+    """Copy a built-in model to `dest` as a plain folder (hf) or a folder with model.gguf. The copies
+    are new files (0666 & ~umask, like any file the user asks for): the cache's modes are not carried
+    over (a weights writer may have made model.safetensors 0600)."""
     if name not in BUILTINS:
         raise unknown_model(name)
     if dest.exists() and not dest.is_dir():
@@ -149,7 +151,7 @@ def export_model(name: str, dest: Path, fmt: str = "hf") -> Path:
         if item.name == ".complete":
             continue
         if item.is_dir():
-            shutil.copytree(item, dest / item.name)
+            shutil.copytree(item, dest / item.name, copy_function=shutil.copyfile)
         else:
-            shutil.copy2(item, dest / item.name)
+            shutil.copyfile(item, dest / item.name)
     return dest

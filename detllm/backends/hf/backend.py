@@ -22,6 +22,7 @@ from ...errors import BackendError, BackendUnavailableError, UsageError
 from ...hashing import content_key, folder_identity
 from ...modelfiles import check_model_files
 from ...models import local_folder, resolve_model
+from ...models.hub import hub_unreachable
 from ...processwide import disable_tf32, read_tf32, refuse_after_batch_invariant, tf32_is_off, write_tf32
 from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
 from . import invariant
@@ -103,6 +104,11 @@ class HFBackend(Backend):
                 folder = local_folder(self.resolved, self.revision)  # a hub id already cached: no network
             except BackendError:
                 folder = None  # not cached: from_pretrained downloads it where the hub is reachable
+                why = hub_unreachable()  # a short connect now, not the hub client's retries (~50 s offline)
+                if why:
+                    raise UsageError(f"model {self.resolved.id!r} is not in the hub cache and the hub cannot be reached: {why}",
+                                     hint="pass a built-in model or a local folder, or load it once where the hub is reachable "
+                                          "to fill the hub cache") from None
         if folder is not None:
             check_model_files(folder)  # a truncated or corrupt file is one line naming it, not a loader traceback
         source = str(folder) if folder else self.resolved.id

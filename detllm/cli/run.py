@@ -25,7 +25,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
     def cmd(
         backend: Backend = "hf",
         model: Model = "tiny",
-        prompts: Annotated[Optional[Path], typer.Option(help="Prompt file: .jsonl ({\"prompt\": ...} per line) or text (one per line).")] = None,
+        prompts: Annotated[Optional[Path], typer.Option(help="Prompt file: .jsonl ({\"prompt\": ...} per line), .json (an array of prompts) or text (one per line).")] = None,
         prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeatable); instead of --prompts.")] = None,
         prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="JSONL prompt file ({\"prompt\"|\"text\": ...} or a string per line).")] = None,
         out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Run folder (default: a new folder under artifacts/).")] = None,

@@ -148,7 +148,7 @@ def test_hub_id_that_cannot_be_fetched_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "detllm", "check", "--model", "someorg/not-cached", "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith("detllm: error: cannot load model 'someorg/not-cached'")
+    assert r.stderr.startswith("detllm: error: model 'someorg/not-cached' is not in the hub cache and the hub cannot be reached")
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
 

@@ -280,4 +280,4 @@ def test_progress_only_on_a_terminal(tmp_path):
     os.close(leader)
     assert proc.returncode == 0
     text = seen.decode(errors="replace")
-    assert "/12" in text and "prompts" in text, text[-500:]
+    assert "/12" in text and "prompt runs" in text, text[-500:]

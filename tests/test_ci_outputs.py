@@ -104,3 +104,17 @@ def test_the_issue_text_installs_this_detllm_from_its_repository(tmp_path):
         text = render_path(folder, "issue")
         assert f"With detllm from its repository (in a clone: `pip install -c constraints.txt {extra}`; " in text
         assert "pip install detllm" not in text
+def test_the_diagnose_step_is_in_the_step_summary_md_and_html_too(cli, tmp_path):
+    """A check FAIL's first next step is `detllm diagnose RUN_DIR` in every rendering a CI user reads:
+    the step summary (markdown), report.md and the HTML page; a PASS and a diff name none."""
+    summary = tmp_path / "summary.md"
+    out = tmp_path / "fail"
+    r = cli("check", "--backend", "fake", "--opt", "diverge=prompt=0,pos=1,run=1", "--out", out,
+            env={"CI": "true", "GITHUB_STEP_SUMMARY": str(summary)})
+    assert r.exit_code == 1
+    step = "`detllm diagnose RUN_DIR` finds the setting that makes it stop"
+    assert step in summary.read_text() and step in (out / "report.md").read_text()
+    html = cli("report", out, "--format", "html")
+    assert "next: <code>detllm diagnose RUN_DIR</code> finds the setting" in html.stdout
+    ok = cli("check", "--backend", "fake", "--out", tmp_path / "pass", env=NOT_CI)
+    assert ok.exit_code == 0 and "detllm diagnose" not in (tmp_path / "pass" / "report.md").read_text()

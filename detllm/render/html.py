@@ -17,6 +17,7 @@ from typing import Any
 from ..compare.causes import ADVICE, TITLES
 from .figures import apart, chosen_logprobs, difference_text, differing_entry, entry_text, topk_bound
 from .paths import mask_paths
+from .text import diagnose_command
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'none'; connect-src 'none'; "
        "font-src 'none'; object-src 'none'; media-src 'none'; frame-src 'none'; form-action 'none'; base-uri 'none'")
@@ -228,6 +229,9 @@ def _causes(report: dict[str, Any]) -> list[str]:
     out = []
     if report["causes"]:
         out.append("<h2>Causes, most likely first</h2>")
+        command = diagnose_command(report)
+        if command is not None:
+            out.append(f"<p>next: <code>{esc(command)}</code> finds the setting that makes it stop</p>")
         for n, c in enumerate(report["causes"], 1):
             out.append(f"<h3>{n}. <code>{esc(c['code'])}</code>: {esc(TITLES.get(c['code'], ''))}</h3>"
                        f"<p>next: {esc(ADVICE.get(c['code'], ''))}</p>{_evidence(c['evidence'])}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
 from .figures import apart, chosen_logprobs, difference_text, differing_entry, topk_bound
-from .text import MAGNITUDE_TITLES, cause_summary, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
+from .text import MAGNITUDE_TITLES, cause_summary, diagnose_command, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
 
 
 def _cell(value: Any) -> str:
@@ -208,6 +208,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += _magnitude(report)
     if report["causes"]:
         lines += _causes("Causes, most likely first", report["causes"], advice=True)
+        command = diagnose_command(report)
+        if command is not None:
+            lines += [f"**Next:** `{command}` finds the setting that makes it stop.", ""]
     if report["first_divergence"] is not None:
         lines += _divergence(report["first_divergence"])
     lines += _drift(report["comparisons"])

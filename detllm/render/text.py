@@ -233,12 +233,22 @@ def _header(report: dict[str, Any]) -> list[str]:
 DIAGNOSABLE = frozenset({"RUN_VARIANCE", "BATCH_VARIANCE", "CACHE_VARIANCE", "PROCESS_VARIANCE", "CONFIG_MISMATCH", "ENV_MISMATCH"})
 
 
+def diagnose_command(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str | None:
+    """`detllm diagnose RUN_DIR` when the report is a check's FAIL whose top cause diagnose can
+    probe, else None: the first next step in every rendering (txt, md, the step summary, html)."""
+    if report["command"] == "check" and report["status"] == "FAIL" and report["causes"] \
+            and report["causes"][0]["code"] in DIAGNOSABLE:
+        return f"detllm diagnose {run_dir}"
+    return None
+
+
 def next_step(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
     """The line after a verdict with causes: a check's FAIL that diagnose can probe names
     `detllm diagnose` on its folder first, then the top cause's advice."""
     code = report["causes"][0]["code"]
-    if report["command"] == "check" and report["status"] == "FAIL" and code in DIAGNOSABLE:
-        return f"next: detllm diagnose {run_dir} (finds the setting that makes it stop); {ADVICE[code]}"
+    command = diagnose_command(report, run_dir)
+    if command is not None:
+        return f"next: {command} (finds the setting that makes it stop); {ADVICE[code]}"
     return f"next: {ADVICE[code]}"
 
 

@@ -34,6 +34,10 @@ def test_a_fail_that_replays_exactly_is_said_to_reproduce(cli, tmp_path):
     rep = read_json(tmp_path / "rp" / "report.json", "report")
     assert rep["summary"]["reproduction"] == {"pack": "FAIL [RUN_VARIANCE]", "here": "FAIL [RUN_VARIANCE]", "reproduces": True,
                                               "matches_pack": True, "line": lines[1]}
+    # the same line under the verdict in report.md (and so the step summary) and the HTML page
+    assert f"**{lines[1]}**" in (tmp_path / "rp" / "report.md").read_text()
+    html = cli("report", tmp_path / "rp", "--format", "html")
+    assert html.exit_code == 0 and "<p><strong>the pack&#x27;s FAIL [RUN_VARIANCE] reproduces here, exactly" in html.stdout
 
 
 def _serve(port: int, *extra: str):

@@ -17,7 +17,7 @@ from typing import Any
 from ..compare.causes import ADVICE, TITLES
 from .figures import apart, chosen_logprobs, difference_text, differing_entry, entry_text, topk_bound
 from .paths import mask_paths
-from .text import diagnose_command
+from .text import diagnose_command, reproduction_line
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'none'; connect-src 'none'; "
        "font-src 'none'; object-src 'none'; media-src 'none'; frame-src 'none'; form-action 'none'; base-uri 'none'")
@@ -72,6 +72,8 @@ def _header(report: dict[str, Any], sides: dict[str, dict[str, Any]]) -> list[st
     cat = "" if report["category"] in (report["status"], "PASS") else f" · {esc(report['category'])}"
     out = [f"<h1>detllm {esc(report['command'])}: <span class='verdict {esc(report['status'])}'>{esc(report['status'])}</span>{cat}</h1>",
            f"<p>tier {esc(tier['effective'])}{esc(tier_note)}"]
+    if reproduction_line(report):  # a replay's verdict in the reporter's terms, under the verdict
+        out.insert(1, f"<p><strong>{esc(reproduction_line(report))}</strong></p>")
     s = report.get("summary", {})
     if "prompts" in s:
         out[-1] += f" · prompts {esc(s['prompts'])}"

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
 from .figures import apart, chosen_logprobs, difference_text, differing_entry, topk_bound
-from .text import MAGNITUDE_TITLES, cause_summary, diagnose_command, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
+from .text import MAGNITUDE_TITLES, cause_summary, diagnose_command, reproduction_line, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
 
 
 def _cell(value: Any) -> str:
@@ -200,6 +200,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
     lines = [f"# detllm {report['command']}: {verdict}", "",
              f"Tier {tier['effective']}{tier_note}." + (f" Most likely: {TITLES[report['category']]}." if report["category"] in TITLES else ""), ""]
+    if reproduction_line(report):
+        lines += [f"**{reproduction_line(report)}**", ""]
     if report.get("scope"):
         lines += [f"Scope: {report['scope']}.", ""]
     if report.get("sensitivity"):

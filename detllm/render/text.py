@@ -208,8 +208,8 @@ def _header(report: dict[str, Any]) -> list[str]:
     tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
     category = "" if report["category"] in ("PASS", report["status"]) else f" [{report['category']}]"
     lines = [f"detllm {report['command']}: {report['status']}{category}"]
-    if report["command"] == "replay" and (s.get("reproduction") or {}).get("line"):  # the pack's verdict, in the reporter's terms
-        lines.append(s["reproduction"]["line"])
+    if reproduction_line(report):  # the pack's verdict, in the reporter's terms
+        lines.append(reproduction_line(report))
     if report["command"] == "diff" and "left" in s:
         for name in ("left", "right"):
             x = s[name]
@@ -231,6 +231,14 @@ def _header(report: dict[str, Any]) -> list[str]:
 
 # the causes `detllm diagnose` probes for a check: a setting of the run can make them vanish
 DIAGNOSABLE = frozenset({"RUN_VARIANCE", "BATCH_VARIANCE", "CACHE_VARIANCE", "PROCESS_VARIANCE", "CONFIG_MISMATCH", "ENV_MISMATCH"})
+
+
+def reproduction_line(report: dict[str, Any]) -> str | None:
+    """A replay's verdict in the reporter's terms ("the pack's FAIL [X] reproduces here, ..."),
+    shown under the verdict in every rendering; None for other reports."""
+    if report["command"] != "replay":
+        return None
+    return (report["summary"].get("reproduction") or {}).get("line") or None
 
 
 def diagnose_command(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str | None:

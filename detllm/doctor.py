@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 FIX = {
-    "torch": "scripts/install.sh   (CPU torch 2.13.0 through constraints.txt), or pip install 'detllm[hf]'",
+    "torch": "scripts/install.sh   (CPU torch 2.13.0 through constraints.txt), or pip with torch first at the pin (docs/ci.md#install)",
     "artifacts": "run from a folder you can write to, or pass --out DIR",
 }
 SHOWN = ("hf", "vllm", "llamacpp", "fake", "openai")  # the order of the screen; other registered backends follow

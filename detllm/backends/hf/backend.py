@@ -30,7 +30,7 @@ from . import invariant
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 INSTALL = {  # what to run when one is missing (detllm doctor)
-    "torch": "scripts/install.sh   (CPU torch 2.13.0 through constraints.txt), or pip install 'detllm[hf]'",
+    "torch": "scripts/install.sh   (CPU torch 2.13.0 through constraints.txt), or pip with torch first at the pin (docs/ci.md#install)",
     "transformers": "scripts/install.sh, or pip install -c constraints.txt 'detllm[hf]'",
 }
 _LOADED: dict[tuple, tuple[Any, Any]] = {}  # (source, content key, revision, dtype, device, attn) -> (model, tokenizer)
@@ -49,7 +49,7 @@ def _torch():
         import transformers  # noqa: F401
     except ImportError as exc:
         raise BackendUnavailableError(
-            "the hf backend needs torch and transformers", hint="run scripts/install.sh, or pip install 'detllm[hf]'"
+            "the hf backend needs torch and transformers", hint="run scripts/install.sh, or install with pip, torch first at the pin (docs/ci.md#install)"
         ) from exc
     return torch
 

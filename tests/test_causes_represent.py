@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -20,6 +20,8 @@ from detllm.backends.base import Request
 from detllm.backends.fake import FakeBackend, FakeOptions
 from detllm.compare.represent import comparable, input_ids_known, representation
 from detllm.config import Decoding
+
+from .stubhttp import JSONHandler
 
 PROMPTS = ["hello there", "general kenobi"]
 
@@ -32,28 +34,18 @@ class FakeServed:
         self.flip: tuple[str, int] | None = None
         served = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, doc) -> None:
-                raw = json.dumps(doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+        class Handler(JSONHandler):
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    return self._send({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "tests"}]})
+                    return self.send_json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "tests"}]})
                 self.send_error(404)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 if self.path != "/v1/completions":
                     return self.send_error(404)
-                self._send(served.answer(body))
+                self.send_json(200, served.answer(body))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"

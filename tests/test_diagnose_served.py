@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from detllm.artifacts import read_json
+
+from .stubhttp import JSONHandler
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
 
@@ -42,33 +44,23 @@ class CachingServer:
         self.bodies: list[dict] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, status: int, doc) -> None:
-                raw = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+        class Handler(JSONHandler):
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": [{"id": "stub-model", "object": "model", "owned_by": kind}]})
+                    return self.send_json(200, {"object": "list", "data": [{"id": "stub-model", "object": "model", "owned_by": kind}]})
                 if identify_by == "route" and kind == "vllm" and self.path == "/version":
-                    return self._send(200, {"version": "0.9.0"})
+                    return self.send_json(200, {"version": "0.9.0"})
                 if identify_by == "route" and kind == "sglang" and self.path == "/get_server_info":
-                    return self._send(200, {"version": "0.4.6", "disable_radix_cache": False})
-                self._send(404, {"error": {"message": "not found"}})
+                    return self.send_json(200, {"version": "0.4.6", "disable_radix_cache": False})
+                self.send_json(404, {"error": {"message": "not found"}})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if self.path != "/v1/completions":
-                    return self._send(404, {"error": {"message": "not found"}})
+                    return self.send_json(404, {"error": {"message": "not found"}})
                 server.bodies.append(body)
-                self._send(200, server.answer(body))
+                self.send_json(200, server.answer(body))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -10,12 +10,14 @@ import hashlib
 import json
 import math
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import assert_valid_run
+
+from .stubhttp import JSONHandler
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
 
@@ -31,23 +33,13 @@ class Stub:
         self.bodies: list[dict] = []
         stub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _send(self, status: int, doc) -> None:
-                raw = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+        class Handler(JSONHandler):
 
             def _authorised(self) -> bool:
                 auth = self.headers.get("Authorization")
                 stub.seen_auth.append(auth)
                 if stub.key is not None and auth != f"Bearer {stub.key}":
-                    self._send(401, {"error": {"message": "invalid api key"}})
+                    self.send_json(401, {"error": {"message": "invalid api key"}})
                     return False
                 return True
 
@@ -55,33 +47,33 @@ class Stub:
                 if not self._authorised():
                     return
                 if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": [{"id": "stub-model", "object": "model", "owned_by": "tests"}]})
-                self._send(404, {"error": {"message": "not found"}})
+                    return self.send_json(200, {"object": "list", "data": [{"id": "stub-model", "object": "model", "owned_by": "tests"}]})
+                self.send_json(404, {"error": {"message": "not found"}})
 
             def do_POST(self):
                 if not self._authorised():
                     return
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if self.path != "/v1/completions":
-                    return self._send(404, {"error": {"message": "not found"}})
+                    return self.send_json(404, {"error": {"message": "not found"}})
                 stub.bodies.append(body)
                 if body.get("model") != "stub-model":
-                    return self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}})
+                    return self.send_json(404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}})
                 stub.completions += 1
                 if stub.mode == "fail_after_probe" and stub.completions > 1:
-                    return self._send(500, {"error": {"message": "CUDA error: an illegal memory access was encountered"}})
+                    return self.send_json(500, {"error": {"message": "CUDA error: an illegal memory access was encountered"}})
                 if stub.mode == "drop_after_probe" and stub.completions > 1:
                     self.connection.shutdown(2)  # the connection dies with no answer
                     return
                 if stub.mode == "busy_once" and stub.completions == 2:
-                    return self._send(503, {"error": {"message": "server busy"}})
+                    return self.send_json(503, {"error": {"message": "server busy"}})
                 if stub.mode == "slow_after_probe" and stub.completions > 1:
                     import time
 
                     time.sleep(2.0)
                 if stub.mode == "no_logprobs" and body.get("logprobs") is not None:
-                    return self._send(400, {"error": {"message": "logprobs is not supported by this server"}})
-                self._send(200, stub.answer(body))
+                    return self.send_json(400, {"error": {"message": "logprobs is not supported by this server"}})
+                self.send_json(200, stub.answer(body))
 
         class Quiet(ThreadingHTTPServer):
             def handle_error(self, request, client_address):  # the dropped-connection mode breaks pipes on purpose

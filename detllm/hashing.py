@@ -99,14 +99,14 @@ def _json_file(path: Path) -> Any:
         return None
 
 
-def _semantic(path: Path, drop: frozenset[str]) -> str:
-    """sha256 of a JSON file's canonical form without the keys in `drop`; its bytes' sha256
-    when it is not a JSON object."""
+def _semantic(path: Path, drop: frozenset[str], renamed: dict[str, str] | None = None) -> str:
+    """sha256 of a JSON file's canonical form without the keys in `drop`, keys in `renamed` under
+    their new name (unless the file has both); its bytes' sha256 when it is not a JSON object."""
     doc = _json_file(path)
     if not isinstance(doc, dict):
         return sha256_file(path)
-    if drop is COSMETIC_CONFIG_KEYS:
-        doc = {RENAMED_CONFIG_KEYS.get(k, k) if RENAMED_CONFIG_KEYS.get(k) not in doc else k: v for k, v in doc.items()}
+    if renamed:
+        doc = {renamed.get(k, k) if renamed.get(k) not in doc else k: v for k, v in doc.items()}
     return sha256_bytes(canonical_json({k: v for k, v in doc.items() if k not in drop}))
 
 
@@ -133,7 +133,7 @@ def config_digests(folder: Path) -> tuple[str | None, str | None]:
     found = [n for n in CONFIG_FILES if (folder / n).is_file()]
     if not found:
         return None, None
-    return (combine((n, _semantic(folder / n, COSMETIC_CONFIG_KEYS)) for n in found),
+    return (combine((n, _semantic(folder / n, COSMETIC_CONFIG_KEYS, RENAMED_CONFIG_KEYS)) for n in found),
             combine((n, sha256_file(folder / n)) for n in found))
 
 

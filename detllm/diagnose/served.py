@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cacheprobe import wants_probe
 from ..compare.engine import select
 from ..compare.steps import abs_diff
 from ..config import RunConfig
@@ -47,7 +48,7 @@ def add_cache_knob(probes: list[Probe], skipped: list[dict[str, str]], config: R
         return probes, skipped
     kind, opts = served["server"], config.option_dict()
     if kind == "llamacpp":
-        if str(opts.get("cache_probe", "")).lower() in ("1", "true", "yes", "on"):
+        if wants_probe(config):
             skipped.append({"knob": CACHE_KNOB, "reason": "the failing check is a --cache-probe: its sides already are the "
                                                           "cache off (cold) and on (warm)"})
         elif str(opts.get(CACHE_KNOB, "")).lower() in ("0", "false", "no", "off"):

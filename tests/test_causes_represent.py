@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -21,12 +19,12 @@ from detllm.backends.fake import FakeBackend, FakeOptions
 from detllm.compare.represent import comparable, input_ids_known, representation
 from detllm.config import Decoding
 
-from .stubhttp import JSONHandler
+from .stubhttp import JSONHandler, StubServer
 
 PROMPTS = ["hello there", "general kenobi"]
 
 
-class FakeServed:
+class FakeServed(StubServer):
     """A strings-only completions server whose answers are FakeBackend's; `flip` makes one prompt's
     token at one step the runner-up (a real difference of the served side)."""
 
@@ -47,9 +45,7 @@ class FakeServed:
                     return self.send_error(404)
                 self.send_json(200, served.answer(body))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.serve(Handler)
 
     def answer(self, body: dict) -> dict:
         text = body["prompt"]
@@ -65,10 +61,6 @@ class FakeServed:
                                   "top_logprobs": [{chr(t): lp for t, lp in step} for step in gen.top_logprobs]}
         return {"id": "cmpl-1", "object": "text_completion", "model": "fake", "choices": [choice],
                 "usage": {"prompt_tokens": len(req.input_ids), "completion_tokens": len(gen.token_ids)}}
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from detllm.artifacts import read_json
 
-from .stubhttp import JSONHandler
+from .stubhttp import JSONHandler, StubServer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
 
@@ -33,7 +31,7 @@ def _pairs_with_different_cache(records: list[dict]) -> list[tuple[int, int, int
     return [(p, k, by[(p, 0)], c) for (p, k), c in sorted(by.items()) if k > 0 and c != by[(p, 0)]]
 
 
-class CachingServer:
+class CachingServer(StubServer):
     """A real HTTP server that speaks the OpenAI completions API as a vLLM (`/version`) or
     SGLang (`/get_server_info`) server does, with a prefix cache: a prompt seen before is answered
     with usage.prompt_tokens_details.cached_tokens > 0 and logprobs off by 1e-4 (the numerics of a
@@ -62,13 +60,7 @@ class CachingServer:
                 server.bodies.append(body)
                 self.send_json(200, server.answer(body))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.serve(Handler)
 
     def answer(self, body: dict) -> dict:
         prompt = str(body["prompt"])
@@ -86,10 +78,6 @@ class CachingServer:
             doc["choices"][0]["logprobs"] = {"tokens": toks, "token_logprobs": lps, "top_logprobs": [{t: lp} for t, lp in zip(toks, lps)],
                                              "text_offset": [0] * n}
         return doc
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _prompts(tmp_path: Path, texts: list[str]) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -17,12 +16,12 @@ import pytest
 
 from tests.conftest import assert_valid_run
 
-from .stubhttp import JSONHandler
+from .stubhttp import JSONHandler, StubServer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
 
 
-class Stub:
+class Stub(StubServer):
     """One stub server; `mode` switches its behaviour between requests."""
 
     def __init__(self) -> None:
@@ -79,14 +78,7 @@ class Stub:
             def handle_error(self, request, client_address):  # the dropped-connection mode breaks pipes on purpose
                 pass
 
-        self.httpd = Quiet(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        self.serve(Handler, Quiet)
 
     def answer(self, body: dict) -> dict:
         """A deterministic 'model': tokens from the prompt's hash (and the seed only if it is ignored on purpose)."""
@@ -105,10 +97,6 @@ class Stub:
             doc["choices"][0]["logprobs"] = {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops,
                                              "text_offset": [0] * n}
         return doc
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture

@@ -72,8 +72,8 @@ def _header(report: dict[str, Any], sides: dict[str, dict[str, Any]]) -> list[st
     cat = "" if report["category"] in (report["status"], "PASS") else f" · {esc(report['category'])}"
     out = [f"<h1>detllm {esc(report['command'])}: <span class='verdict {esc(report['status'])}'>{esc(report['status'])}</span>{cat}</h1>",
            f"<p>tier {esc(tier['effective'])}{esc(tier_note)}"]
-    if reproduction_line(report):  # a replay's verdict in the reporter's terms, under the verdict
-        out.insert(1, f"<p><strong>{esc(reproduction_line(report))}</strong></p>")
+    if line := reproduction_line(report):  # a replay's verdict in the reporter's terms, under the verdict
+        out.insert(1, f"<p><strong>{esc(line)}</strong></p>")
     s = report.get("summary", {})
     if "prompts" in s:
         out[-1] += f" · prompts {esc(s['prompts'])}"
@@ -149,8 +149,8 @@ def _divergence(d: dict[str, Any], records: tuple[dict | None, dict | None]) -> 
         out.append(f"<div class='side'><h3>{esc(side)}: {esc(tok['label'])}</h3>{_chips(rec, d, side)}"
                    f"<p class='mono'>divergent token: {esc(chosen)} · {esc(_tip(tok, lp))} · margin {esc(_num(tok.get('margin'), '.4g'))}</p></div>")
     out.append("</div>")
-    if difference_text(d):
-        out.append(f"<p class='hl'>at this step: {esc(difference_text(d, '.6g'))}</p>")
+    if difference := difference_text(d, ".6g"):
+        out.append(f"<p class='hl'>at this step: {esc(difference)}</p>")
     out += ["<h3>top-k at the divergence</h3>", _topk(d)]
     return out
 

@@ -111,6 +111,7 @@ def _verdict(report: dict[str, Any]) -> list[str]:
     d = report["first_divergence"]
     if d is not None:
         lps = dict(zip(("left", "right"), chosen_logprobs(d)))
+        difference = difference_text(d, ".6g")
 
         def tok(x: dict[str, Any], side: str) -> str:
             if x["token_id"] is None:
@@ -120,7 +121,7 @@ def _verdict(report: dict[str, Any]) -> list[str]:
         lines += ["", f"First divergence: prompt {d['prompt_index']}, generated token {d['token_index']} ({d['kind']})"
                   + (", a near tie" if d["near_tie"] else "") + ":", "",
                   f"- `{d['left']['label']}`: {tok(d['left'], 'left')}", f"- `{d['right']['label']}`: {tok(d['right'], 'right')}",
-                  *([f"- the {difference_text(d, '.6g')}".replace("|", "\\|")] if difference_text(d) else []),
+                  *([f"- the {difference}".replace("|", "\\|")] if difference else []),
                   "", "Common prefix:", "", *_fence(d["common_prefix_text"][-300:] or "(empty)")]
     if report["causes"]:
         lines += ["", "Causes detllm ranked (most likely first):", ""]

@@ -87,8 +87,8 @@ def _divergence(d: dict[str, Any]) -> list[str]:
         ids = d["input_ids"]
         lines += [f"| input ids | {_cell(ids['left'])} | {_cell(ids['right'])} |",
                   f"| first different input id | {ids['first_difference']} | |"]
-    if difference_text(d):
-        lines += ["", "The " + difference_text(d, ".6g").replace("|", "\\|") + "."]
+    if difference := difference_text(d, ".6g"):
+        lines += ["", "The " + difference.replace("|", "\\|") + "."]
     return lines + [""]
 
 
@@ -200,8 +200,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
     lines = [f"# detllm {report['command']}: {verdict}", "",
              f"Tier {tier['effective']}{tier_note}." + (f" Most likely: {TITLES[report['category']]}." if report["category"] in TITLES else ""), ""]
-    if reproduction_line(report):
-        lines += [f"**{reproduction_line(report)}**", ""]
+    if line := reproduction_line(report):
+        lines += [f"**{line}**", ""]
     if report.get("scope"):
         lines += [f"Scope: {report['scope']}.", ""]
     if report.get("sensitivity"):

@@ -121,8 +121,8 @@ def divergence_lines(d: dict[str, Any]) -> list[str]:
         ids = d.get("input_ids") or {}
         at = f" (first difference at input id {ids['first_difference']})" if ids.get("first_difference") is not None else ""
         lines.append(f"  the prompt was tokenized differently on the two sides{at}")
-    if difference_text(d):
-        lines.append(f"  {difference_text(d)}")
+    if difference := difference_text(d):
+        lines.append(f"  {difference}")
     m = magnitude_line(d)
     if m:
         lines.append("  " + m)
@@ -208,8 +208,8 @@ def _header(report: dict[str, Any]) -> list[str]:
     tier_note = "" if tier["requested"] == tier["effective"] else f" (requested {tier['requested']}, downgraded)"
     category = "" if report["category"] in ("PASS", report["status"]) else f" [{report['category']}]"
     lines = [f"detllm {report['command']}: {report['status']}{category}"]
-    if reproduction_line(report):  # the pack's verdict, in the reporter's terms
-        lines.append(reproduction_line(report))
+    if line := reproduction_line(report):  # the pack's verdict, in the reporter's terms
+        lines.append(line)
     if report["command"] == "diff" and "left" in s:
         for name in ("left", "right"):
             x = s[name]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..models.gguf import FLOAT_TYPES as FLOAT_GGUF  # GGUF types that store plain floats; causes/config.py reads it here
+from ..models.gguf import FLOAT_TYPES as FLOAT_GGUF  # GGUF types that store plain floats
 from .steps import abs_diff, finite, topk_diff
 
 # magnitude labels, most severe first (docs/causes.md#magnitude)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..divergence import FLOAT_GGUF
+from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF  # GGUF types that store plain floats
 from .notes import Notes
 from .sides import ABSENT, Routed, Side, cut, flat_diff, lr
 

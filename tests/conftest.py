@@ -50,14 +50,18 @@ def cli():
     return invoke
 
 
+def write_prompts(path: Path, texts) -> Path:
+    """A --prompts file at `path`: one {"prompt": text} line per text."""
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return path
+
+
 CROSS_PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Numbers: 1 2 3"]
 
 
 @pytest.fixture(scope="session")
 def cross_prompt_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("cross-prompts") / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in CROSS_PROMPTS))
-    return p
+    return write_prompts(tmp_path_factory.mktemp("cross-prompts") / "prompts.jsonl", CROSS_PROMPTS)
 
 
 @pytest.fixture(scope="session")

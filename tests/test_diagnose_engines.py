@@ -12,16 +12,14 @@ import pytest
 from detllm.artifacts import read_json
 from detllm.diagnose.probes import option_fields
 
-from .conftest import llama_server_or_fail
+from .conftest import llama_server_or_fail, write_prompts
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def two_prompts(tmp_path_factory):
-    p = tmp_path_factory.mktemp("diag") / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("The capital of France is", "Once upon a time")))
-    return p
+    return write_prompts(tmp_path_factory.mktemp("diag") / "prompts.jsonl", ("The capital of France is", "Once upon a time"))
 
 
 def _run(cli, out, *args):

@@ -16,6 +16,7 @@ import pytest
 
 from detllm.artifacts import read_json
 
+from .conftest import write_prompts
 from .stubhttp import JSONHandler, StubServer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
@@ -80,12 +81,6 @@ class CachingServer(StubServer):
         return doc
 
 
-def _prompts(tmp_path: Path, texts: list[str]) -> Path:
-    p = tmp_path / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    return p
-
-
 @pytest.mark.parametrize("kind,identify_by,switch", [
     ("vllm", "route", "--enable-prefix-caching"),
     ("sglang", "route", "/flush_cache"),
@@ -94,7 +89,7 @@ def _prompts(tmp_path: Path, texts: list[str]) -> Path:
 def test_server_level_cache_is_named_not_flipped_and_the_recorded_counts_are_ranked(cli, tmp_path, kind, identify_by, switch):
     srv = CachingServer(kind, identify_by)
     try:
-        prompts = _prompts(tmp_path, ["first prompt here", "second prompt here"])
+        prompts = write_prompts(tmp_path / "prompts.jsonl", ["first prompt here", "second prompt here"])
         chk = cli("check", "--backend", "openai", "--base-url", srv.url, "--model", "stub-model", "--runs", "3", "--tier", "2",
                   "--max-new-tokens", "4", "--prompts", prompts, "--out", tmp_path / "chk", "--no-progress")
         assert chk.exit_code == 1, chk.output
@@ -135,7 +130,7 @@ def test_llama_server_cache_prompt_false_is_probed_and_makes_the_divergence_vani
     """The real llama-server (8 slots, prompt caching on as it ships): a repeat that reused cached
     prompt tokens differs in its logprobs from the cold run 0. diagnose flips the cache per request
     (cache_prompt: false), the divergence vanishes, and fresh processes confirm it."""
-    prompts = _prompts(tmp_path, ["diagnose served cache: the lighthouse keeper counted", "diagnose served cache: seven blue boats",
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["diagnose served cache: the lighthouse keeper counted", "diagnose served cache: seven blue boats",
                                   "diagnose served cache: under the old bridge the water"])
     chk = cli("check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--runs", "3", "--tier", "2",
               "--max-new-tokens", "16", "--prompts", prompts, "--out", tmp_path / "chk", "--no-progress")

@@ -15,7 +15,7 @@ import pytest
 
 from detllm.artifacts import read_json
 
-from .conftest import llama_server_or_fail
+from .conftest import llama_server_or_fail, write_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -59,10 +59,9 @@ def test_served_pack_replayed_on_a_renamed_uncached_server_does_not_reproduce_an
     from detllm.backends.llamacpp import free_port
 
     llama_server_or_fail()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in (
+    prompts = write_prompts(tmp_path / "prompts.jsonl", (
         "replay served cache: the lighthouse keeper counted", "replay served cache: seven blue boats",
-        "replay served cache: under the old bridge the water")))
+        "replay served cache: under the old bridge the water"))
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1"
     srv = _serve(port, "--alias", "tiny")  # prompt caching on, as llama-server ships

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from detllm.artifacts import read_json
 from detllm.diagnose.sweep import judge_cell, parse_axes, wilson
 from detllm.errors import UsageError
+
+from .conftest import write_prompts
 
 
 def test_wilson_interval_matches_the_textbook_values():
@@ -122,8 +122,7 @@ def test_served_sweep_with_null_logprobs_and_an_erroring_first_cell(cli, tmp_pat
 
     stub = NullFirst()
     try:
-        prompts = tmp_path / "p.jsonl"
-        prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("one", "two")))
+        prompts = write_prompts(tmp_path / "p.jsonl", ("one", "two"))
         r = cli("sweep", "--backend", "openai", "--model", "stub-model", "--opt", f"base_url={stub.url}", "--axis", "prompt_as=ids,text",
                 "--axis", "batch_size=1,2", "--repeats", "2", "--prompts", prompts, "--max-new-tokens", "3", "--tier", "2",
                 "--out", tmp_path / "s")

@@ -94,7 +94,8 @@ def _cpu() -> dict[str, Any]:
     }
 
 
-def _version(dist: str) -> str | None:
+def dist_version(dist: str) -> str | None:
+    """The installed version of a distribution, from package metadata (no import); None when absent."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -103,7 +104,7 @@ def _version(dist: str) -> str | None:
 
 def detllm_version() -> str:
     """The installed detllm's version, as every artifact records it."""
-    return _version("detllm") or "unknown"
+    return dist_version("detllm") or "unknown"
 
 
 def _tf32_flags(torch: Any) -> dict[str, bool]:
@@ -194,7 +195,7 @@ def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = Tru
         "os": {"system": platform.system(), "release": platform.release(), "machine": platform.machine(), "libc": libc},
         "cpu": _cpu(),
         "threads": threads,
-        "libraries": {name: _version(name) for name in LIBRARIES},
+        "libraries": {name: dist_version(name) for name in LIBRARIES},
         "torch": torch_info,
         "gpus": gpus,
         "env_vars": redact_env(dict(os.environ), redaction),

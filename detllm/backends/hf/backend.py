@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ...config import Decoding, RunConfig
+from ...env import dist_version
 from ...errors import BackendError, BackendUnavailableError, UsageError
 from ...hashing import content_key, folder_identity
 from ...modelfiles import check_model_files
@@ -357,15 +358,7 @@ class HFBackend(Backend):
 
     @classmethod
     def installed(cls) -> Installed:
-        from importlib import metadata
-
-        def version(dist: str) -> str | None:
-            try:
-                return metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                return None
-
-        missing = [d for d in ("torch", "transformers") if version(d) is None]
+        missing = [d for d in ("torch", "transformers") if dist_version(d) is None]
         if missing:
             return Installed(False, why=f"{', '.join(missing)} not installed", fix=INSTALL[missing[-1]])
-        return Installed(True, engine=f"transformers {version('transformers')}")
+        return Installed(True, engine=f"transformers {dist_version('transformers')}")

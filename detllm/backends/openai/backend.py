@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 from ...config import Decoding, RunConfig
+from ...env import dist_version
 from ...errors import BackendError, BackendUnavailableError, UsageError
 from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF
 from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
@@ -252,11 +253,8 @@ class OpenAIBackend(Backend):
 
     @classmethod
     def installed(cls) -> Installed:
-        from importlib import metadata
-
-        try:
-            httpx = metadata.version("httpx")
-        except metadata.PackageNotFoundError:
+        httpx = dist_version("httpx")
+        if httpx is None:
             return Installed(False, why="httpx is not installed", fix="pip install 'detllm[openai]'")
         # a client of a running server (docs/backends/openai.md): the server decides the tier, so doctor asks none
         return Installed(True, engine=f"httpx {httpx}, a client: point --base-url at a running server",

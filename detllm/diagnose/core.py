@@ -23,7 +23,7 @@ from ..config import RunConfig
 from ..env import detllm_version
 from ..errors import ArtifactError, UsageError
 from . import evidence, recorded, served
-from .folder import DIAGNOSIS, OWNED, Diagnosis, prompts_from_records
+from .folder import DIAGNOSIS, OWNED, Diagnosis, prompts_from_records, write_diagnosis
 from .pool import Pool
 from .probes import Probe, plan
 from .probing import ProbeRunner
@@ -147,8 +147,6 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
 def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: str | Path | None, out: str | Path | None,
               force: bool, budget: str | int | None, fresh_repeats: int, progress: Progress | None, check_args: list[str] | None,
               only: list[str] | None, shown: str | None = None) -> Diagnosis:
-    from .render import render_html, render_markdown, render_text
-
     if sum(x is not None for x in (config, run_dir, check_args)) != 1:
         raise UsageError("diagnose takes a failing run folder or check's options, not both")
     limits = Budget.parse(budget)
@@ -301,8 +299,4 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
         "conclusion": conclusion(knobs, passing, baseline["kinds"], confirmation) + cannot_text if baseline["diverged"]
         else unreproduced or f"Nothing to diagnose: the check passes at tier {tier} (every comparison agreed).",
     })
-    artifacts.write_json(out, DIAGNOSIS, doc)
-    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
-    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
-    artifacts.atomic_write_text(out / "diagnosis.html", render_html(doc))
-    return Diagnosis(out, doc)
+    return write_diagnosis(out, doc)

@@ -1,6 +1,6 @@
-"""The diagnosis folder: its file names, the Diagnosis a run returns, the prompts read back from
-a folder's records, and the folder name of each probe. Shared by diagnose/core.py (a check's
-diagnosis) and diagnose/recorded.py (a diff's); runs nothing.
+"""The diagnosis folder: its file names, the Diagnosis a run returns and the files it is written
+to, the prompts read back from a folder's records, and the folder name of each probe. Shared by
+diagnose/core.py (a check's diagnosis) and diagnose/recorded.py (a diff's); runs nothing.
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import artifacts
 from ..errors import UsageError
+from .render import render_html, render_markdown, render_text
 
 DIAGNOSIS = "diagnosis.json"
 OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "diagnosis.html", "prompts.jsonl", "baseline", "probes", "logs")
@@ -23,6 +25,15 @@ class Diagnosis:
     @property
     def exit_code(self) -> int:
         return 0
+
+
+def write_diagnosis(out: Path, doc: dict[str, Any]) -> Diagnosis:
+    """Write diagnosis.json and its renderings (.txt, .md, .html) under `out`."""
+    artifacts.write_json(out, DIAGNOSIS, doc)
+    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
+    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
+    artifacts.atomic_write_text(out / "diagnosis.html", render_html(doc))
+    return Diagnosis(out, doc)
 
 
 def prompts_from_records(records: list[dict[str, Any]], where: str) -> list[str]:

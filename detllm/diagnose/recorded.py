@@ -25,11 +25,10 @@ from ..config import RunConfig
 from ..env import detllm_version
 from ..errors import ArtifactError
 from . import envknobs
-from .folder import DIAGNOSIS, Diagnosis, prompts_from_records, slug
+from .folder import Diagnosis, prompts_from_records, slug, write_diagnosis
 from .pool import Pool
 from .probes import Probe
 from .ranking import _lp
-from .render import render_html, render_markdown, render_text
 
 UNPROBED = ("backend", "model", "revision", "device")  # an engine or weights change is the cause itself
 # RunConfig fields that select checks or record keeping, never the computation (with compare/causes' INERT_CONFIG)
@@ -231,11 +230,7 @@ def diagnose_diff(plan: DiffPlan, diff_dir: Path, out: Path, limits, progress, o
         "probes": results, "not_run": not_run, "skipped_knobs": skipped, "knobs": knobs, "passing_settings": None,
         "prefill_vs_decode": None, "isolated": bool(follows), "conclusion": _conclusion(plan, baseline, results, knobs, tier),
     })
-    artifacts.write_json(out, DIAGNOSIS, doc)
-    artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
-    artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
-    artifacts.atomic_write_text(out / "diagnosis.html", render_html(doc))
-    return Diagnosis(out, doc)
+    return write_diagnosis(out, doc)
 
 
 def _rank(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

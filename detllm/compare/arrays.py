@@ -13,12 +13,10 @@ import msgspec
 import numpy as np
 import simdjson
 
-from .trace import TraceRecord
+from .trace import TraceRecord, payload_spans
 
 _STRS = msgspec.json.Decoder(list[str])
 _STR = msgspec.json.Decoder(str)
-_MARKS = (b',"token_ids":', b',"token_texts":', b',"text":', b',"logprobs":', b',"top_logprobs":')
-_FINISH = b',"finish_reason":'
 _NUMBER_BYTES = b"0123456789.-+eE"
 _MAX_ID = 2**53  # ids read as float64 are exact below this
 
@@ -40,28 +38,6 @@ class Payload:
         self.ids, self.lps, self.top_ids, self.top_lps = ids, lps, top_ids, top_lps
         self.texts_raw, self.text_raw, self.finish_reason = texts_raw, text_raw, finish_reason
         self.tops_raw = tops_raw  # the top-k section, not parsed yet (payload(tops=False)); else None
-
-
-def _sections(rec: TraceRecord) -> list[bytes] | None:
-    """The payload's values as bytes, in the order the runner writes them (ids, texts, text,
-    logprobs, top-k, finish_reason); None when the layout differs."""
-    src, start, end = rec._src, rec._start, rec._end
-    if src is None:
-        return None
-    at = []
-    pos = start
-    for mark in _MARKS:
-        p = src.find(mark, pos, end)
-        if p < 0 or (at and p < at[-1][1]):
-            return None
-        at.append((p, p + len(mark)))
-        pos = p + len(mark)
-    fin = src.rfind(_FINISH, pos, end)  # the last field: found from the end
-    if fin < 0:
-        return None
-    bounds = [*(a for _, a in at), fin + len(_FINISH)]
-    stops = [p for p, _ in at[1:]] + [fin, end - 1]  # end - 1: the closing brace
-    return [src[a:b] for a, b in zip(bounds, stops)]
 
 
 _PARSER = simdjson.Parser()
@@ -134,10 +110,10 @@ def payload(rec: TraceRecord, tops: bool = True) -> Payload | None:
     when it is not laid out as the runner writes it (the reference path then reads it).
     `tops=False`: the top-k section is kept as bytes and read per step when a divergence needs
     it (_LazyTops), for a comparison without drift (engine.compare(drift=False))."""
-    parts = _sections(rec)
-    if parts is None:
+    spans = payload_spans(rec)
+    if spans is None:
         return None
-    ids_raw, texts_raw, text_raw, lps_raw, tops_raw, fin_raw = parts
+    ids_raw, texts_raw, text_raw, lps_raw, tops_raw, fin_raw = (rec._src[a:b] for a, b in spans)
     fin = {b'"length"': "length", b'"stop"': "stop"}.get(fin_raw)
     if fin is None:
         return None

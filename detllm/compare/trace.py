@@ -124,25 +124,39 @@ def use_fast_path(large_pairs: int) -> bool:
     return large_pairs > FAST_PATH_AFTER
 
 
+def payload_spans(rec: TraceRecord) -> list[tuple[int, int]] | None:
+    """Where each payload value lies in the record's bytes, (start, stop) in PAYLOAD_KEYS order:
+    found by the field names, in the order the runner writes them, each value ending where the
+    next name begins (finish_reason, the last field, found from the end and running to the
+    closing brace). None when a name is missing or the record holds no bytes."""
+    src, start, end = rec._src, rec._start, rec._end
+    if src is None:
+        return None
+    pos, names = start, []  # where each field's name begins
+    for mark in _SECTIONS[:-1]:
+        p = src.find(mark, pos, end)
+        if p < 0:
+            return None
+        names.append(p)
+        pos = p + len(mark)
+    fin = src.rfind(_SECTIONS[-1], pos, end)  # the last field: found from the end
+    if fin < 0:
+        return None
+    names.append(fin)
+    starts = [p + len(mark) for p, mark in zip(names, _SECTIONS)]
+    return list(zip(starts, [*names[1:], end - 1]))  # end - 1: the closing brace
+
+
 def payload_shape(rec: TraceRecord) -> tuple[int, bool, bool] | None:
     """(generated tokens, has logprobs, has top-k) counted from the raw payload without
     parsing or copying it; None when the bytes are not laid out as the runner writes
     them (fields in order, one logprob per token). The top-k section (the bulk of the
     bytes) is never scanned: the runner writes one top-k list per token."""
-    src, start, end = rec._src, rec._start, rec._end
-    if src is None:
+    spans = payload_spans(rec)
+    if spans is None:
         return None
-    pos, found = start, []
-    for mark in _SECTIONS[:-1]:
-        p = src.find(mark, pos, end)
-        if p < 0:
-            return None
-        found.append(p + len(mark))
-        pos = p + len(mark)
-    fin = src.rfind(_SECTIONS[-1], pos, end)  # the last field: found from the end
-    if fin < 0:
-        return None
-    ids_at, texts_at, _, lps_at, tops_at = found
+    src = rec._src
+    (ids_at, ids_end), _, _, (lps_at, lps_end), (tops_at, _), _ = spans
 
     def count(a: int, b: int) -> int | None:  # elements of the number array in src[a:b]
         while src[a:a + 1].isspace():
@@ -151,8 +165,8 @@ def payload_shape(rec: TraceRecord) -> tuple[int, bool, bool] | None:
             return None
         return 0 if src[a:a + 2] == b"[]" else src[a:b].count(b",") + 1  # (a mapped file has no count())
 
-    n = count(ids_at, texts_at - len(_SECTIONS[1]))
-    lps = count(lps_at, tops_at - len(_SECTIONS[4]))
+    n = count(ids_at, ids_end)
+    lps = count(lps_at, lps_end)
     if n is None or (lps is not None and lps != n):
         return None
     return n, lps is not None, src[tops_at:tops_at + 4] != b"null"

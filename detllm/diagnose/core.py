@@ -155,7 +155,8 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
     only = [o.strip() for o in only or [] if o.strip()]
     out = Path(out) if out is not None else artifacts.default_out_dir("diagnose")
     diff_plan = recorded.plan_diff(Path(run_dir)) if run_dir is not None and artifacts.is_diff_folder(Path(run_dir)) else None
-    if diff_plan is not None and (diff_plan.probes or diff_plan.named):
+    sides_differ = diff_plan is not None and bool(diff_plan.probes or diff_plan.named)  # else: diagnosed as a check
+    if sides_differ:
         unknown = [o for o in only if o not in diff_plan.knobs()]
         if unknown:  # the sides differ: their recorded differences are the knobs
             raise UsageError(f"--probe {unknown[0]!r} is not a recorded difference of this diff",
@@ -165,7 +166,7 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
         if unknown:
             raise UsageError(f"unknown --probe {unknown[0]!r}", hint=f"one of: {', '.join(sorted(PROBE_KINDS | KNOWN_KNOBS))}")
     _check_out(out, force)
-    if diff_plan is not None and (diff_plan.probes or diff_plan.named):
+    if sides_differ:
         return recorded.diagnose_diff(diff_plan, Path(run_dir), out, limits, progress, only)
     if check_args is not None:  # the CLI: run `detllm check ARGS` as the user would, then diagnose its folder
         run_dir = _run_check_cli(list(check_args), out, progress)

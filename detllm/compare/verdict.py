@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..artifacts import stamp
-from .causes import Side, explain, merge
+from .causes import Side, explain, merge, merge_batch_sizes
 from .engine import compare, label, parse_label, report_magnitude, select
 
 
@@ -91,10 +91,7 @@ def _fold(causes: list[dict[str, Any]], info: list[dict[str, Any]]) -> list[dict
             kept.append(entry)
             continue
         cause["evidence"]["not_required"] = {k: ev[k] for k in ("comparisons", "prompts_diverged", "first") if k in ev}
-        if "batch_sizes" in ev:
-            cause["evidence"]["batch_sizes"] = sorted(set(cause["evidence"].get("batch_sizes", [])) | set(ev["batch_sizes"]))
-            if cause["evidence"].get("batch_size") not in (None, ev.get("batch_size")):
-                del cause["evidence"]["batch_size"]  # one pair no longer describes them all: batch_sizes does
+        merge_batch_sizes(cause["evidence"], ev)
     return kept
 
 

@@ -14,12 +14,12 @@ and prompts are inputs.py's; classifier.py runs them all, codes.py ranks and mer
 from __future__ import annotations
 
 from .classifier import differences, explain
-from .codes import ADVICE, RANK, TITLES, merge, rank
+from .codes import ADVICE, RANK, TITLES, merge, merge_batch_sizes, rank
 from .config import BATCH_DERIVED, INERT_CONFIG, INERT_OPTIONS, LOGPROBS_COUNT_MATTERS, dtype_in_effect
 from .notes import Notes, schema_versions
 from .sides import Side, flat_diff
 from .variance import server_batching
 
 __all__ = ["ADVICE", "BATCH_DERIVED", "INERT_CONFIG", "INERT_OPTIONS", "LOGPROBS_COUNT_MATTERS", "RANK", "TITLES", "Notes",
-           "Side", "differences", "dtype_in_effect", "explain", "flat_diff", "merge", "rank",
+           "Side", "differences", "dtype_in_effect", "explain", "flat_diff", "merge", "merge_batch_sizes", "rank",
            "schema_versions", "server_batching"]

@@ -71,12 +71,18 @@ def merge(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ev["comparisons"] = ev.get("comparisons", []) + [n for n in new.get("comparisons", []) if n not in ev.get("comparisons", [])]
         if "prompts_diverged" in new:
             ev["prompts_diverged"] = ev.get("prompts_diverged", 0) + new["prompts_diverged"]
-        if "batch_sizes" in new:
-            ev["batch_sizes"] = sorted(set(ev.get("batch_sizes", [])) | set(new["batch_sizes"]))
-            if ev.get("batch_size") not in (None, new.get("batch_size")):
-                del ev["batch_size"]  # one left/right pair no longer describes every comparison: batch_sizes does
+        merge_batch_sizes(ev, new)
         if "composition_changed" in new:
             ev["composition_changed"] = max(ev.get("composition_changed", 0), new["composition_changed"])
         if "sides" in new:  # CACHE_VARIANCE: every run's cache state, not only the first comparison's
             ev["sides"] = {**ev.get("sides", {}), **new["sides"]}
     return rank(list(by_code.values()))
+
+
+def merge_batch_sizes(ev: dict[str, Any], new: dict[str, Any]) -> None:
+    """Fold `new` evidence's batch sizes into `ev`: every size in `batch_sizes`, and `batch_size`
+    (one left/right pair) dropped once the two name different pairs."""
+    if "batch_sizes" in new:
+        ev["batch_sizes"] = sorted(set(ev.get("batch_sizes", [])) | set(new["batch_sizes"]))
+        if ev.get("batch_size") not in (None, new.get("batch_size")):
+            del ev["batch_size"]  # one left/right pair no longer describes every comparison: batch_sizes does

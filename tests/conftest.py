@@ -26,6 +26,11 @@ def assert_valid_run(folder: Path, *, failed: bool = False) -> dict:
     return json.loads((folder / "report.json").read_text())
 
 
+def trace_records(folder: Path) -> list[dict]:
+    """The records of a run folder's trace.jsonl, in file order."""
+    return [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
+
+
 def llama_server_or_fail() -> Path:
     """The llama-server binary; a missing one fails the test (CI builds it), or skips it with DETLLM_SKIP_LLAMACPP=1."""
     from detllm.backends.llamacpp import find_server

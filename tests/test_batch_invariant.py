@@ -14,7 +14,7 @@ import pytest
 
 from detllm.prompts import FILLERS
 
-from .conftest import assert_valid_run
+from .conftest import assert_valid_run, trace_records
 
 pytestmark = pytest.mark.engine
 
@@ -34,10 +34,6 @@ def prompt_file(tmp_path_factory):
     return path
 
 
-def _records(folder):
-    return [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("model", list(MODELS))
 def test_tier3_check_passes_bitwise_with_the_mode_and_the_control_fails_without(cli, tmp_path, prompt_file, model):
     n = str(MODELS[model])
@@ -50,7 +46,7 @@ def test_tier3_check_passes_bitwise_with_the_mode_and_the_control_fails_without(
     batch = [c for c in report["comparisons"] if c["kind"] == "batch"]
     assert len(batch) == 5 and all(c["required"] for c in batch)
     # bitwise, not within a tolerance: every record equals its batch-1 record exactly
-    recs = _records(out)
+    recs = trace_records(out)
     ref = {r["prompt_index"]: r for r in recs if r["batch_size"] == 1 and r["run_index"] == 0}
     for r in recs:
         base = ref[r["prompt_index"]]
@@ -78,14 +74,14 @@ def test_sampling_gives_the_same_tokens_at_every_batch_size(tmp_path, prompt_fil
                            vary_batch=(1, 3, 8), temperature=0.8, max_new_tokens=12, options=(("batch_invariant", "true"),),
                            out=tmp_path / "s")
     assert outcome.exit_code == 0 and outcome.status == "PASS"
-    recs = _records(tmp_path / "s")
+    recs = trace_records(tmp_path / "s")
     by_prompt: dict[int, set] = {}
     for r in recs:
         by_prompt.setdefault(r["prompt_index"], set()).add(tuple(r["token_ids"]))
     assert all(len(v) == 1 for v in by_prompt.values())
     greedy = detllm.run(backend="hf", model="tiny", prompts=prompt_file, max_new_tokens=12, out=tmp_path / "g")
     sampled = {r["prompt_index"]: r["token_ids"] for r in recs}
-    assert any(r["token_ids"] != sampled[r["prompt_index"]] for r in _records(greedy.out_dir))  # it really sampled
+    assert any(r["token_ids"] != sampled[r["prompt_index"]] for r in trace_records(greedy.out_dir))  # it really sampled
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -133,8 +129,8 @@ def test_nothing_of_the_mode_outlives_its_run(tmp_path):
     assert not any("_detllm_invariant" in m.__dict__ for m in model.modules())
     after = detllm.run(backend="hf", model="tiny", vary_batch=(1, 4), max_new_tokens=6, out=tmp_path / "b")
     strip = lambda recs: [(r["batch_size"], r["token_ids"], r["logprobs"], r["top_logprobs"]) for r in recs]  # noqa: E731
-    assert strip(_records(after.out_dir)) == strip(_records(before.out_dir))  # plain runs bit for bit as before
-    drift = [r["logprobs"] for r in _records(after.out_dir) if r["prompt_index"] == 0]
+    assert strip(trace_records(after.out_dir)) == strip(trace_records(before.out_dir))  # plain runs bit for bit as before
+    drift = [r["logprobs"] for r in trace_records(after.out_dir) if r["prompt_index"] == 0]
     assert drift[0] != drift[1]  # and plain hf is still not batch invariant: the mode is really gone
 
 

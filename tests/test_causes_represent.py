@@ -19,6 +19,7 @@ from detllm.backends.fake import FakeBackend, FakeOptions
 from detllm.compare.represent import comparable, input_ids_known, representation
 from detllm.config import Decoding
 
+from .conftest import trace_records
 from .stubhttp import JSONHandler, StubServer
 
 PROMPTS = ["hello there", "general kenobi"]
@@ -82,13 +83,9 @@ def _runs(tmp_path, served, cli):
     return local, tmp_path / "served"
 
 
-def _records(folder):
-    return [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
-
-
 def test_the_same_generation_served_as_strings_is_no_divergence(tmp_path, served, cli):
     local, remote = _runs(tmp_path, served, cli)
-    lrec, rrec = _records(local), _records(remote)
+    lrec, rrec = trace_records(local), trace_records(remote)
     # what makes the two hard to compare really happened: ids vs strings, real input ids vs none
     assert all(isinstance(t, int) for t in lrec[0]["token_ids"]) and lrec[0]["token_texts"] == rrec[0]["token_ids"]
     assert rrec[0]["evidence"]["tokens_as"] == "strings" and rrec[0]["evidence"]["prompt_as"] == "text"
@@ -112,7 +109,7 @@ def test_a_real_flip_of_the_served_side_is_found_where_it_is(tmp_path, served, c
     report = detllm.diff(local, remote).report
     d = report["first_divergence"]
     assert (d["prompt_index"], d["token_index"], d["kind"]) == (1, 2, "token")
-    assert d["left"]["token_id"] == _records(local)[1]["token_texts"][2] and d["right"]["token_id"] == _records(remote)[1]["token_ids"][2]
+    assert d["left"]["token_id"] == trace_records(local)[1]["token_texts"][2] and d["right"]["token_id"] == trace_records(remote)[1]["token_ids"][2]
     # the top-k is keyed by text only where every entry's text is known; here it is not, so the gap is not
     # judged from a representation: no confident flip, and the reason named
     assert d["magnitude"]["label"] == "unclassified" and d["magnitude"]["why"] == "no logprobs for the two tokens"

@@ -14,6 +14,8 @@ import pytest
 import detllm
 from detllm.compare.verdict import check_comparisons, check_report
 
+from .conftest import trace_records
+
 PROMPTS = ["The capital of France is a city that", "Once upon a time there was a small", "def add(a, b):\n    return",
            "Numbers: 1 2 3 4 5 6 7 8 9 10 11"]
 
@@ -26,7 +28,7 @@ def test_a_warm_repeat_of_a_cold_run_is_cache_variance(llama_served, cli, tmp_pa
     for p in PROMPTS:
         args += ["--prompt", p + f" {tmp_path.name}"]  # a text this server has not seen: run 0 is cold
     res = cli(*args)
-    recs = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    recs = trace_records(out)
     cached = {r: [x["evidence"]["cached_prompt_tokens"] for x in recs if x["run_index"] == r] for r in range(3)}
     report = json.loads((out / "report.json").read_text())
     by_name = {c["name"]: c for c in report["comparisons"]}
@@ -66,7 +68,7 @@ def test_each_per_record_fact_is_a_recorded_difference(tmp_path, left, right, co
     """The records of a real failing check (a flip in run 1), given what a server would have said about
     each run: a fact that differs is the cause; one a side did not report is no difference."""
     out = detllm.check(backend="fake", runs=2, tier=2, options={"diverge": "prompt=0,pos=1,run=1"}, out=tmp_path / "c").out_dir
-    records = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    records = trace_records(out)
     for r in records:
         r["evidence"] = dict(left if r["run_index"] == 0 else right)
     report = _verdict(records)

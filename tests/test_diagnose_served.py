@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
 from detllm.artifacts import read_json
 
-from .conftest import write_prompts
+from .conftest import trace_records, write_prompts
 from .stubhttp import JSONHandler, StubServer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
-
-
-def _records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
 
 
 def _pairs_with_different_cache(records: list[dict]) -> list[tuple[int, int, int, int]]:
@@ -95,7 +90,7 @@ def test_server_level_cache_is_named_not_flipped_and_the_recorded_counts_are_ran
         assert chk.exit_code == 1, chk.output
         env = json.loads((tmp_path / "chk" / "env.json").read_text())
         assert env["backend"]["server"] == kind and switch in env["backend"]["cache_switch"]
-        differ = _pairs_with_different_cache(_records(tmp_path / "chk"))
+        differ = _pairs_with_different_cache(trace_records(tmp_path / "chk"))
         assert differ and all(c0 != ck for _, _, c0, ck in differ)
         res = cli("diagnose", tmp_path / "chk", "--out", tmp_path / "d", "--fresh-repeats", "2")
         assert res.exit_code == 0, res.output
@@ -135,7 +130,7 @@ def test_llama_server_cache_prompt_false_is_probed_and_makes_the_divergence_vani
     chk = cli("check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--runs", "3", "--tier", "2",
               "--max-new-tokens", "16", "--prompts", prompts, "--out", tmp_path / "chk", "--no-progress")
     assert chk.exit_code == 1, chk.output
-    base = _records(tmp_path / "chk")
+    base = trace_records(tmp_path / "chk")
     differ = _pairs_with_different_cache(base)
     assert differ, "the server reused cached prompt tokens in some repeat"
     res = cli("diagnose", tmp_path / "chk", "--out", tmp_path / "d", "--fresh-repeats", "2")
@@ -143,7 +138,7 @@ def test_llama_server_cache_prompt_false_is_probed_and_makes_the_divergence_vani
     doc = read_json(tmp_path / "d" / "diagnosis.json", "diagnosis")
     probe = next(p for p in doc["probes"] if p["name"] == "cache_prompt=false")
     assert probe["status"] == "ran" and probe["outcome"] == "vanish"
-    flipped = _records(tmp_path / "d" / probe["folder"])
+    flipped = trace_records(tmp_path / "d" / probe["folder"])
     assert flipped and all(r["evidence"]["cached_prompt_tokens"] == 0 for r in flipped)  # no request reused the cache
     applied = json.loads((tmp_path / "d" / probe["folder"] / "determinism_applied.json").read_text())
     cache = next(a for a in applied["settings"] if a["name"] == "prefix_cache")

@@ -14,18 +14,14 @@ from detllm import fresh
 from detllm.config import RunConfig
 from detllm.errors import BackendError
 
-from .conftest import assert_valid_run
-
-
-def _trace(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
+from .conftest import assert_valid_run, trace_records
 
 
 def test_fresh_repeats_are_traced_and_compared_as_such(tmp_path):
     outcome = detllm.check(backend="fake", runs=3, fresh_process=1, tier=2, out=tmp_path / "c")
     report = assert_valid_run(outcome.out_dir)
     assert outcome.status == "PASS"
-    fresh_runs = {r["run_index"] for r in _trace(outcome.out_dir) if r.get("fresh_process")}
+    fresh_runs = {r["run_index"] for r in trace_records(outcome.out_dir) if r.get("fresh_process")}
     assert fresh_runs == {2}, "the last repeat ran fresh; run 0, the reference, never does"
     assert {c["name"]: c["repeat"] for c in report["comparisons"]} == {
         "run_1 vs run_0 @ batch 1": "in-process", "run_2 (fresh process) vs run_0 @ batch 1": "fresh-process"}
@@ -50,7 +46,7 @@ def test_a_divergence_only_in_a_fresh_process_is_named_as_such(tmp_path, cli):
     status = {c["name"]: c["status"] for c in report["comparisons"]}
     assert status == {"run_1 vs run_0 @ batch 1": "PASS", "run_2 (fresh process) vs run_0 @ batch 1": "FAIL"}
     # the records say run_2 ran in a fresh process and run_0 did not: a recorded difference, not RUN_VARIANCE
-    assert {r["run_index"] for r in _trace(tmp_path / "c") if r.get("fresh_process")} == {2}
+    assert {r["run_index"] for r in trace_records(tmp_path / "c") if r.get("fresh_process")} == {2}
     assert [c["code"] for c in report["causes"]] == ["PROCESS_VARIANCE"]
     assert report["causes"][0]["evidence"]["process"] == {"left": "in-process", "right": "fresh-process"}
     assert "PROCESS_VARIANCE" in res.output and "process: in-process vs fresh-process" in res.output
@@ -139,7 +135,7 @@ def test_hf_fresh_process_repeat_passes_at_tier_2(tmp_path):
     report = assert_valid_run(outcome.out_dir)
     assert outcome.status == "PASS", report["causes"]
     assert report["comparisons"][0]["repeat"] == "fresh-process" and report["comparisons"][0]["logprobs_compared"]
-    assert {r["run_index"] for r in _trace(outcome.out_dir) if r.get("fresh_process")} == {1}
+    assert {r["run_index"] for r in trace_records(outcome.out_dir) if r.get("fresh_process")} == {1}
 
 
 def _fresh_children() -> list[int]:
@@ -188,4 +184,4 @@ def test_vllm_fresh_process_repeat_passes_at_tier_2(tmp_path):
     report = assert_valid_run(outcome.out_dir)
     assert outcome.status == "PASS", report["causes"]
     assert report["comparisons"][0]["repeat"] == "fresh-process" and report["comparisons"][0]["logprobs_compared"]
-    assert {r["run_index"] for r in _trace(outcome.out_dir) if r.get("fresh_process")} == {1}
+    assert {r["run_index"] for r in trace_records(outcome.out_dir) if r.get("fresh_process")} == {1}

@@ -12,13 +12,9 @@ import pytest
 
 import detllm
 from detllm.errors import BackendError
-from tests.conftest import assert_valid_run
+from tests.conftest import assert_valid_run, trace_records
 
 pytestmark = pytest.mark.engine
-
-
-def _records(folder):
-    return [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def test_concurrency_8_is_batched_by_the_server_and_recorded(concurrency_check):
     out, res = concurrency_check
     assert res.exit_code in (0, 1), res.output
     report = assert_valid_run(out, failed=res.exit_code == 1)
-    recs = _records(out)
+    recs = trace_records(out)
     at8 = [r for r in recs if r["batch_size"] == 8]
     assert len(at8) == 4 and sorted(r["batch_position"] for r in at8) == [0, 1, 2, 3]
     batch = at8[0]["evidence"]["server_batch"]
@@ -150,7 +146,7 @@ def test_chat_route_records_that_the_rendered_prompt_is_not_visible(llama_served
               "--runs", "2", "--max-new-tokens", "8", "--out", out, "--no-progress")
     assert res.exit_code in (0, 1), res.output
     assert_valid_run(out, failed=res.exit_code == 1)
-    rec = _records(out)[0]
+    rec = trace_records(out)[0]
     assert rec["input_ids"] == [] and rec["evidence"]["route"] == "/chat/completions" and rec["evidence"]["prompt_as"] == "chat"
     assert rec["evidence"]["tokens_as"] == "ids" and rec["logprobs"] and len(rec["top_logprobs"][0]) == 5
     applied = json.loads((out / "determinism_applied.json").read_text())

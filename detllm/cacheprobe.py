@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .compare.engine import parse_label
 from .compare.verdict import check_comparisons, check_report
 from .config import RunConfig
 from .errors import UsageError
@@ -40,10 +41,8 @@ def cache_report(config: RunConfig, records: list[dict[str, Any]], *, tier: int,
     between runs)."""
     comps = check_comparisons(records, base_batch=1, runs=config.runs, batch_sizes=(1,), tier=tier, atol=config.atol,
                               floor=floor, sampled=not config.decoding.greedy, drift=drift)
-    for c in comps:
-        run = int(c["right"].split("run_", 1)[1].split("@", 1)[0].strip()) if "run_" in c["right"] else None
-        if run is not None:
-            c["name"] = f"{side_name(run)} vs cold"
+    for c in comps:  # every one is a repeat at batch 1 (run_k vs run_0): named by its side before causes cite it
+        c["name"] = f"{side_name(parse_label(c['right'])[0])} vs cold"
     report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary={**summary, "cache_probe": sides(records)})
     for group in ("causes", "info"):
         for cause in report.get(group, []):
@@ -51,8 +50,6 @@ def cache_report(config: RunConfig, records: list[dict[str, Any]], *, tier: int,
                 cause["code"] = "CACHE_VARIANCE"
                 ev = cause["evidence"]
                 ev.pop("recorded_differences", None)
-                ev["comparisons"] = [f"{side_name(int(n.split('_', 1)[1].split(' ')[0]))} vs cold" if n.startswith("run_") else n
-                                     for n in ev.get("comparisons", [])]
                 ev["sides"] = sides(records)
                 drifts = [c.get("drift") or {} for c in comps if c["status"] != "PASS"]
                 ev["max_abs_logprob_diff"] = max((d.get("max_abs_logprob_diff") or 0.0 for d in drifts if d.get("available")), default=None)

@@ -50,7 +50,7 @@ def rederive_verdict(folder: Path) -> str:
     if (got.get("requested"), got.get("effective")) != (run_config["config"]["tier"], tier):
         raise IntegrityError(f"{REPORT}: tier is {got}, but the chained request and the recorded capabilities give "
                              f"{{'requested': {run_config['config']['tier']}, 'effective': {tier}}}", hint=_EDITED)
-    expected = expected_verdict(folder, run_config, applied, command)
+    expected = expected_verdict(folder, run_config, applied, command, tier)
     for name in CHECKED_FIELDS:
         if _canon(report.get(name)) != _canon(expected[name]):
             raise IntegrityError(
@@ -85,9 +85,10 @@ def expected_tier(run_config: dict[str, Any], applied: dict[str, Any]) -> int:
     return tier
 
 
-def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str, Any], command: str) -> dict[str, Any]:
-    """{status, category, first_divergence} as `run`/`check` computes them from this trace, by the
-    function the runner called (checkverdict.check_verdict: a plain check or a cache probe)."""
+def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str, Any], command: str, tier: int) -> dict[str, Any]:
+    """{status, category, first_divergence} as `run`/`check` computes them from this trace at the
+    effective tier `tier` (expected_tier), by the function the runner called (checkverdict.check_verdict:
+    a plain check or a cache probe)."""
     if command == "run":
         return {"status": "RECORDED", "category": "RECORDED", "first_divergence": None}
     from .checkverdict import check_verdict
@@ -99,7 +100,7 @@ def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str
     floor = run_noise_floor(config.dtype, applied["settings"], run_config["model"].get("quantization"))
     records, _ = load_records(folder / TRACE)
     # status, category and first divergence do not read the drift aggregation: skipped
-    report = check_verdict(config, records, tier=expected_tier(run_config, applied), floor=floor, summary={}, drift=False)
+    report = check_verdict(config, records, tier=tier, floor=floor, summary={}, drift=False)
     return {name: report[name] for name in CHECKED_FIELDS}
 
 

@@ -65,7 +65,8 @@ def replay(
             return execute(
                 config, command="replay", out=out, force=force, backend=backend, progress=progress,
                 prompt_set=prompts, sign_key=sign_key,
-                make_report=lambda records, tier, summary: replay_report(pack, recorded, out, records, summary, config=config, tier=tier),
+                make_report=lambda records, tier, floor, summary: replay_report(
+                    pack, recorded, out, records, summary, config=config, tier=tier, floor=floor),
             )
         finally:
             backend.close()
@@ -196,7 +197,7 @@ def check_model(recorded: dict[str, Any], local: dict[str, Any], *, allow: bool)
 
 
 def replay_report(pack: Path | str, recorded: artifacts.RunFolder, out: Path, records: list[dict[str, Any]],
-                  summary: dict[str, Any], *, config: RunConfig | None = None, tier: int | None = None) -> dict[str, Any]:
+                  summary: dict[str, Any], *, config: RunConfig, tier: int, floor: float | None) -> dict[str, Any]:
     """The replay's report.json: `detllm diff` (diff.diff_report) of every (run, batch size) the
     pack recorded, pack on the left, replay on the right; the first failing one decides. Its
     summary.reproduction says, in the pack's terms, whether the pack's own verdict recurs here."""
@@ -215,9 +216,7 @@ def replay_report(pack: Path | str, recorded: artifacts.RunFolder, out: Path, re
         reports.append(diff_report(left, right, atol=recorded.run_config["config"]["atol"]))
     decisive = next((r for r in reports if r["status"] == "FAIL"), reports[0])
     failed = sum(r["status"] == "FAIL" for r in reports)
-    extra = {}
-    if config is not None and tier is not None:
-        extra["reproduction"] = reproduction(recorded.report or {}, config, records, tier, here, matches=not failed)
+    extra = {"reproduction": reproduction(recorded.report or {}, config, records, tier, floor, matches=not failed)}
     return {
         **decisive,
         "command": "replay",
@@ -232,7 +231,7 @@ def _verdict(report: dict[str, Any]) -> str:
 
 
 def reproduction(pack_report: dict[str, Any], config: RunConfig, records: list[dict[str, Any]], tier: int,
-                 here: dict[str, Any], *, matches: bool) -> dict[str, Any]:
+                 floor: float | None, *, matches: bool) -> dict[str, Any]:
     """Whether the pack's own verdict recurs here: the replay's records judged as the pack's check
     judged its own (checkverdict.check_verdict, the one verdict maker), in the reporter's terms
     ("the pack's FAIL [RUN_VARIANCE] reproduces here"). `matches`: every selection of the replay
@@ -242,9 +241,7 @@ def reproduction(pack_report: dict[str, Any], config: RunConfig, records: list[d
                 "line": f"the pack holds a detllm {pack_report.get('command', 'run')}, not a check: it has no verdict to reproduce; "
                         + ("this machine computes every output it recorded" if matches else "this machine computes other outputs (below)")}
     from .checkverdict import check_verdict
-    from .compare.divergence import run_noise_floor
 
-    floor = run_noise_floor(config.dtype, here[artifacts.APPLIED]["settings"], here[artifacts.RUN_CONFIG]["model"].get("quantization"))
     mine = check_verdict(config, records, tier=tier, floor=floor, summary={}, drift=False)
     theirs, ours = _verdict(pack_report), _verdict(mine)
     same = (pack_report["status"], pack_report["category"]) == (mine["status"], mine["category"])

@@ -31,7 +31,7 @@ from .render.text import render_text
 from .signing import Signer, load_signing_key
 
 Progress = Callable[[int, int, int], None]  # (prompts done, prompts total, tokens generated so far)
-MakeReport = Callable[[list, int, dict], dict]  # (records, effective tier, summary) -> report.json
+MakeReport = Callable[[list, int, float | None, dict], dict]  # (records, effective tier, noise floor, summary) -> report.json
 
 
 @dataclass
@@ -200,7 +200,7 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
         "atol": config.atol,
     }
     if make_report is not None:
-        report = make_report(records, tier, summary)
+        report = make_report(records, tier, floor, summary)
     elif command == "run":
         report = artifacts.stamp("report", {
             "command": "run", "status": "RECORDED", "category": "RECORDED",

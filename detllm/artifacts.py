@@ -17,7 +17,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .archive import is_archive, open_run_path  # noqa: F401 (open_run_path: a run path, folder or pack)
 from .errors import ArtifactError, UsageError
 from .hashing import canonical_json
 from .records import check_trace_record  # the schema's fast equivalent: jsonschema is ~100x slower on traces
@@ -258,6 +257,8 @@ def load_trace(path: Path, *, validate_records: bool = True) -> list[dict[str, A
 def load_run(path: Path, *, validate_records: bool = True) -> RunFolder:
     """Load and validate a run folder; ArtifactError names the first bad file. A .tar.gz pack is
     safely extracted (archive.py), read into memory, and its extracted copy removed."""
+    from .archive import is_archive  # lazy: tarfile and gzip load when a run is read, not with every command
+
     path = Path(path)
     if is_archive(path):
         with open_run_path(path) as folder:
@@ -299,3 +300,10 @@ def validate_folder(folder: Path) -> list[str]:
         checked.append(TRACE)
     return checked
 
+
+def open_run_path(path: str | Path) -> Any:
+    """archive.open_run_path (a run folder as given, or a .tar.gz pack extracted for the block),
+    imported when first used."""
+    from .archive import open_run_path as opened
+
+    return opened(path)

@@ -46,10 +46,12 @@ class ProbeRunner:
         if self.progress:
             self.progress(text)
 
-    def _job(self, kind: str, config: RunConfig, name: str, fresh: bool, **extra: Any) -> dict[str, Any]:
+    def _job(self, kind: str, config: RunConfig, name: str, fresh: bool, folder: str | None = None, **extra: Any) -> dict[str, Any]:
+        """Run one job (in a fresh process where `fresh`); a check or run writes to probes/FOLDER
+        (default: the probe name's slug)."""
         job = {"kind": kind, "config": config.to_json(), "prompts": self.prompts, "tier": self.tier, **extra}
         if kind in ("check", "run"):
-            job["out"] = str(self.out / "probes" / slug(name))
+            job["out"] = str(self.out / "probes" / (folder or slug(name)))
         return self.pool.fresh(job) if fresh else self.pool.shared().run(job)
 
     def probe_config(self, probe: Probe) -> RunConfig:
@@ -122,8 +124,7 @@ class ProbeRunner:
         cfg = dataclasses.replace(self.probe_base, mode="best-effort", runs=1, vary_batch=(), fresh_process=0)
         folders = []
         for k in range(n):
-            res = self.pool.fresh({"kind": "run", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
-                                   "out": str(self.out / "probes" / f"{slug(probe.name)}-{k}")})
+            res = self._job("run", cfg, probe.name, True, folder=f"{slug(probe.name)}-{k}")
             if not res.get("ok"):
                 raise _ProbeFailed(res.get("error", "the probe failed"))
             folders.append(Path(res["out"]))
@@ -166,8 +167,7 @@ class ProbeRunner:
             self.used += 1
             ran += 1
             self._say(f"confirm {k + 1}/{repeats}: {probe.name}")
-            res = self.pool.fresh({"kind": "check", "config": cfg.to_json(), "prompts": self.prompts, "tier": self.tier,
-                                   "out": str(self.out / "probes" / f"confirm-{slug(probe.name)}-{k}")})
+            res = self._job("check", cfg, probe.name, True, folder=f"confirm-{slug(probe.name)}-{k}")
             if not res.get("ok"):
                 break
             records = artifacts.load_trace(Path(res["out"]) / artifacts.TRACE, validate_records=False)

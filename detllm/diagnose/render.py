@@ -96,7 +96,7 @@ _VERDICT_CELL = {"follows": "cell-FAIL", "vanishes": "cell-PASS", "moves": "cell
 def render_html(doc: dict[str, Any]) -> str:
     """diagnosis.html: one self-contained page in the report page's style (render/html.py: its CSS
     and Content-Security-Policy, so no script, font, image or link out), every string escaped."""
-    from ..render.html import _CSS, CSP, esc
+    from ..render.html import esc, page
 
     base = doc["baseline"]
     title = f"detllm diagnosis: {doc['backend']} / {doc['model']}"
@@ -150,8 +150,4 @@ def render_html(doc: dict[str, Any]) -> str:
     seconds = f"{b['seconds_used']:.1f}"
     body.append(f"<p class='muted'>budget: {esc(b['probes_used'])} probes in {esc(seconds)} s · detllm "
                 f"{esc(doc.get('detllm_version'))} · {esc(doc.get('created_at'))}</p>")
-    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
-            "<meta name='referrer' content='no-referrer'>"
-            f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{esc(title)}</title>"
-            f"<style>{_CSS}{_STYLE}</style></head><body><main>\n" + "\n".join(body) + "\n</main></body></html>\n")
+    return page(title, body, _STYLE)

@@ -298,11 +298,17 @@ def render_html(report: dict[str, Any], *, records: tuple[dict | None, dict | No
     if any(c["drift"].get("available") for c in report["comparisons"]):
         body += _drift(report)
     body += _causes(report)
+    return page(title, body)
+
+
+def page(title: str, body: list[str], style: str = "") -> str:
+    """One self-contained page: the Content-Security-Policy (no script, font, image or link out),
+    this module's CSS plus `style`, and `body`'s lines (already escaped) in <main>."""
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
             "<meta name='referrer' content='no-referrer'>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{esc(title)}</title>"
-            f"<style>{_CSS}</style></head><body><main>\n" + "\n".join(body) + "\n</main></body></html>\n")
+            f"<style>{_CSS}{style}</style></head><body><main>\n" + "\n".join(body) + "\n</main></body></html>\n")
 
 
 # ------------------------------------------------------------------ from a folder

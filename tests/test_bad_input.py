@@ -523,3 +523,16 @@ def test_the_largest_seed_runs_on_every_backend(tmp_path, backend):
 
     outcome = detllm.check(backend=backend, seed=SEED_MAX, temperature=0.7, max_new_tokens=3, out=tmp_path / "s")
     assert outcome.status == "PASS"
+
+
+def test_help_into_a_closed_pipe_has_no_traceback(tmp_path):
+    """`detllm --help | head -1`: rich stops on the broken pipe; no traceback follows (the vendored
+    click of typer 0.2x has no exceptions.Abort, and naming it there crashed the except clause)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = _detllm("--help", stdout=write_end, cwd=tmp_path)
+    finally:
+        os.close(write_end)
+    assert r.stderr == "", r.stderr
+    assert r.returncode in (1, 141)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 from ..config import Decoding, RunConfig, check_ranges
 from ..errors import UsageError
+from .capture import Capture, CapturedTensor, CaptureSpec
 from ..identity import ModelIdentity, WeightFile  # records of the base layer (hashing fills them in); backends use them from here
 
 FINISH_REASONS = ("length", "stop")
@@ -59,6 +60,7 @@ class Capabilities:
     sampling: bool  # honours temperature/top_p/top_k with seeded randomness
     batch_invariant: bool  # outputs independent of batch composition (tier 3)
     notes: tuple[str, ...] = ()  # why max_tier is not higher, in plain words
+    capture: str = "none"  # the most `Backend.capture` offers (capture.CAPTURE_LEVELS): "none" for served endpoints
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,13 @@ class Backend(ABC):
         """log p(target_ids[i] | input_ids + target_ids[:i]) for every i, computed as prompt
         processing (prefill), not decoding. Only where `can_score` is True."""
         raise NotImplementedError(f"backend {self.name!r} cannot score a given sequence")
+
+    def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
+                spec: CaptureSpec) -> Capture:
+        """Re-run `requests` as ONE batch exactly as `generate` would (same members, order and
+        padding) up to `spec.step`, capturing the internals `spec` asks for at that step for row
+        `spec.row` (`detllm locate`). Only where `capabilities().capture` is not "none"."""
+        raise NotImplementedError(f"backend {self.name!r} cannot capture its internals")
 
     def context_limit(self) -> int | None:
         """Most tokens (prompt + generated) one sequence may hold; None: no known limit.
@@ -256,6 +265,9 @@ __all__ = [
     "Applied",
     "Backend",
     "Capabilities",
+    "Capture",
+    "CaptureSpec",
+    "CapturedTensor",
     "FINISH_REASONS",
     "Generation",
     "Installed",

@@ -17,10 +17,12 @@ from typing import Any, get_args, get_origin
 import typer
 from typer.core import TyperGroup
 
-try:  # typer vendors click from 0.2x on
+try:  # typer vendors click from 0.2x on, with Abort moved to typer.exceptions
     from typer._click import exceptions as click_errors
+    from typer.exceptions import Abort
 except ImportError:  # older typer: click itself
     from click import exceptions as click_errors
+    from click.exceptions import Abort
 
 # commands whose numeric options are RunConfig's settings, so their declared ranges (config.Range) apply
 RANGED_COMMANDS = ("run", "check", "sweep")
@@ -117,7 +119,7 @@ class Group(TyperGroup):
         except click_errors.ClickException as err:
             typer.echo(f"detllm: error: {_one_line(err.format_message())}", err=True)
             sys.exit(err.exit_code)
-        except click_errors.Abort:  # Ctrl-D at a prompt: as guarded() treats Ctrl-C
+        except Abort:  # Ctrl-D at a prompt: as guarded() treats Ctrl-C
             typer.echo("detllm: interrupted", err=True)
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)

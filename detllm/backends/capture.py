@@ -1,0 +1,56 @@
+"""What a backend hands back when asked to capture its internals (`detllm locate`, the training
+item's hooks): the request (`CaptureSpec`), one captured module or op (`CapturedTensor`) and the
+whole capture (`Capture`). Plain records only: how a backend hooks its engine lives in that
+backend (and the torch hook machinery in `detllm.taps`); comparing two captures is `locate`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# what a backend can capture, least to most: its Capabilities.capture names the most it offers
+CAPTURE_LEVELS = ("none", "layers", "modules", "ops")
+
+# the kinds of computation a captured tensor comes from (locate.json's `kind`)
+CAPTURE_KINDS = ("embedding", "norm", "gemm", "attention", "rotary", "softmax", "activation", "all_reduce",
+                 "residual", "layer", "logits", "other")
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to capture while a recorded batch is re-run."""
+
+    step: int  # the generated-token position to capture at: 0 is the prefill that yields token 0
+    row: int  # the batch row of the prompt under test (its index in the requests passed)
+    level: str = "modules"  # one of CAPTURE_LEVELS[1:]; a backend may capture less and says so in Capture.notes
+    max_bytes: int = 512 * 2**20  # bound on the captured tensors kept; past it, layer boundaries only (noted)
+    reference: bool = True  # also evaluate each captured module in float64 on its own captured inputs
+    backward: bool = False  # also capture gradients (backward hooks), where the backend trains (hf)
+
+
+@dataclass
+class CapturedTensor:
+    """One module's (or op's) output at the captured step, for the prompt's row only."""
+
+    name: str  # Hugging Face module path, e.g. "model.layers.1.mlp.down_proj"; an op adds "/aten.mm#2"
+    kind: str  # one of CAPTURE_KINDS
+    order: int  # execution order within the captured step (0 first)
+    output: Any  # numpy array: the row's output, as the engine computed it (its dtype kept)
+    inputs: list[Any] = field(default_factory=list)  # numpy arrays: the row's inputs (attention: incl. cached K/V)
+    input_shapes: list[tuple[int, ...]] = field(default_factory=list)  # as the engine saw them (whole batch)
+    output_shape: tuple[int, ...] = ()  # as the engine produced it (whole batch)
+    ref_error: float | None = None  # max |output - the same module in float64 on the same inputs|; None: not evaluated
+    cached_from_step: int | None = None  # attention: the step that wrote the K/V it read (None: not cached input)
+
+
+@dataclass
+class Capture:
+    """A re-run's outputs up to the captured step (so the caller can check it reproduced the
+    recorded trace) and the tensors captured at that step."""
+
+    generations: list[Any]  # base.Generation per request, steps 0..spec.step
+    tensors: list[CapturedTensor]
+    level: str  # what was captured in the end (may be below the level asked for)
+    notes: list[str] = field(default_factory=list)  # what was and was not captured, in plain words
+    engine: dict[str, Any] = field(default_factory=dict)  # how the engine ran the re-run (its own facts)

@@ -1,0 +1,3 @@
+"""`detllm training` commands: parse -> call the library (training/) -> render -> exit code."""
+
+from __future__ import annotations

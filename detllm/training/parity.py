@@ -1,0 +1,173 @@
+"""Trainer <-> engine logprob parity (`detllm parity`): the same token sequences scored
+teacher-forced by the training model (plain transformers forward in torch, its training dtype,
+`model.eval()`, as RL trainers compute old logprobs) and by an inference backend reached through
+the Backend interface: its rollout (decode) logprobs and its `score()` (prefill) logprobs.
+Owns the comparison, parity.json and its text; never imports an engine module.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .. import artifacts
+from ..backends.base import Request
+from ..backends.registry import create_backend
+from ..compare.steps import abs_diff
+from ..config import Decoding, RunConfig
+from ..env import detllm_version
+from ..errors import EXIT_FAIL, EXIT_PASS, UsageError
+
+PARITY = "parity.json"
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
+PATHS = ("decode", "prefill")  # decode: the rollout's own logprobs; prefill: backend.score() teacher-forced
+
+
+@dataclass
+class ParityOutcome:
+    doc: dict[str, Any]
+    out_dir: Path | None
+    text: str
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_PASS if self.doc["verdict"] == "PASS" else EXIT_FAIL
+
+
+def compare_path(trainer: list[list[float]], engine: list[list[float] | None], *, atol: float) -> dict[str, Any]:
+    """Per-token |Δlogprob| of one engine path against the trainer over every sequence: positions,
+    bitwise-equal positions, max/mean |Δ|, the first position (sequence, position) with |Δ| > atol."""
+    n = eq = 0
+    worst, total, first = 0.0, 0.0, None
+    for s, (tr, en) in enumerate(zip(trainer, engine)):
+        if en is None:
+            continue
+        for p, (x, y) in enumerate(zip(tr, en)):
+            d = abs_diff(x, y)
+            n += 1
+            eq += x == y and math.isfinite(x)
+            if math.isfinite(d):
+                worst, total = max(worst, d), total + d
+            if d > atol and (first is None or p < first["position"]):
+                first = {"sequence": s, "position": p, "trainer": x, "engine": y, "abs_diff": d if math.isfinite(d) else None}
+    return {"available": True, "positions": n, "bitwise_equal_positions": eq, "bitwise_equal": n > 0 and eq == n,
+            "max_abs_diff": worst, "mean_abs_diff": total / n if n else 0.0, "first_difference": first}
+
+
+def trainer_logprobs(model_path: Path, dtype: str, sequences: Sequence[tuple[list[int], list[int]]], *,
+                     threads: int | None = None, attn_implementation: str = "sdpa") -> list[list[float]]:
+    """log p(target[i] | prompt + target[:i]) from the training model: transformers' forward in
+    `dtype`, model.eval() (dropout off), one sequence at a time, logits upcast to float32 before
+    log_softmax (as TRL/verl compute old logprobs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr keeps detllm's own lines
+
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype),
+                                                     attn_implementation=attn_implementation)
+        model.eval()
+        out = []
+        with torch.no_grad():
+            for prompt, target in sequences:
+                seq = torch.tensor([list(prompt) + list(target)], dtype=torch.long)
+                logits = model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0].float()
+                start = len(prompt) - 1  # logits at position p predict token p + 1
+                logp = torch.log_softmax(logits[start:start + len(target)], dim=-1)
+                out.append(logp.gather(1, torch.tensor(list(target))[:, None])[:, 0].tolist())
+        return out
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _check(dtype: str, engine_dtype: str, max_new_tokens: int, atol: float, out: Path | None, force: bool) -> None:
+    if dtype not in TRAIN_DTYPES:
+        raise UsageError(f"--dtype (the training dtype) must be one of {', '.join(TRAIN_DTYPES)}, got {dtype!r}")
+    if engine_dtype not in TRAIN_DTYPES:
+        raise UsageError(f"--engine-dtype must be one of {', '.join(TRAIN_DTYPES)}, got {engine_dtype!r}")
+    if not isinstance(atol, (int, float)) or not math.isfinite(atol) or not 0 <= atol <= 1000:
+        raise UsageError(f"--atol must be a finite number in [0, 1000], got {atol!r}")
+    if out is not None and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not ((out / PARITY).is_file() and force))):
+        raise UsageError(f"--out {str(out)!r} is not an empty folder", hint="choose another --out (or --force over an earlier parity)")
+
+
+def parity(*, backend: str = "hf", model: str = "tiny", prompts: str | Path | None = None, max_new_tokens: int = 16,
+           dtype: str = "float32", engine_dtype: str | None = None, threads: int | None = None, seed: int = 0,
+           options: tuple[tuple[str, str], ...] = (), attn_implementation: str = "sdpa", atol: float = 0.0, out: str | Path | None = None, force: bool = False,
+           progress: Callable[[str], None] | None = None) -> ParityOutcome:
+    """Roll each prompt out greedily on `backend`, then score prompt + rollout with the trainer
+    and compare, token by token, with the engine's decode and prefill logprobs. Writes parity.json
+    and parity.txt under `out` (a new folder under artifacts/ when None)."""
+    from ..models import resolve_model
+    from ..prompts import load_prompts
+    from .parity_render import render_text
+
+    engine_dtype = engine_dtype or dtype
+    out = Path(out) if out is not None else None
+    _check(dtype, engine_dtype, max_new_tokens, atol, out, force)
+    if attn_implementation not in ("sdpa", "eager"):
+        raise UsageError(f"--attn-implementation must be sdpa or eager, got {attn_implementation!r}")
+    cfg = RunConfig(backend=backend, model=model, dtype=engine_dtype, seed=seed, tier=2, threads=threads, options=options,
+                    decoding=Decoding(max_new_tokens=max_new_tokens))
+    cfg.validate()
+    texts = load_prompts(prompts).texts
+    resolved = resolve_model(model, "hf")
+    if resolved.path is None:
+        raise UsageError(f"parity needs the model's files on this machine for the trainer side; {model!r} is not a local "
+                         "folder or built-in model", hint="pass a built-in model or a local HF folder")
+    t0 = time.monotonic()
+    say = progress or (lambda _text: None)
+    say(f"rolling out {len(texts)} prompts on {backend}")
+    with create_backend(cfg) as engine:
+        caps = engine.capabilities()
+        method = getattr(engine, "score_method", "") if engine.can_score else ""
+        seqs, decode, prefill = [], [], []
+        with engine.determinism(tier=min(2, caps.max_tier), seed=seed, threads=threads):
+            for i, text in enumerate(texts):
+                ids = list(engine.tokenize(text))
+                gen = engine.generate([Request(i, tuple(ids), text)], cfg.decoding, seed=seed, n_logprobs=1,
+                                      logprobs=caps.logprobs)[0]
+                seqs.append((ids, list(gen.token_ids)))
+                decode.append(list(gen.logprobs) if caps.logprobs and gen.logprobs is not None else None)
+                prefill.append(engine.score(ids, list(gen.token_ids)) if engine.can_score and gen.token_ids else None)
+        engine_info = {"backend": backend, "dtype": engine_dtype, "score_method": method, "env": engine.env_info()}
+    say("scoring the rollouts with the training model")
+    trainer = trainer_logprobs(resolved.path, dtype, seqs, threads=threads, attn_implementation=attn_implementation)
+    paths = {}
+    for name, got in (("decode", decode), ("prefill", prefill)):
+        if all(g is None for g in got):
+            why = "the backend returns no logprobs" if name == "decode" else f"backend {backend!r} cannot score a given sequence"
+            paths[name] = {"available": False, "reason": why}
+        else:
+            paths[name] = compare_path(trainer, got, atol=atol)
+    ran = [p for p in paths.values() if p["available"]]
+    verdict = "PASS" if ran and all(p["first_difference"] is None for p in ran) else "FAIL"
+    import torch
+
+    doc = artifacts.stamp("parity", {
+        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "model": model, "atol": atol, "seed": seed,
+        "trainer": {"dtype": dtype, "mode": "eval", "attn_implementation": attn_implementation, "framework": f"transformers forward, torch {torch.__version__}",
+                    "threads": threads if threads is not None else torch.get_num_threads(),
+                    "log_softmax": "float32 (logits upcast)", "batch": 1},
+        "engine": engine_info, "max_new_tokens": max_new_tokens, "verdict": verdict, "paths": paths,
+        "sequences": [{"index": i, "prompt_ids": p, "token_ids": t, "trainer": tr, "decode": d, "prefill": f}
+                      for i, ((p, t), tr, d, f) in enumerate(zip(seqs, trainer, decode, prefill))],
+        "seconds": round(time.monotonic() - t0, 2),
+    })
+    folder = out if out is not None else artifacts.default_out_dir("parity")
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    artifacts.write_json(folder, PARITY, doc)
+    text = render_text(doc)
+    artifacts.atomic_write_text(folder / "parity.txt", text)
+    return ParityOutcome(doc, folder, text)

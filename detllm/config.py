@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from .errors import UsageError
 
@@ -234,6 +234,33 @@ def parse_batch_list(text: str | None) -> tuple[int, ...]:
     if len(set(sizes)) != len(sizes):
         raise UsageError(f"--vary-batch lists a size twice: {text!r}")
     return sizes
+
+
+def parse_axes(specs: list[str], *, int_axes: Collection[str] = (), command: str = "sweep",
+               example: str = "batch_size=1,2,8") -> list[tuple[str, list[str]]]:
+    """`--axis name=v1,v2` strings to [(name, values)], the one axis parser of the tool (sweep,
+    train-check); a malformed or repeated axis or value, or a non-integer value of an axis in
+    `int_axes`, is a UsageError."""
+    axes: list[tuple[str, list[str]]] = []
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not name.strip() or not vals:
+            raise UsageError(f"--axis expects name=v1,v2 (e.g. {example}), got {spec!r}")
+        name = name.strip()
+        if name in (a for a, _ in axes):
+            raise UsageError(f"--axis {name} is given twice")
+        if len(set(vals)) != len(vals):
+            raise UsageError(f"--axis {name} repeats a value: {values!r}")
+        if name in int_axes:
+            try:
+                [int(v) for v in vals]
+            except ValueError as exc:
+                raise UsageError(f"--axis {name} takes integers, got {values!r}") from exc
+        axes.append((name, vals))
+    if not axes:
+        raise UsageError(f"{command} needs at least one --axis", hint=f"e.g. --axis {example}")
+    return axes
 
 
 def check_atol(atol: Any) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .. import artifacts
 from ..compare.steps import abs_diff
 from ..config import RunConfig
+from ..config import parse_axes as config_parse_axes
 from ..env import detllm_version
 from ..errors import UsageError
 from .pool import Pool
@@ -43,27 +44,8 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 
 def parse_axes(specs: list[str]) -> list[tuple[str, list[str]]]:
-    """`name=v1,v2` strings to [(name, values)]; a malformed or repeated axis is a UsageError."""
-    axes: list[tuple[str, list[str]]] = []
-    for spec in specs:
-        name, sep, values = spec.partition("=")
-        vals = [v.strip() for v in values.split(",") if v.strip()]
-        if not sep or not name.strip() or not vals:
-            raise UsageError(f"--axis expects name=v1,v2 (e.g. batch_size=1,2,8), got {spec!r}")
-        name = name.strip()
-        if name in (a for a, _ in axes):
-            raise UsageError(f"--axis {name} is given twice")
-        if len(set(vals)) != len(vals):
-            raise UsageError(f"--axis {name} repeats a value: {values!r}")
-        if name in CONFIG_AXES and CONFIG_AXES[name] is int:
-            try:
-                [int(v) for v in vals]
-            except ValueError as exc:
-                raise UsageError(f"--axis {name} takes integers, got {values!r}") from exc
-        axes.append((name, vals))
-    if not axes:
-        raise UsageError("sweep needs at least one --axis", hint="e.g. --axis batch_size=1,2,8")
-    return axes
+    """`name=v1,v2` strings to [(name, values)] by the tool's one axis parser (config.parse_axes)."""
+    return config_parse_axes(specs, int_axes=[n for n, kind in CONFIG_AXES.items() if kind is int], command="sweep")
 
 
 def cell_config(base: RunConfig, cell: dict[str, str], repeats: int) -> RunConfig:

@@ -1,0 +1,81 @@
+"""Trainer <-> engine logprob parity (`detllm parity`) on the real tiny model: the trainer side is
+a plain transformers forward (training dtype, model.eval()); the engines are real (transformers
+through the hf backend, vLLM prompt_logprobs, llama-server). The figures are measured, never
+assumed: only hf with the same attention kernel is expected bitwise on the prefill path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from detllm.schema_io import validate
+from detllm.training.parity import compare_path, parity
+
+from .conftest import llama_server_or_fail
+
+pytestmark = pytest.mark.engine
+
+
+def _doc(folder):
+    doc = json.loads((folder / "parity.json").read_text())
+    validate(doc, "parity")
+    return doc
+
+
+def test_compare_path_names_the_first_differing_position():
+    got = compare_path([[-1.0, -2.0, -3.0], [-0.5, -0.25]], [[-1.0, -2.0, -3.5], [-0.5, -0.3]], atol=0.0)
+    assert got["first_difference"]["sequence"] == 1 and got["first_difference"]["position"] == 1
+    assert got["bitwise_equal_positions"] == 3 and not got["bitwise_equal"]
+    assert got["max_abs_diff"] == 0.5
+    assert compare_path([[-1.0]], [[-1.0]], atol=0.0)["bitwise_equal"]
+    assert compare_path([[-1.0]], [[-1.0 + 1e-7]], atol=1e-6)["first_difference"] is None  # within atol: no difference
+
+
+def test_hf_same_kernel_prefill_is_bitwise_and_sdpa_is_not(tmp_path):
+    """The trainer with eager attention (the hf backend's) scores bitwise like the backend's
+    score(); the trainer with sdpa (transformers' default) does not: the kernel changes the bits."""
+    same = parity(backend="hf", attn_implementation="eager", max_new_tokens=8, out=tmp_path / "eager")
+    doc = _doc(tmp_path / "eager")
+    assert doc["paths"]["prefill"]["bitwise_equal"], doc["paths"]["prefill"]
+    assert doc["paths"]["prefill"]["positions"] == sum(len(s["token_ids"]) for s in doc["sequences"]) > 0
+    assert doc["paths"]["decode"]["available"]  # the rollout's own logprobs: measured, reported either way
+    other = parity(backend="hf", attn_implementation="sdpa", max_new_tokens=8, out=tmp_path / "sdpa")
+    p = other.doc["paths"]["prefill"]
+    assert not p["bitwise_equal"] and p["first_difference"] is not None and 0 < p["max_abs_diff"] < 1e-3
+    assert other.exit_code == 1 and "first difference: sequence" in other.text
+    assert same.doc["sequences"][0]["token_ids"] == other.doc["sequences"][0]["token_ids"]  # the same rollout both times
+
+
+def test_parity_cli_and_bad_input(cli, tmp_path):
+    res = cli("parity", "--attn-implementation", "eager", "--max-new-tokens", "4", "--out", tmp_path / "p")
+    assert res.exit_code in (0, 1) and "prefill" in res.output and (tmp_path / "p" / "parity.txt").is_file()
+    assert _doc(tmp_path / "p")["verdict"] == ("PASS" if res.exit_code == 0 else "FAIL")
+    for args in (["--dtype", "float64"], ["--attn-implementation", "flash"], ["--atol", "nan"], ["--max-new-tokens", "0"]):
+        res = cli("parity", *args, "--out", tmp_path / "bad")
+        assert res.exit_code == 2, (args, res.output)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_vllm_parity_figures(tmp_path):
+    """vLLM's rollout and prompt_logprobs against the trainer: aligned to the same tokens (a
+    shifted position would differ by whole nats), figures recorded in parity.json."""
+    from detllm.backends.registry import backend_class
+
+    if not backend_class("vllm").installed().usable:
+        pytest.fail("vLLM is not installed (scripts/install_vllm_cpu.sh)")
+    doc = parity(backend="vllm", attn_implementation="eager", max_new_tokens=8, out=tmp_path / "v").doc
+    for name in ("decode", "prefill"):
+        p = doc["paths"][name]
+        assert p["available"] and p["positions"] > 0 and math.isfinite(p["max_abs_diff"]) and p["max_abs_diff"] < 1e-3, p
+
+
+def test_llamacpp_parity_figures(tmp_path):
+    llama_server_or_fail()
+    doc = parity(backend="llamacpp", options=(("kv_type", "f32"),), attn_implementation="eager", max_new_tokens=8,
+                 out=tmp_path / "l").doc
+    p = doc["paths"]["prefill"]
+    assert p["available"] and p["positions"] > 0 and p["max_abs_diff"] < 0.1, p  # f32 GGUF, f32 KV: close, not bitwise here
+    assert doc["engine"]["score_method"].startswith("one prompt-only /completion")

@@ -1,0 +1,164 @@
+"""`--script path.py:make`: the user's own training setup, loaded and checked.
+
+Owns parsing the spec, running the file (runpy; a script is code, so it runs only from a path the
+user gave, or from a pack's copy with `--allow-pack-option script`), checking what `make()` returns
+(model, optimizer, batches, loss_fn, optional scheduler and scaler) and reading a batch's token ids.
+DataLoaders with worker processes are refused: their seeds would not be recorded. The training
+loop itself is loop.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import IntegrityError, UsageError
+
+SCRIPT_COPY = "script.py.txt"  # the script's bytes in a pack: text, never run from there unless allowed
+PACK_OPTION = "script"  # --allow-pack-option script: run the pack's copy
+
+
+@dataclass
+class ScriptTask:
+    """What `make()` returned, checked."""
+
+    model: Any  # torch.nn.Module
+    optimizer: Any  # torch.optim.Optimizer over the model's parameters
+    batches: Any  # an iterable of batches, drawn in order (a list, a generator, a DataLoader with num_workers=0)
+    loss_fn: Callable[[Any, Any], Any]  # loss_fn(model, batch) -> scalar tensor
+    scheduler: Any = None  # its state_dict() belongs to the checkpoint
+    scaler: Any = None  # a torch.amp.GradScaler; its state_dict() belongs to the checkpoint
+    entry: str = ""  # path.py:function as given
+    script_sha256: str = ""
+    source: bytes = field(default=b"", repr=False)  # the script's bytes (copied into the pack)
+
+    def config_task(self) -> dict[str, Any]:
+        """train_config.json's `task` for this script."""
+        return {"kind": "script", "entry": Path(self.entry.rpartition(":")[0]).name + ":" + self.function,
+                "script_sha256": self.script_sha256}
+
+    @property
+    def function(self) -> str:
+        return self.entry.rpartition(":")[2] or "make"
+
+
+def parse_spec(spec: str) -> tuple[Path, str]:
+    """`path.py:make` -> (path, function); `path.py` alone means `make`."""
+    path, sep, func = spec.rpartition(":")
+    if not sep:
+        path, func = spec, "make"
+    if not path.endswith(".py") or not func.isidentifier():
+        raise UsageError(f"--script expects path.py:function (e.g. train.py:make), got {spec!r}")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UsageError(f"--script {path!r} is not a file")
+    return p, func
+
+
+def load_script(spec: str, *, expect_sha256: str | None = None) -> ScriptTask:
+    """Run the script at `spec`'s path, call its function, check what it returned. With
+    `expect_sha256` (a replay), a script whose bytes differ from the recorded ones is refused
+    before it runs (exit 6)."""
+    path, func = parse_spec(spec)
+    return _run(path, func, spec, expect_sha256)
+
+
+def _run(path: Path, func: str, spec: str, expect_sha256: str | None) -> ScriptTask:
+    import runpy
+
+    source = path.read_bytes()
+    sha = hashlib.sha256(source).hexdigest()
+    if expect_sha256 is not None and sha != expect_sha256:
+        raise IntegrityError(f"--script {str(path)!r} is not the script the pack was made with (sha256 {sha[:12]}…, "
+                             f"recorded {expect_sha256[:12]}…)", hint="give the script the pack recorded")
+    try:
+        namespace = runpy.run_path(str(path), run_name="__detllm_script__")
+    except Exception as exc:  # the user's code: one line, never a traceback
+        raise UsageError(f"--script {str(path)!r} failed while loading: {exc.__class__.__name__}: {exc}") from exc
+    make = namespace.get(func)
+    if not callable(make):
+        raise UsageError(f"--script {str(path)!r} has no function {func!r}")
+    try:
+        made = make()
+    except Exception as exc:
+        raise UsageError(f"--script {spec!r}: {func}() failed: {exc.__class__.__name__}: {exc}") from exc
+    task = _unpack(made, spec)
+    task.entry, task.script_sha256, task.source = f"{path}:{func}", sha, source
+    return task
+
+
+_FIELDS = ("model", "optimizer", "batches", "loss_fn", "scheduler", "scaler")
+
+
+def _unpack(made: Any, spec: str) -> ScriptTask:
+    """A dict with those keys, or a tuple/list of 4 to 6 values in that order."""
+    if isinstance(made, dict):
+        unknown = set(made) - set(_FIELDS)
+        if unknown:
+            raise UsageError(f"--script {spec!r} returned unknown key(s) {sorted(unknown)}", hint=f"keys: {', '.join(_FIELDS)}")
+        parts = {k: made.get(k) for k in _FIELDS}
+    elif isinstance(made, (tuple, list)) and 4 <= len(made) <= 6:
+        parts = {**dict.fromkeys(_FIELDS), **dict(zip(_FIELDS, made))}
+    else:
+        raise UsageError(f"--script {spec!r} must return model, optimizer, batches, loss_fn[, scheduler[, scaler]] "
+                         "(a tuple or a dict)")
+    import torch
+
+    if not isinstance(parts["model"], torch.nn.Module):
+        raise UsageError(f"--script {spec!r}: model is a {type(parts['model']).__name__}, not a torch.nn.Module")
+    if not isinstance(parts["optimizer"], torch.optim.Optimizer):
+        raise UsageError(f"--script {spec!r}: optimizer is a {type(parts['optimizer']).__name__}, not a torch.optim.Optimizer")
+    if not callable(parts["loss_fn"]):
+        raise UsageError(f"--script {spec!r}: loss_fn is not callable")
+    batches = parts["batches"]
+    if batches is None or not hasattr(batches, "__iter__"):
+        raise UsageError(f"--script {spec!r}: batches must be an iterable of batches")
+    workers = getattr(batches, "num_workers", 0)
+    if isinstance(batches, torch.utils.data.DataLoader) and workers > 0:
+        raise UsageError(f"--script {spec!r}: a DataLoader with num_workers={workers} is refused: its worker seeds are not "
+                         "recorded, so the data could not be replayed", hint="use num_workers=0")
+    for name in ("scheduler", "scaler"):
+        obj = parts[name]
+        if obj is not None and not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UsageError(f"--script {spec!r}: {name} has no state_dict()/load_state_dict(), so it cannot be checkpointed")
+    own = {id(p) for p in parts["model"].parameters()}
+    if any(id(p) not in own for g in parts["optimizer"].param_groups for p in g["params"]):
+        raise UsageError(f"--script {spec!r}: the optimizer updates tensors that are not the model's parameters")
+    return ScriptTask(**parts)
+
+
+def token_ids(batch: Any) -> Any:
+    """The 2-dim integer token-id tensor of a batch, the input of H(B_t): the batch itself, its
+    'input_ids' (a dict), or its first element (a tuple or list)."""
+    import torch
+
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise UsageError("--script: each batch must be a 2-dim integer tensor of token ids, a dict with 'input_ids', "
+                         "or a tuple whose first element is one")
+    return ids
+
+
+def pack_script(task: ScriptTask, folder: Path) -> None:
+    """Copy the script's bytes into the pack (SCRIPT_COPY); its sha256 is in train_config.json."""
+    from ..schema_io import atomic_write_text
+
+    atomic_write_text(folder / SCRIPT_COPY, task.source.decode("utf-8", "surrogateescape"))
+
+
+def script_for_replay(pack: Path, config: dict[str, Any], script: str | None, allow_pack_options: tuple[str, ...]) -> ScriptTask:
+    """The script a replay of a --script pack runs: the user's `--script PATH[:function]` (its bytes
+    must be the recorded ones), or the pack's own copy only with `--allow-pack-option script`."""
+    func = config["task"]["entry"].rpartition(":")[2]
+    expect = config["task"]["script_sha256"]
+    if script is not None:
+        return load_script(script if not script.endswith(".py") else f"{script}:{func}", expect_sha256=expect)
+    if PACK_OPTION not in allow_pack_options:
+        raise UsageError("this training pack was made with --script: replay runs that code only from a path you give "
+                         "(--script PATH) or, to run the pack's copy, --allow-pack-option script")
+    copy = pack / SCRIPT_COPY
+    if not copy.is_file():
+        raise UsageError(f"the pack holds no copy of its script ({SCRIPT_COPY})", hint="give it with --script PATH")
+    return _run(copy, func, f"{SCRIPT_COPY}:{func}", expect)

@@ -3,7 +3,9 @@
 Tokens are a pure function of (salt, input ids, tokens so far): no model, no torch.
 Injections make a chosen prompt diverge at a chosen generated-token position, on a
 chosen run (the n-th time that prompt is generated at a batch size) or batch size,
-so every verdict can be produced. Usable from the CLI: `--backend fake --opt diverge=...`.
+so every verdict can be produced. Usable from the CLI: `--backend fake --opt diverge=...`. Its `capture` is a scripted two-layer
+model in Hugging Face module names whose chosen module's output moves where an injection applies
+(`capture_module`, `capture_nudge`, `capture_from_step`): locate's unit tests run on it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Iterator, Sequence
 
 from ..config import Decoding, RunConfig, floats, ints, ranged
 from ..errors import UsageError
-from .base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, WeightFile, parse_options, request_seed
+from .base import (Applied, Backend, Capabilities, Capture, CapturedTensor, CaptureSpec, Generation, Installed, ModelIdentity,
+                   Request, WeightFile, parse_options, request_seed)
 
 _FIRST, _LAST = 32, 126  # generated ids are printable ASCII so they decode to text
 
@@ -66,6 +69,10 @@ class FakeOptions:
     batch_invariant: bool = False  # claim tier-3 batch invariance
     batch_drift: float = ranged(0.0, floats(-100, 100))  # logprob offset per extra batch member (non-invariant numerics)
     stable_threads: int = ranged(0, ints(0, 1024))  # > 0: at --threads N, batch_drift and batch= injections vanish (a knob for diagnose tests)
+    capture: str = "modules"  # what capture() offers: none (a backend without internals), layers or modules
+    capture_module: str = "model.layers.0.mlp.down_proj"  # the scripted module an applying injection moves
+    capture_nudge: float = ranged(1e-3, floats(0, 1))  # how far, relative to its output (3e-7: a reduction-order wobble)
+    capture_from_step: int = ranged(-1, ints(-1, 1_000_000))  # >= 0: the move happens at this earlier step (cached K/V carry it)
 
 
 class FakeBackend(Backend):
@@ -88,7 +95,8 @@ class FakeBackend(Backend):
     def capabilities(self) -> Capabilities:
         tier = 3 if self.options.batch_invariant else min(self.options.max_tier, 2)
         notes = () if tier == 3 else ("fake backend configured without batch_invariant",)
-        return Capabilities(max_tier=tier, logprobs=True, sampling=True, batch_invariant=self.options.batch_invariant, notes=notes)
+        return Capabilities(max_tier=tier, logprobs=True, sampling=True, batch_invariant=self.options.batch_invariant, notes=notes,
+                            capture=self.options.capture)
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -109,13 +117,34 @@ class FakeBackend(Backend):
             run = self._seen.get(key, 0)
             self._seen[key] = run + 1
             rng = random.Random(request_seed(seed, req))  # the prompt's content, not its position (base.request_seed)
-            inj = [
-                i for i in self.injections
-                if i.prompt == req.prompt_index and (i.run is None or i.run == run) and (i.batch is None or i.batch == size)
-                and not (stable and i.batch is not None) and (not i.fresh or in_fresh_child)
-            ]
+            inj = self._applying(req, run, size, stable, in_fresh_child)
             out.append(self._one(req, decoding, rng, n_logprobs, logprobs, 1 if stable else size, inj))
         return out
+
+    def _applying(self, req: Request, run: int, size: int, stable: bool, in_fresh_child: bool) -> list[Injection]:
+        return [i for i in self.injections
+                if i.prompt == req.prompt_index and (i.run is None or i.run == run) and (i.batch is None or i.batch == size)
+                and not (stable and i.batch is not None) and (not i.fresh or in_fresh_child)]
+
+    def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
+                spec: CaptureSpec) -> Capture:
+        """The batch re-run as generate() runs it (a re-run is the first run: run=0) up to spec.step, and
+        the scripted model's modules at spec.step for row spec.row (_ScriptedModel)."""
+        if self.options.capture == "none":
+            raise NotImplementedError("fake configured with capture=none")
+        size, stable = len(requests), bool(self.options.stable_threads) and self._threads == self.options.stable_threads
+        short = Decoding(spec.step + 1, decoding.temperature, decoding.top_p, decoding.top_k)
+        gens, moved = [], None
+        for row, req in enumerate(requests):
+            inj = self._applying(req, 0, size, stable, os.environ.get("DETLLM_FRESH_CHILD") == "1")
+            gens.append(self._one(req, short, random.Random(request_seed(seed, req)), n_logprobs, True, 1 if stable else size, inj))
+            if row == spec.row:
+                moved = next((i.pos for i in inj), None)
+        width = max(len(r.input_ids) for r in requests)
+        model = _ScriptedModel(self.options, requests[spec.row], gens[spec.row].token_ids, width, size)
+        captured = model.capture(spec, moved)
+        captured.generations = gens
+        return captured
 
     def _one(self, req, decoding, rng, n_logprobs, want_logprobs, size, injections) -> Generation:
         ids: list[int] = []
@@ -184,3 +213,82 @@ class FakeBackend(Backend):
     @classmethod
     def installed(cls) -> Installed:
         return Installed(True, engine="scripted tokens for tests (no model)")
+
+
+class _ScriptedModel:
+    """Two scripted decoder layers under Hugging Face module names. Each module's output is a pure
+    function of (module, row tokens, step) times (1 + d), d the relative move it carries: zero until the
+    chosen module moves (at the injection's step, or capture_from_step), then growing 1.5x per module.
+    A move at an earlier step reaches later steps through the cached K/V of the layers after it."""
+
+    H = 8  # hidden size
+    LAYER = ("input_layernorm:norm", "self_attn.q_proj:gemm", "self_attn.k_proj:gemm", "self_attn.v_proj:gemm",
+             "self_attn.o_proj:gemm", "self_attn:attention", "post_attention_layernorm:norm", "mlp.gate_proj:gemm",
+             "mlp.up_proj:gemm", "mlp.act_fn:activation", "mlp.down_proj:gemm", "mlp:other", ":layer")
+
+    def __init__(self, options: FakeOptions, req: Request, generated: list[int], width: int, size: int) -> None:
+        self.o, self.req, self.generated, self.width, self.size = options, req, generated, width, size
+        self.names = [("model.embed_tokens", "embedding")]
+        for layer in range(2):
+            self.names += [(f"model.layers.{layer}" + (f".{n}" if n else ""), k) for n, k in (x.split(":") for x in self.LAYER)]
+        self.names += [("model.norm", "norm"), ("lm_head", "logits")]
+
+    def _base(self, name: str, step: int, rows: int):
+        import numpy as np
+
+        key = hashlib.sha256(repr((self.o.salt, name, tuple(self.req.input_ids), tuple(self.generated[:step]))).encode()).digest()
+        return np.random.default_rng(int.from_bytes(key[:8], "little")).standard_normal((rows, self.H)).astype(np.float32)
+
+    def _layer_of(self, name: str) -> int:
+        parts = name.split(".")
+        return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else -1
+
+    def capture(self, spec: CaptureSpec, moved: int | None) -> Capture:
+        import numpy as np
+
+        at = self.o.capture_from_step if self.o.capture_from_step >= 0 else moved  # the step the module moves at
+        rows = len(self.req.input_ids) if spec.step == 0 else 1
+        pad = self.width - rows if spec.step == 0 else 0  # left padding in the captured row (prefill), as engines see it
+        target = self.o.capture_module
+        hit = at is not None and at == spec.step
+        kv_moved = at is not None and at < spec.step  # K/V written at step `at` by the layers after the module
+        tensors, d, prev = [], 0.0, np.asarray(self.req.input_ids if spec.step == 0 else self.generated[spec.step - 1:spec.step],
+                                                  dtype=np.int64)[:, None]
+        entering = prev  # the hidden state entering the current decoder layer (a layer's own input)
+        for order, (name, kind) in enumerate(self.names):
+            base = self._base(name, spec.step, rows)
+            inputs = [entering if kind == "layer" else prev]
+            if kind == "attention" and spec.step > 0:
+                past = len(self.req.input_ids) + spec.step - 1
+                carry = 1 + self.o.capture_nudge if kv_moved and self._layer_of(name) > self._layer_of(target) else 1.0
+                kv = [(self._base(name + suffix, 0, past) * np.float32(carry)).astype(np.float32) for suffix in ("/k", "/v")]
+                inputs += kv
+                if carry != 1.0:
+                    d = d or self.o.capture_nudge
+            if hit and name == target:
+                d += self.o.capture_nudge
+            elif d:
+                d *= 1.5
+            out = (base * np.float32(1 + d)).astype(np.float32)
+            noise = float(np.abs(base).max()) * max(1e-7, self.o.capture_nudge if hit and name == target else 0.0)
+            if pad:
+                filler = np.full((pad, self.H), float(self.size), dtype=np.float32)  # padding rows: batch-dependent
+                out_seen, inputs = np.concatenate([filler, out]), [np.concatenate([np.zeros((pad,) + i.shape[1:], i.dtype), i])
+                                                                      if i.shape[0] == rows else i for i in inputs]
+            else:
+                out_seen = out
+            tensors.append(CapturedTensor(
+                name=name, kind=kind, order=order, output=out_seen, inputs=inputs,
+                input_shapes=[(self.size,) + tuple(i.shape) for i in inputs], output_shape=(self.size,) + out_seen.shape,
+                ref_error=noise if spec.reference else None,
+                cached_from_step=(at if kv_moved and len(inputs) > 1 and self._layer_of(name) > self._layer_of(target) else
+                                  (0 if len(inputs) > 1 else None))))
+            prev = out
+            if kind in ("embedding", "layer"):
+                entering = out
+        level, notes = spec.level, ["scripted capture of the fake backend: no model ran"]
+        if level == "layers" or sum(t.output.nbytes + sum(i.nbytes for i in t.inputs) for t in tensors) > spec.max_bytes:
+            tensors = [t for t in tensors if t.kind in ("embedding", "layer", "logits")]
+            level = "layers"
+            notes.append("layer boundaries only")
+        return Capture(generations=[], tensors=tensors, level=level, notes=notes, engine={"scripted": True})

@@ -1,3 +1,49 @@
 """`detllm locate` commands: parse -> call the library (locate/) -> render -> exit code."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..artifacts import check_output_file
+from .shell import app, guarded
+
+
+@app.command(help="From the first step where two runs differ to the first layer and op where their bits part: "
+                  "`detllm locate A B` (run folders or FOLDER::batch_B selections) or `detllm locate DIFF_OR_CHECK_FOLDER`. "
+                  "Re-runs each side's recorded batch in-process with capture (hf), checks it reproduces its own trace, "
+                  "and names the first op whose inputs agree but output differs. Writes locate.json/.txt/.md. "
+                  "Exit 0 when written (located or not), 4 for a backend without internals, 7 when the model files changed.")
+def locate(
+    a: Annotated[str, typer.Argument(metavar="A", help="Left side (FOLDER, FOLDER::run_N@batch_B), or a diff or failing check folder.")],
+    b: Annotated[Optional[str], typer.Argument(metavar="B", help="Right side, the same way.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write here (default: the folder both sides come from, resealed; else a new folder under artifacts/).")] = None,
+    force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
+    prompt: Annotated[Optional[int], typer.Option(help="Locate this prompt index (default: the earliest difference).")] = None,
+    layers_only: Annotated[bool, typer.Option("--layers-only", help="Compare layer boundaries only (large models).")] = False,
+    max_memory: Annotated[int, typer.Option("--max-memory", help="Bound on captured tensors, MB, both sides together; past it, layer boundaries only.")] = 512,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Also write a self-contained HTML page of the finding here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print locate.json instead of the text.")] = False,
+) -> None:
+    def body() -> int:
+        from ..errors import UsageError
+        from ..locate import locate as run_locate
+        from ..render.locate import render_text
+
+        check_output_file(html, "--html")
+        if max_memory < 1 or max_memory > 1 << 20:
+            raise UsageError(f"--max-memory is in MB, from 1 to 1048576, got {max_memory}")
+        result = run_locate(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_memory * 2**20)
+        if html is not None:
+            from ..render.html import page
+            from ..render.locate import html_section
+            from ..schema_io import atomic_write_text
+
+            atomic_write_text(html, page(f"detllm locate: {result.doc['status']}", html_section(result.doc)))
+        typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"locate folder: {result.out_dir}")
+        return result.exit_code
+
+    guarded(body)

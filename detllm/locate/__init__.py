@@ -3,3 +3,8 @@ bits part. Re-runs each side's recorded batch through its backend's capture capa
 (`backends.base.Backend.capture`), checks it reproduces its own trace, aligns the captured modules
 and names the first op whose inputs agree but whose output differs (docs/locate.md).
 """
+
+from .core import locate
+from .folder import LOCATE, Located
+
+__all__ = ["LOCATE", "Located", "locate"]

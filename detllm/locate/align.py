@@ -1,0 +1,116 @@
+"""Aligning two captures module by module and measuring each difference: tensors are paired by
+name (Hugging Face module paths; no user-written map), the prompt's positions sliced out where the
+two batches padded it differently, and each pair measured (max |Δ| with its coordinate and both
+values, mean |Δ|, relative difference, cosine, bitwise equality of inputs and output). numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends.base import CapturedTensor
+
+
+@dataclass
+class Pair:
+    """One module captured on both sides, measured."""
+
+    left: CapturedTensor
+    right: CapturedTensor
+    shapes_match: bool  # the row's output could be aligned element for element
+    output_equal: bool | None  # bitwise (None: not comparable)
+    inputs_equal: bool | None  # every input bitwise equal (None: inputs not captured or not comparable)
+    kv_equal: bool | None  # attention: the cached K/V inputs bitwise equal (None: none read)
+    metrics: dict[str, Any]
+    trimmed: bool = False  # padding positions were sliced off to align the prompt's positions
+
+
+def trailing(a: Any, b: Any) -> tuple[Any, Any, bool] | None:
+    """The two arrays over their common trailing extent in every dimension that differs (left
+    padding puts a prompt's real positions last; a batch of 1 has none), or None when their ranks
+    differ. Returns (a', b', trimmed)."""
+    import numpy as np
+
+    a, b = np.asarray(a), np.asarray(b)
+    while a.ndim > b.ndim and a.shape[0] == 1:
+        a = a[0]
+    while b.ndim > a.ndim and b.shape[0] == 1:
+        b = b[0]
+    if a.ndim != b.ndim:
+        return None
+    if a.shape == b.shape:
+        return a, b, False
+    sa = tuple(slice(n - min(n, m), n) for n, m in zip(a.shape, b.shape))
+    sb = tuple(slice(m - min(n, m), m) for n, m in zip(a.shape, b.shape))
+    return a[sa], b[sb], True
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    """Same dtype, same shape, same bytes (NaN payloads and signed zeros included)."""
+    import numpy as np
+
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def measure(a: Any, b: Any) -> dict[str, Any]:
+    """max |Δ| (coordinate, both values), mean |Δ|, relative difference 1 - 2Σxy/(Σx²+Σy²) and
+    cosine, in float64. Non-finite values count as a difference of inf at their coordinate."""
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.size == 0:
+        return {"max_abs_diff": 0.0, "at": [], "left_value": None, "right_value": None, "mean_abs_diff": 0.0,
+                "rel_diff": 0.0, "cosine": 1.0}
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(x - y)
+    same_nonfinite = (~np.isfinite(x)) & (x == y)  # inf == inf: no difference
+    diff = np.where(same_nonfinite, 0.0, np.where(np.isnan(diff), np.inf, diff))
+    at = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    finite = np.isfinite(x) & np.isfinite(y)
+    xf, yf = np.where(finite, x, 0.0), np.where(finite, y, 0.0)
+    sxy, sxx, syy = float((xf * yf).sum()), float((xf * xf).sum()), float((yf * yf).sum())
+    rel = 0.0 if sxx + syy == 0 else 1.0 - 2.0 * sxy / (sxx + syy)
+    cos = 1.0 if sxx == 0 and syy == 0 else (0.0 if sxx == 0 or syy == 0 else sxy / (sxx * syy) ** 0.5)
+    return {"max_abs_diff": _num(float(diff[at])), "at": [int(i) for i in at], "left_value": _num(float(x[at])),
+            "right_value": _num(float(y[at])), "mean_abs_diff": _num(float(diff.mean())), "rel_diff": rel, "cosine": cos}
+
+
+def _num(v: float) -> float | str:
+    """JSON has no inf or NaN: they are written as strings."""
+    return v if v == v and abs(v) != float("inf") else str(v)
+
+
+def _inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool | None, bool | None]:
+    """(every input bitwise equal, the cached K/V inputs equal) after aligning each input pair."""
+    if not a.inputs or not b.inputs or len(a.inputs) != len(b.inputs):
+        return None, None
+    equal, kv = True, None
+    for n, (x, y) in enumerate(zip(a.inputs, b.inputs)):
+        t = trailing(x, y)
+        same = t is not None and bitwise_equal(t[0], t[1])
+        equal = equal and same
+        if n >= 1 and (a.cached_from_step is not None or b.cached_from_step is not None):
+            kv = same if kv is None else kv and same
+    return equal, kv
+
+
+def pair_up(left: list[CapturedTensor], right: list[CapturedTensor]) -> tuple[list[Pair], list[str], list[str]]:
+    """Pairs by name in the left side's execution order; names captured on one side only."""
+    by_name = {t.name: t for t in right}
+    pairs, left_only = [], []
+    for t in sorted(left, key=lambda t: t.order):
+        other = by_name.get(t.name)
+        if other is None:
+            left_only.append(t.name)
+            continue
+        t2 = trailing(t.output, other.output)
+        inputs_equal, kv_equal = _inputs(t, other)
+        if t2 is None:
+            pairs.append(Pair(t, other, False, None, inputs_equal, kv_equal, {}))
+            continue
+        x, y, trimmed = t2
+        pairs.append(Pair(t, other, True, bitwise_equal(x, y), inputs_equal, kv_equal, measure(x, y), trimmed))
+    names = {t.name for t in left}
+    return pairs, left_only, [t.name for t in sorted(right, key=lambda t: t.order) if t.name not in names]

@@ -1,0 +1,133 @@
+"""`locate` end to end: resolve the two sides, find the step, re-run each side's recorded batch
+with capture (at most twice per side), stop if a side does not reproduce its own trace, align the
+captures, apply the root-cause rule and build locate.json. Reading, re-running and judging live in
+sides.py, rerun.py, align.py and rule.py; writing the files in folder.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import artifacts
+from ..env import detllm_version
+from ..errors import UsageError
+from . import rerun as reruns
+from .align import pair_up
+from .folder import Located, check_out, write_locate
+from .rule import FACTOR, growth, judge, op_json, row_json
+from .sides import compared_tier, first_step, load, resolve, side_json
+
+DEFAULT_BOUND = 512 * 2**20  # bytes of captured tensors, both sides together
+RULE = ("the first op, in execution order, whose inputs agree bitwise (cached K/V included) but whose output differs; "
+        "a difference that entered from upstream is not that op's, one that entered through cached K/V is searched for "
+        "at the step that wrote them")
+TOLERANCE = {"factor": FACTOR, "formula": "|Δ| > factor * min(ref_error_left, ref_error_right) + 1 ulp",
+             "description": "ref_error: each side's max |output - the same op in float64 on the same inputs|. With equal "
+                            "inputs |Δ| <= ref_error_left + ref_error_right always, so a difference is beyond tolerance when "
+                            "one side is further from float64 than the factor times the other is (torch._dynamo.utils.same's "
+                            "idea), plus one unit in the last place at the output's magnitude"}
+
+
+def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force: bool = False, prompt: int | None = None,
+           layers_only: bool = False, max_bytes: int = DEFAULT_BOUND) -> Located:
+    """Locate where sides `a` and `b` (or the sides of one diff or failing check folder `a`) first
+    part: the step, then the first op at that step whose inputs agree but output differs."""
+    if not isinstance(max_bytes, int) or max_bytes < 2**20:
+        raise UsageError(f"the memory bound must be at least 1 MB, got {max_bytes!r}")
+    if prompt is not None and prompt < 0:
+        raise UsageError(f"--prompt must be a prompt index (>= 0), got {prompt}")
+    left_sel, right_sel, source = resolve(a, b)
+    left, right = load(left_sel, right_sel)
+    target = check_out(out, force, left_sel, right_sel, source, given=a)
+    tier = compared_tier(left, right)
+    step = first_step(left, right, tier=tier, prompt=prompt)
+    doc: dict[str, Any] = {
+        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "source": source,
+        "left": side_json(left, left_sel), "right": side_json(right, right_sel), "tier_compared": tier,
+        "step": None, "status": "no_difference", "line": "", "captured_step": None, "steps_searched": [],
+        "first_bitwise_op": None, "first_beyond_tolerance_op": None, "first_differing": None,
+        "rule": RULE, "tolerance": TOLERANCE, "layers": [], "growth": [],
+        "captured": {"level_requested": "layers" if layers_only else "ops", "bound_bytes": max_bytes},
+        "not_captured": [], "cost": {},
+    }
+    if step is None:
+        doc["line"] = "the two sides agree in everything recorded: nothing to locate"
+        return write_locate(target, artifacts.stamp("locate", doc))
+    doc["step"] = {"prompt": step.prompt_index, "right_prompt": step.right_prompt_index, "prompt_id": step.prompt_id,
+                   "step": step.step, "what": step.what, "left": step.left, "right": step.right}
+    sides = [reruns.prepare(left, step.prompt_index), reruns.prepare(right, step.right_prompt_index)]
+    t0 = time.perf_counter()
+    try:
+        for r in sides:
+            reruns.start(r)  # model files checked (exit 7) and engines loaded before anything is written
+        _search(doc, sides, step.step, tier=tier, level="layers" if layers_only else "ops", bound=max_bytes)
+    finally:
+        for r in sides:
+            reruns.close(r)
+    doc["cost"] = {"reruns": {"left": sides[0].runs, "right": sides[1].runs},
+                   "peak_captured_bytes": {"left": sides[0].peak_bytes, "right": sides[1].peak_bytes},
+                   "bound_bytes": max_bytes, "seconds": round(time.perf_counter() - t0, 3)}
+    return write_locate(target, artifacts.stamp("locate", doc))
+
+
+def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int) -> None:
+    """Capture both sides at `step`; judge; go back once to the step that wrote differing K/V."""
+    while True:
+        doc["steps_searched"].append(step)
+        caps = []
+        for r, key in zip(sides, ("left", "right")):
+            cap, differs = reruns.capture(r, step, level=level, max_bytes=bound // 2, tier=tier)
+            doc[key].update(reruns=r.runs, level=cap.level, notes=list(cap.notes), reproduced=differs is None)
+            if differs is not None:
+                doc[key]["not_reproduced"] = differs
+                doc.update(status="not_reproduced", line=f"not reproduced here: the {key} side's re-run differs from its "
+                                                         f"own recorded trace at {differs}; nothing is located")
+                return
+            caps.append(cap)
+        pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors)
+        verdict = judge(pairs)
+        if verdict.back_to is not None and verdict.back_to < step and all(r.runs < 2 for r in sides):
+            doc["not_captured"].append(f"step {step}: {verdict.first_differing.left.name} read cached K/V that differ "
+                                       f"(written at step {verdict.back_to}); searched there")
+            step = verdict.back_to
+            continue
+        break
+    prompt = doc["step"]["prompt"]
+    doc["captured_step"] = step
+    doc["first_bitwise_op"] = op_json(verdict.first_bitwise, prompt=prompt, step=step)
+    doc["first_beyond_tolerance_op"] = op_json(verdict.first_beyond, prompt=prompt, step=step)
+    first = verdict.first_differing
+    doc["first_differing"] = None if first is None else {"module": first.left.name, "kind": first.left.kind,
+                                                         "inputs_equal": first.inputs_equal}
+    doc["layers"] = [row_json(p) for p in pairs]
+    doc["growth"] = growth(pairs, verdict.first_bitwise or first)
+    levels = {caps[0].level, caps[1].level}
+    doc["captured"].update(level={"left": caps[0].level, "right": caps[1].level}, tensors=len(pairs),
+                           only_left=only_l, only_right=only_r)
+    if "layers" in levels and doc["captured"]["level_requested"] != "layers":
+        doc["not_captured"].append(f"past the bound of {bound // 2**20} MB per both sides, layer boundaries only were compared")
+    if verdict.back_to is not None:
+        doc["not_captured"].append(f"cached K/V differ from step {verdict.back_to}, but each side was already re-run twice")
+    doc["not_captured"] += [f"only on the left side: {n}" for n in only_l[:20]] + [f"only on the right side: {n}" for n in only_r[:20]]
+    doc["status"], doc["line"] = _line(verdict, step, prompt, first)
+
+
+def _line(verdict, step: int, prompt: int, first) -> tuple[str, str]:
+    b, t = verdict.first_bitwise, verdict.first_beyond
+    if b is None:
+        if first is None:
+            return "not_located", (f"prompt {prompt}, step {step}: every captured output agrees bitwise; the difference is "
+                                   "in what was not captured (see not_captured)")
+        return "not_located", (f"prompt {prompt}, step {step}: outputs differ from {first.left.name} on, but no captured op "
+                               "has equal inputs and a different output; nothing is blamed")
+    where = f"{b.left.name} ({b.left.kind}) at prompt {prompt}, step {step}"
+    shapes = f"out {list(b.left.output_shape)} vs {list(b.right.output_shape)}"
+    tol = (f"; beyond tolerance first at {t.left.name}" if t is not None and t is not b else
+           "; beyond tolerance" if t is b else "; within tolerance of both sides' float64 error")
+    return "located", f"first op whose inputs agree but output differs: {where}, {shapes}, max |Δ| {_g(b.metrics['max_abs_diff'])}{tol}"
+
+
+def _g(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)

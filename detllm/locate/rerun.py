@@ -1,0 +1,136 @@
+"""Re-running one side's recorded batch exactly as it was recorded, through the backend the
+registry makes from the side's recorded config, with its capture capability: the batch's members,
+order and padding rebuilt from the trace (batching.plan_batches, the runner's plan), the model
+files checked against the recorded ones first (replay's rule: exit 7), the recorded determinism
+settings applied, and the re-run's outputs checked against the recorded trace up to the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backends.base import Backend, Capture, CaptureSpec, Request
+from ..backends.registry import backend_class, create_backend
+from ..batching import batch_requests, plan_batches
+from ..compare.causes import Side
+from ..config import RunConfig
+from ..errors import BackendUnavailableError, UsageError
+from ..prompts import FILLERS, PromptSet
+from ..replay import check_model, local_identity, pack_options
+from .sides import differs_up_to
+
+
+@dataclass
+class Rerun:
+    """One side ready to re-run: its config, its backend (made once) and the recorded batch."""
+
+    side: Side
+    config: RunConfig
+    requests: list[Request]
+    row: int  # the prompt's row in the batch
+    recorded: dict[int, dict[str, Any]]  # batch row -> the trace record it must reproduce (fillers absent)
+    backend: Backend | None = None
+    runs: int = 0  # re-runs made so far (at most 2)
+    peak_bytes: int = 0  # the most bytes one capture held
+    notes: list[str] = field(default_factory=list)
+
+
+def check_capture(config: RunConfig, label: str) -> None:
+    """BackendUnavailableError (exit 4) for a backend without internals to capture (served
+    endpoints), before anything is loaded or written."""
+    cls = backend_class(config.backend)
+    if cls.capture is Backend.capture:
+        raise BackendUnavailableError(f"{label}: backend {config.backend!r} has no internals locate can capture",
+                                      hint="locate re-runs a batch in-process (hf, or the engines that declare capture); "
+                                           "a served endpoint only answers requests")
+
+
+def side_config(side: Side) -> RunConfig:
+    """The side's recorded config as replay would take it (code-loading options refused)."""
+    return pack_options(RunConfig.from_json(side.run_config["config"]))
+
+
+def prepare(side: Side, prompt_index: int) -> Rerun:
+    """The recorded batch of (side, prompt) as Requests: every member with its recorded input ids,
+    fillers tokenized by the backend when it is made (start). Nothing is loaded yet."""
+    config = side_config(side)
+    check_capture(config, side.label)
+    count = side.run_config["prompts"]["count"]
+    texts: dict[int, str] = {}
+    ids: dict[int, tuple[int, ...]] = {}
+    by_index = {r["prompt_index"]: r for r in side.records or ()}
+    for r in by_index.values():
+        if r.get("prompt_text") is None or r.get("input_ids") is None:
+            raise UsageError(f"{side.label} was recorded with --no-prompt-text: its batch cannot be rebuilt to re-run it",
+                             hint="re-record it with prompt text")
+        texts[r["prompt_index"]], ids[r["prompt_index"]] = r["prompt_text"], tuple(r["input_ids"])
+    batch = next((b for b in plan_batches(count, side.batch_size) if prompt_index in b), None)
+    if batch is None or any(i >= 0 and i not in texts for i in batch):
+        missing = sorted(i for i in (batch or [prompt_index]) if i >= 0 and i not in texts)
+        raise UsageError(f"{side.label}: the trace holds no record of prompt(s) {missing[:5]} of the batch to re-run")
+    prompts = PromptSet(tuple(texts.get(i, "") for i in range(count)), f"locate of {side.label}")
+    rerun = Rerun(side, config, [], batch.index(prompt_index), {})
+    for pos, i in enumerate(batch):
+        if i >= 0:
+            rec = by_index[i]
+            if rec["batch_position"] != pos:
+                raise UsageError(f"{side.label}: prompt {i} was recorded at batch position {rec['batch_position']}, the "
+                                 f"batch plan puts it at {pos}: this trace's batches cannot be rebuilt")
+            rerun.recorded[pos] = rec
+    rerun.requests = batch_requests(prompts, batch, [ids.get(i, ()) for i in range(count)], [()] * len(FILLERS))
+    return rerun
+
+
+def start(rerun: Rerun) -> None:
+    """Check the model files against the recorded ones (ModelChangedError, exit 7: before and after
+    the engine loads, as replay does), make the backend, tokenize the fillers."""
+    recorded = rerun.side.run_config["model"]
+    before = local_identity(rerun.config)
+    if before is not None:
+        check_model(recorded, before, allow=False)
+    backend = create_backend(rerun.config)
+    try:
+        check_model(recorded, backend.model_identity().to_json(), allow=False)
+        if backend.capabilities().capture == "none":
+            raise BackendUnavailableError(f"{rerun.side.label}: backend {rerun.config.backend!r} as configured captures nothing")
+        fillers = [tuple(backend.tokenize(t)) for t in FILLERS]
+    except BaseException:
+        backend.close()
+        raise
+    rerun.backend = backend
+    rerun.requests = [dataclasses.replace(r, input_ids=fillers[(-r.prompt_index - 1) % len(fillers)]) if r.is_filler else r
+                      for r in rerun.requests]
+
+
+def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int) -> tuple[Capture, str | None]:
+    """Re-run the batch up to `step` capturing row `rerun.row`; returns the capture and what it
+    changed from the recorded trace (None: every member reproduced bitwise up to `step`)."""
+    if rerun.backend is None:
+        start(rerun)
+    assert rerun.backend is not None
+    if rerun.runs >= 2:
+        raise UsageError(f"{rerun.side.label}: locate re-runs a side at most twice")
+    cfg, applied = rerun.config, rerun.side.applied
+    spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes)
+    with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
+        cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
+    rerun.runs += 1
+    rerun.peak_bytes = max(rerun.peak_bytes, captured_bytes(cap))
+    for pos, rec in sorted(rerun.recorded.items()):
+        if pos >= len(cap.generations):
+            return cap, f"the re-run returned {len(cap.generations)} generations for a batch of {len(rerun.requests)}"
+        what = differs_up_to(rec, cap.generations[pos], step, tier=tier)
+        if what is not None:
+            return cap, f"prompt {rec['prompt_index']} (batch row {pos}), {what}"
+    return cap, None
+
+
+def captured_bytes(cap: Capture) -> int:
+    return sum(int(getattr(t.output, "nbytes", 0)) + sum(int(getattr(i, "nbytes", 0)) for i in t.inputs) for t in cap.tensors)
+
+
+def close(rerun: Rerun) -> None:
+    if rerun.backend is not None:
+        rerun.backend.close()

@@ -1,0 +1,113 @@
+"""The root-cause rule of `locate`: the first op, in execution order, whose inputs agree bitwise
+(cached K/V included) but whose output differs. A difference that entered from upstream is not
+that op's; one that entered through cached K/V sends the search back to the step that wrote them.
+
+Tolerance is relative to what ran: each side's error against the same op evaluated in float64 on
+the same inputs (`ref_error`). With equal inputs |Δ| <= e_left + e_right always, so the test is
+whether one side is further from float64 than FACTOR times the other is (the idea of
+torch._dynamo.utils.same), plus one unit in the last place of the output's magnitude.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .align import Pair
+
+FACTOR = 4.0  # |Δ| > FACTOR * min(e_left, e_right) + 1 ulp: one side is >= 3x further from float64 than the other
+BOUNDARY_KINDS = ("embedding", "layer", "logits")  # the growth table's rows after the located op
+
+
+@dataclass
+class Verdict:
+    """What the rule found at one captured step."""
+
+    first_bitwise: Pair | None
+    first_beyond: Pair | None
+    first_differing: Pair | None  # the first output that differs at all, whatever its inputs
+    back_to: int | None = None  # the step whose K/V carried the difference in (search there next)
+
+
+def tolerance(p: Pair) -> float | None:
+    """FACTOR * the smaller float64-reference error of the two sides, plus 1 ulp at the output's
+    magnitude; None when either side's reference error was not evaluated."""
+    import numpy as np
+
+    el, er = p.left.ref_error, p.right.ref_error
+    if el is None or er is None:
+        return None
+    out = np.asarray(p.left.output)
+    dtype = out.dtype if np.issubdtype(out.dtype, np.floating) else np.dtype(np.float32)
+    mags = [abs(v) for v in (p.metrics.get("left_value"), p.metrics.get("right_value")) if isinstance(v, float)]
+    scale = float(np.abs(out.astype(np.float64)).max()) if out.size else 0.0
+    ulp = float(np.spacing(dtype.type(max([scale] + mags))))
+    return FACTOR * min(el, er) + ulp
+
+
+def beyond(p: Pair) -> bool | None:
+    tol = tolerance(p)
+    d = p.metrics.get("max_abs_diff")
+    if tol is None or d is None:
+        return None
+    return not isinstance(d, float) or d > tol  # a non-finite difference (written as a string) is beyond any tolerance
+
+
+def judge(pairs: list[Pair]) -> Verdict:
+    """Apply the rule to one step's aligned pairs (execution order)."""
+    differing = [p for p in pairs if p.output_equal is False]
+    first = differing[0] if differing else None
+    own = [p for p in differing if p.inputs_equal is True]
+    verdict = Verdict(own[0] if own else None, next((p for p in own if beyond(p)), None), first)
+    if first is not None and first.inputs_equal is False and first.kv_equal is False and not _other_inputs_differ(first):
+        steps = [s for s in (first.left.cached_from_step, first.right.cached_from_step) if s is not None]
+        if steps and (verdict.first_bitwise is None or verdict.first_bitwise.left.order > first.left.order):
+            verdict.back_to = min(steps)
+    return verdict
+
+
+def _other_inputs_differ(p: Pair) -> bool:
+    """Whether an input other than the cached K/V (the first input: the op's fresh activations) differs."""
+    from .align import bitwise_equal, trailing
+
+    if not p.left.inputs or not p.right.inputs:
+        return True
+    t = trailing(p.left.inputs[0], p.right.inputs[0])
+    return t is None or not bitwise_equal(t[0], t[1])
+
+
+def op_json(p: Pair | None, *, prompt: int, step: int) -> dict[str, Any] | None:
+    """A located op for locate.json: its module path, kind, where, shapes on each side, max |Δ|."""
+    if p is None:
+        return None
+    return {
+        "module": p.left.name, "kind": p.left.kind, "prompt": prompt, "step": step,
+        "input_shapes": {"left": [list(s) for s in p.left.input_shapes], "right": [list(s) for s in p.right.input_shapes]},
+        "output_shape": {"left": list(p.left.output_shape), "right": list(p.right.output_shape)},
+        "max_abs_diff": p.metrics.get("max_abs_diff"), "at": p.metrics.get("at"),
+        "left_value": p.metrics.get("left_value"), "right_value": p.metrics.get("right_value"),
+        "ref_error": {"left": p.left.ref_error, "right": p.right.ref_error}, "tolerance": tolerance(p),
+    }
+
+
+def row_json(p: Pair) -> dict[str, Any]:
+    """One row of the per-layer table."""
+    row = {"module": p.left.name, "kind": p.left.kind, "order": p.left.order, "output_equal": p.output_equal,
+           "inputs_equal": p.inputs_equal, "shapes_match": p.shapes_match, "padding_trimmed": p.trimmed,
+           "output_shape": {"left": list(p.left.output_shape), "right": list(p.right.output_shape)}}
+    if p.kv_equal is not None:
+        row["cached_kv_equal"] = p.kv_equal
+        row["cached_from_step"] = {"left": p.left.cached_from_step, "right": p.right.cached_from_step}
+    row.update(p.metrics)
+    row["tolerance"] = tolerance(p)
+    row["beyond_tolerance"] = beyond(p) if p.output_equal is False else False
+    return row
+
+
+def growth(pairs: list[Pair], start: Pair | None) -> list[dict[str, Any]]:
+    """From the located op to the logits: that op, then each layer boundary and the logits after it."""
+    if start is None:
+        return []
+    rows = [start] + [p for p in pairs if p.left.order > start.left.order and p.left.kind in BOUNDARY_KINDS]
+    return [{"module": p.left.name, "kind": p.left.kind, "max_abs_diff": p.metrics.get("max_abs_diff"),
+             "mean_abs_diff": p.metrics.get("mean_abs_diff"), "rel_diff": p.metrics.get("rel_diff")} for p in rows]

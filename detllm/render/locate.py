@@ -1,0 +1,178 @@
+"""locate.json as text, Markdown and an HTML section (the located op, its shapes, the growth to the
+logits and a per-layer plot of max |Δ| as inline SVG: no script). Reads the document, computes
+nothing; report.html and `report --format issue` include the section when a folder holds one.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+TABLE_ROWS = 40  # text/markdown tables: every boundary and differing row up to this many
+
+
+def _g(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "yes", False: "no", None: "-"}[v]
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _shapes(op: dict[str, Any]) -> str:
+    ins = op["input_shapes"]
+    return (f"in {ins['left']} -> out {op['output_shape']['left']} (left); in {ins['right']} -> out {op['output_shape']['right']} "
+            f"(right)")
+
+
+def op_line(op: dict[str, Any] | None) -> str:
+    if op is None:
+        return "none"
+    return (f"{op['module']} ({op['kind']}) prompt {op['prompt']} step {op['step']}: max |Δ| {_g(op['max_abs_diff'])} at "
+            f"{op['at']} ({_g(op['left_value'])} vs {_g(op['right_value'])}), tolerance {_g(op['tolerance'])}; {_shapes(op)}")
+
+
+def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows worth printing: layer boundaries, logits and every differing output, in order, capped."""
+    rows = [r for r in doc["layers"] if r["kind"] in ("embedding", "layer", "logits") or r["output_equal"] is False]
+    return rows[:TABLE_ROWS]
+
+
+def _sides(doc: dict[str, Any]) -> list[str]:
+    out = []
+    for key in ("left", "right"):
+        s = doc[key]
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(s.get("options", {}).items()))
+        rep = {True: "reproduced its trace", False: "did NOT reproduce its trace", None: "not re-run"}[s.get("reproduced")]
+        out.append(f"{key}: {s['label']} ({s['backend']} {s['model']} {s['dtype']}{', ' + opts if opts else ''}): {rep}"
+                   + (f"; re-runs {s['reruns']}, captured {s.get('level')}" if s.get("reruns") else ""))
+    return out
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    head = {"located": "LOCATED", "not_located": "NOT LOCATED", "no_difference": "NO DIFFERENCE",
+            "not_reproduced": "NOT REPRODUCED"}[doc["status"]]
+    lines = [f"{head}  {doc['line']}"] + _sides(doc)
+    st = doc["step"]
+    if st is not None:
+        lines.append(f"step: prompt {st['prompt']}, step {st['step']}: {st['what']} differs "
+                     f"(left {_short(st['left'])}, right {_short(st['right'])}); captured at step {_g(doc['captured_step'])}")
+    lines.append(f"first_bitwise_op: {op_line(doc['first_bitwise_op'])}")
+    lines.append(f"first_beyond_tolerance_op: {op_line(doc['first_beyond_tolerance_op'])}")
+    if doc["growth"]:
+        lines.append("growth to the logits:")
+        lines += [f"  {g['module']:<44} {g['kind']:<10} max|Δ| {_g(g['max_abs_diff']):>9}  rel {_g(g['rel_diff'])}"
+                  for g in doc["growth"]]
+    if doc["layers"]:
+        lines.append(f"per-layer table ({len(doc['layers'])} captured outputs; boundaries and differing rows shown):")
+        lines.append(f"  {'#':>4} {'module':<44} {'kind':<10} {'in=':<4} {'out=':<4} {'max|Δ|':>9} {'at':<12} "
+                     f"{'mean|Δ|':>9} {'rel':>9} {'cosine':>9}")
+        for r in _rows(doc):
+            lines.append(f"  {r['order']:>4} {r['module']:<44} {r['kind']:<10} {_g(r['inputs_equal']):<4} {_g(r['output_equal']):<4} "
+                         f"{_g(r.get('max_abs_diff')):>9} {str(r.get('at', '')):<12} {_g(r.get('mean_abs_diff')):>9} "
+                         f"{_g(r.get('rel_diff')):>9} {_g(r.get('cosine')):>9}")
+    lines.append(f"rule: {doc['rule']}")
+    lines.append(f"tolerance: {doc['tolerance']['formula']} (factor {doc['tolerance']['factor']})")
+    for n in doc["not_captured"]:
+        lines.append(f"not captured: {n}")
+    c = doc.get("cost") or {}
+    if c:
+        mb = {k: v / 2**20 for k, v in c["peak_captured_bytes"].items()}
+        lines.append(f"cost: re-runs left {c['reruns']['left']}, right {c['reruns']['right']}; peak captured "
+                     f"{mb['left']:.2f} MB / {mb['right']:.2f} MB (bound {c['bound_bytes'] / 2**20:.0f} MB); {c['seconds']} s")
+    return "\n".join(lines) + "\n"
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    out = [f"## detllm locate: {doc['status'].replace('_', ' ')}", "", doc["line"], ""]
+    out += [f"- {s}" for s in _sides(doc)] + [""]
+    out += ["| | module | kind | step | input shapes (left / right) | output shape (left / right) | max \\|Δ\\| | tolerance |",
+            "|---|---|---|---|---|---|---|---|"]
+    for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
+        op = doc[key]
+        if op is None:
+            out.append(f"| {key} | none | | | | | | |")
+            continue
+        out.append(f"| {key} | `{op['module']}` | {op['kind']} | {op['step']} | {op['input_shapes']['left']} / "
+                   f"{op['input_shapes']['right']} | {op['output_shape']['left']} / {op['output_shape']['right']} | "
+                   f"{_g(op['max_abs_diff'])} | {_g(op['tolerance'])} |")
+    if doc["layers"]:
+        out += ["", "| # | module | kind | inputs equal | output equal | max \\|Δ\\| | at | mean \\|Δ\\| | rel | cosine |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r['order']} | `{r['module']}` | {r['kind']} | {_g(r['inputs_equal'])} | {_g(r['output_equal'])} | "
+                f"{_g(r.get('max_abs_diff'))} | {r.get('at', '')} | {_g(r.get('mean_abs_diff'))} | {_g(r.get('rel_diff'))} | "
+                f"{_g(r.get('cosine'))} |" for r in _rows(doc)]
+    out += ["", f"Rule: {doc['rule']}.", "", f"Tolerance: `{doc['tolerance']['formula']}` (factor {doc['tolerance']['factor']})."]
+    out += [f"- not captured: {n}" for n in doc["not_captured"]]
+    return "\n".join(out) + "\n"
+
+
+def growth_svg(doc: dict[str, Any], *, width: int = 560, height: int = 170) -> str:
+    """max |Δ| of every captured output in execution order, log scale (equal outputs at the floor),
+    the located op marked."""
+    rows = doc["layers"]
+    vals = [r.get("max_abs_diff") if isinstance(r.get("max_abs_diff"), float) else None for r in rows]
+    pos = [v for v in vals if v]
+    if not rows:
+        return "<p class='muted'>nothing captured: nothing to plot</p>"
+    lo = math.floor(math.log10(min(pos))) if pos else -9
+    hi = math.ceil(math.log10(max(pos))) if pos else -8
+    lo, hi = min(lo, hi - 1), max(hi, lo + 1)
+    pad_l, pad_b, pad_t = 46, 20, 8
+    w, h, n = width - pad_l - 8, height - pad_b - pad_t, max(len(rows) - 1, 1)
+
+    def xy(i: int, v: float | None) -> tuple[float, float]:
+        lv = math.log10(v) if v else lo
+        return pad_l + w * i / n, pad_t + h * (1 - (lv - lo) / (hi - lo))
+
+    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='max difference by captured op'>",
+             f"<rect x='{pad_l}' y='{pad_t}' width='{w}' height='{h}' fill='#f6f8fa' stroke='#d0d7de'/>"]
+    for e in range(lo, hi + 1):
+        y = xy(0, 10.0 ** e)[1]
+        parts.append(f"<line x1='{pad_l}' x2='{pad_l + w}' y1='{y:.1f}' y2='{y:.1f}' stroke='#eaeef2'/><text x='2' y='{y + 4:.1f}'>1e{e}</text>")
+    pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(i, v) for i, v in enumerate(vals)))
+    parts.append(f"<polyline fill='none' stroke='#0969da' stroke-width='1.5' points='{pts}'/>")
+    for i, r in enumerate(rows):
+        if r["kind"] == "layer":
+            x = xy(i, None)[0]
+            parts.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{pad_t + h - 6}' y2='{pad_t + h}' stroke='#57606a'>"
+                         f"<title>{html.escape(r['module'])}</title></line>")
+    op = doc["first_bitwise_op"]
+    mark = next((i for i, r in enumerate(rows) if op is not None and r["module"] == op["module"]), None)
+    if mark is not None:
+        x = xy(mark, None)[0]
+        parts.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{pad_t}' y2='{pad_t + h}' stroke='#cf222e' stroke-dasharray='4 3'/>"
+                     f"<text x='{x + 3:.1f}' y='{pad_t + 11}' style='fill:#cf222e'>{html.escape(op['module'])}</text>")
+    parts.append(f"<text x='{pad_l}' y='{height - 4}'>captured outputs 0..{len(rows) - 1} in execution order (ticks: layer "
+                 f"boundaries); max |Δ|, log scale, equal at the floor</text></svg>")
+    return "".join(parts)
+
+
+def html_section(doc: dict[str, Any]) -> list[str]:
+    """The locate section of an HTML page (escaped), for report.html and `locate --html`."""
+    e = html.escape
+    out = ["<h2>Where the bits part (detllm locate)</h2>", f"<p><b>{e(doc['status'].replace('_', ' '))}</b>: {e(doc['line'])}</p>"]
+    out.append("<table><tr><th></th><th>module</th><th>kind</th><th>step</th><th>inputs (left / right)</th>"
+               "<th>output (left / right)</th><th>max |Δ|</th><th>tolerance</th></tr>")
+    for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
+        op = doc[key]
+        if op is None:
+            out.append(f"<tr><td>{key}</td><td colspan='7'>none</td></tr>")
+            continue
+        out.append(f"<tr><td>{key}</td><td class='mono'>{e(op['module'])}</td><td>{e(op['kind'])}</td><td>{op['step']}</td>"
+                   f"<td class='mono'>{e(str(op['input_shapes']['left']))} / {e(str(op['input_shapes']['right']))}</td>"
+                   f"<td class='mono'>{e(str(op['output_shape']['left']))} / {e(str(op['output_shape']['right']))}</td>"
+                   f"<td>{e(_g(op['max_abs_diff']))}</td><td>{e(_g(op['tolerance']))}</td></tr>")
+    out.append("</table>")
+    if doc["layers"]:
+        out.append(growth_svg(doc))
+    if doc["growth"]:
+        out.append("<table><tr><th>from the op to the logits</th><th>kind</th><th>max |Δ|</th><th>rel</th></tr>" +
+                   "".join(f"<tr><td class='mono'>{e(g['module'])}</td><td>{e(g['kind'])}</td><td>{e(_g(g['max_abs_diff']))}</td>"
+                           f"<td>{e(_g(g['rel_diff']))}</td></tr>" for g in doc["growth"]) + "</table>")
+    out.append(f"<p class='muted'>rule: {e(doc['rule'])}; tolerance {e(doc['tolerance']['formula'])}</p>")
+    return out

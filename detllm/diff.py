@@ -127,13 +127,13 @@ def _read_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     return artifacts.read_json(path / artifacts.ENV, "env"), run_config, artifacts.read_json(path / artifacts.APPLIED, "determinism_applied")
 
 
-def load_sides(left: Selection, right: Selection) -> tuple[Side, Side]:
-    """Both sides, from folders or .tar.gz packs; a folder used by both is read once."""
+def load_sides(*sels: Selection) -> tuple[Side, ...]:
+    """Each side (two for diff, N for the fleet), from folders or .tar.gz packs; a folder used twice is read once."""
     with contextlib.ExitStack() as stack:
         folders: dict[Path, tuple[Path, tuple[dict, dict, dict]]] = {}  # resolved path -> (as given, files)
         wanted: dict[Path, set[tuple[int, int]]] = {}
         picks = []
-        for sel in (left, right):
+        for sel in sels:
             key = sel.folder.resolve()
             if key not in folders:
                 real = stack.enter_context(artifacts.open_run_path(sel.folder))
@@ -144,7 +144,8 @@ def load_sides(left: Selection, right: Selection) -> tuple[Side, Side]:
             picks.append((sel, key, pick))
         loaded = {key: load_records(folders[key][0] / artifacts.TRACE, keep=lambda h, w=want: (h["run_index"], h["batch_size"]) in w)
                   for key, want in wanted.items()}
-    same_name = left.folder.name == right.folder.name and left.folder.resolve() != right.folder.resolve()
+    names = {(s.folder.name, s.folder.resolve()) for s in sels}
+    same_name = len({n for n, _ in names}) < len(names)  # two folders of one name: label them by path
     sides = []
     for sel, key, (run, batch) in picks:
         records, present = loaded[key]
@@ -156,7 +157,7 @@ def load_sides(left: Selection, right: Selection) -> tuple[Side, Side]:
         name = str(sel.folder) if same_name else sel.folder.name
         sides.append(Side(label=f"{name}::{label(run, batch)}", run_index=run, batch_size=batch, records=chosen,
                           folder=str(sel.folder), env=env, run_config=run_config, applied=applied))
-    return sides[0], sides[1]
+    return tuple(sides)
 
 
 # ------------------------------------------------------------------ the report

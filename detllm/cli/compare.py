@@ -21,6 +21,7 @@ from .shell import Backend, JUnit, Model, app, emit, guarded, write_html
 def diff(
     a: Annotated[Optional[str], typer.Argument(metavar="A", help="Left side: FOLDER, FOLDER::run_N@batch_B (default run 0 at its --batch-size) or a trace .jsonl file.")] = None,
     b: Annotated[Optional[str], typer.Argument(metavar="B", help="Right side, the same way.")] = None,
+    more: Annotated[Optional[list[str]], typer.Argument(metavar="C", help="More sides: an N-way diff of run folders (docs/fleet.md): traces grouped per prompt, the majority and the outliers; --out writes fleet.json.")] = None,
     left: Annotated[Optional[str], typer.Option("--left", help="Left side, instead of A (the seed's spelling).")] = None,
     right: Annotated[Optional[str], typer.Option("--right", help="Right side, instead of B.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write report.json, report.txt, report.md (and diffs/) here.")] = None,
@@ -36,6 +37,8 @@ def diff(
     def body() -> int:
         from ..tracefiles import diff_any, pick_sides
 
+        if more:  # N sides: the fleet's N-way verdict (detllm/fleet/nway.py)
+            return nway(a, b, more, left, right, out, atol, tier, junit, plot, html, as_json)
         left_arg, right_arg = pick_sides(a, b, left, right)
         check_output_file(html, "--html")
         outcome = diff_any(left_arg, right_arg, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
@@ -43,6 +46,18 @@ def diff(
         return emit(outcome, as_json=as_json)  # the library wrote --junit
 
     guarded(body)
+
+
+def nway(a, b, more, left, right, out, atol, tier, junit, plot, html, as_json) -> int:
+    from ..fleet.nway import fleet_diff
+    from .fleet import emit_fleet
+
+    if left is not None or right is not None or plot is not None:
+        raise UsageError("an N-way diff takes its sides as A B C ...; --left, --right and --plot are for two sides")
+    check_output_file(junit, "--junit")
+    check_output_file(html, "--html")
+    outcome = fleet_diff([a, b, *more], out=out, atol=atol, tier=tier)
+    return emit_fleet(outcome, as_json=as_json, junit=junit, html=html)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

@@ -11,7 +11,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from ..artifacts import check_output_file
+from ..artifacts import check_output_file, default_out_dir
 from ..errors import UsageError
 from .shell import Backend, JUnit, Model, ProgressBar, SignKey, app, emit, guarded, write_html
 
@@ -57,7 +57,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         prompt_text: Annotated[bool, typer.Option("--prompt-text/--no-prompt-text", help="Record prompt text and input ids (off: only hashes).")] = True,
         opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value (repeatable); see docs/backends/.")] = None,
         llama_bin: Annotated[Optional[Path], typer.Option("--llama-bin", help="llama.cpp bin folder or llama-server binary (llamacpp; else DETLLM_LLAMA_BIN, PATH, the build cache).")] = None,
-        base_url: Annotated[Optional[str], typer.Option("--base-url", help="openai: the server's OpenAI-compatible root, e.g. http://127.0.0.1:8080/v1.")] = None,
+        base_url: Annotated[Optional[list[str]], typer.Option("--base-url", metavar="URL", help="openai: the server's OpenAI-compatible root, e.g. http://127.0.0.1:8080/v1. check: repeat it for a fleet (N endpoints checked at once, OUT/replica_<i>/, one N-way verdict; docs/fleet.md).")] = None,
         api_key_env: Annotated[Optional[str], typer.Option("--api-key-env", metavar="NAME", help="openai: the environment variable holding the API key (never recorded).")] = None,
         chat: Annotated[bool, typer.Option("--chat", help="openai: /v1/chat/completions with one user message.")] = False,
         concurrency: Annotated[Optional[str], typer.Option("--concurrency", help="openai: requests in flight, e.g. 1,8,32 (its --vary-batch); each level is compared with 1.")] = None,
@@ -79,8 +79,11 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=concurrency_levels(vary_batch, concurrency, backend),
                 runs=runs, fresh_process=fresh_process, negative_control=negative_control, logprobs=logprobs, record_prompt_text=prompt_text, threads=threads, atol=atol,
                 options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)
-                                      + served_options(backend, base_url, api_key_env, chat, cache_probe, command)),
+                                      + served_options(backend, (base_url or [None])[0], api_key_env, chat, cache_probe, command)),
             )
+            if base_url and len(base_url) > 1:  # a fleet: N endpoints, one N-way verdict (cli/fleet.py)
+                return fleet_check(command, cfg, base_url, prompts, prompt, prompt_file, out, progress and not as_json,
+                                   as_json, junit, html, redact_env, redact_env_var)
             check_output_file(junit, "--junit")  # before the run, not after it
             check_output_file(html, "--html")
             cfg.validate(command=command)
@@ -97,6 +100,23 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         cmd.__annotations__["fresh_process"] = "FreshProcessHidden"
         cmd.__annotations__["negative_control"] = "NegativeControlHidden"
     return cmd
+
+
+def fleet_check(command, cfg, urls, prompts, prompt, prompt_file, out, progress, as_json, junit, html, redact, redact_vars) -> int:
+    """`check --base-url U1 --base-url U2 ...`: detllm.fleet.fleet_check, then the fleet's outputs."""
+    from ..fleet.endpoints import fleet_check as run_fleet
+    from ..prompts import resolve_prompts
+    from .fleet import emit_fleet
+
+    if command != "check":
+        raise UsageError(f"several --base-url make a fleet check: use `detllm check`, not `detllm {command}`")
+    check_output_file(junit, "--junit")
+    check_output_file(html, "--html")
+    prompt_set = resolve_prompts(prompts, texts=prompt or (), jsonl_file=prompt_file)
+    with ProgressBar(progress) as bar:
+        outcome = run_fleet(cfg, urls, prompt_set=prompt_set, out=out or default_out_dir("fleet"), progress=bar,
+                            redact=redact, redact_env_vars=redact_vars)
+    return emit_fleet(outcome, as_json=as_json, junit=junit, html=html)
 
 
 def served_options(backend: str, base_url: str | None, key_env: str | None, chat: bool, cache_probe: bool, command: str) -> list[str]:

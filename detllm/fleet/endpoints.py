@@ -1,0 +1,115 @@
+"""`detllm check --backend openai --base-url U1 --base-url U2 ...`: one ordinary check per endpoint,
+all started at once (one thread each; each endpoint's batches are its own requests in flight, so
+--concurrency is per endpoint), each into OUT/replica_<i>/ through the normal check path
+(runner.execute), then the N-way verdict over them in OUT. An endpoint that fails or times out is
+reported with its error and excluded; the others are kept. Traces stream to each replica's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..config import RunConfig
+from ..diff import Selection, load_sides
+from ..env import Redaction
+from ..errors import BackendError, DetllmError, UsageError
+from ..prompts import PromptSet
+from ..runner import execute
+from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
+from .verdict import Replica, fleet_verdict, prompt_keys
+
+Progress = Callable[[int, int, int], None]
+
+
+def check_urls(urls: Sequence[str]) -> list[str]:
+    """Two or more distinct http(s) URLs without credentials, refused before anything runs."""
+    urls = [u.rstrip("/") for u in urls]
+    if len(urls) < 2:
+        raise UsageError("a fleet check needs two or more --base-url")
+    for u in urls:
+        if not re.match(r"^https?://[^/\s]+", u):
+            raise UsageError(f"--base-url must be an http:// or https:// URL, got {u.split('?', 1)[0]!r}")
+        if re.match(r"^https?://[^/@\s]+@", u) or "?" in u:
+            raise UsageError("a --base-url carries a credential or a query string, which would be recorded in the run folders",
+                             hint="drop it from the URL and name the variable holding the key with --api-key-env")
+    seen = [u for i, u in enumerate(urls) if u in urls[:i]]
+    if seen:
+        raise UsageError(f"--base-url {seen[0]!r} is given twice", hint="each replica once")
+    return urls
+
+
+def _error(exc: DetllmError) -> dict[str, Any]:
+    """How a replica failed: unreachable (exit 4), timeout (a request ran past request_timeout) or error."""
+    cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else ""
+    kind = "timeout" if isinstance(exc, BackendError) and "Timeout" in cause else ("unreachable" if exc.exit_code == 4 else "error")
+    return {"kind": kind, "exit_code": exc.exit_code, "message": exc.one_line()}
+
+
+class _Totals:
+    """Progress summed over the replicas (each reports its own done/total/tokens)."""
+
+    def __init__(self, n: int, progress: Progress | None) -> None:
+        self.each = [(0, 0, 0)] * n
+        self.lock, self.progress = threading.Lock(), progress
+
+    def of(self, i: int) -> Progress | None:
+        if self.progress is None:
+            return None
+
+        def update(done: int, total: int, tokens: int = 0) -> None:
+            with self.lock:
+                self.each[i] = (done, total, tokens)
+                self.progress(*(sum(x[k] for x in self.each) for k in range(3)))  # type: ignore[misc]
+        return update
+
+
+def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompt_set: PromptSet, out: Path, atol: float | None = None,
+                tier: int | None = None, progress: Progress | None = None, redact: bool = False, redact_env_vars: Sequence[str] | None = None) -> FleetOutcome:
+    """Check each endpoint (config with its own base_url) at once, then the N-way verdict. `redact`
+    and `redact_env_vars` as in api.check (each replica's env.json)."""
+    names = tuple(redact_env_vars or ())
+    redaction = Redaction(all_vars=bool(redact), names=names) if redact or names else None
+    if config.backend != "openai":
+        raise UsageError(f"several --base-url are endpoints of --backend openai, not {config.backend!r}")
+    urls = check_urls(base_urls)
+    configs = [dataclasses.replace(config, options=tuple(sorted({**dict(config.options), "base_url": u}.items()))) for u in urls]
+    for cfg in configs:
+        cfg.validate(command="check")
+    out = Path(out)
+    check_fleet_out(out)
+    prepare_fleet_out(out)
+    totals = _Totals(len(urls), progress)
+
+    def one(i: int) -> tuple[Any, dict[str, Any] | None]:
+        try:
+            return execute(configs[i], command="check", out=out / REPLICA.format(i), prompt_set=prompt_set,
+                           progress=totals.of(i), redaction=redaction), None
+        except DetllmError as exc:
+            return None, _error(exc)
+
+    with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="detllm-replica") as pool:
+        results = list(pool.map(one, range(len(urls))))
+    replicas = []
+    for i, (url, (outcome, err)) in enumerate(zip(urls, results)):
+        folder = out / REPLICA.format(i)
+        rep = Replica(index=i, name=REPLICA.format(i), source=url, folder=folder.name if folder.exists() else None, error=err)
+        if outcome is not None:
+            rep.own = {"status": outcome.report["status"], "category": outcome.report["category"]}
+            (rep.side,) = load_sides(Selection(folder))
+            rep.keys = prompt_keys(rep.side.records or [])
+        replicas.append(rep)
+    if not any(r.side is not None for r in replicas):
+        first = next(r.error for r in replicas if r.error)
+        raise BackendError(f"no endpoint of the fleet answered; replica 0: {first['message']}",
+                           hint=f"each replica's error is in {str(out)!r}'s replica folders, where one was started")
+    report = fleet_verdict(replicas, command="check", atol=config.atol if atol is None else atol, tier=tier)
+    write_fleet(out, report)
+    return FleetOutcome(out, report)
+
+
+__all__ = ["check_urls", "fleet_check"]

@@ -1,0 +1,206 @@
+"""The N-way verdict: N replicas' traces grouped per prompt, the majority and the outliers, an
+identity mismatch named first, and replicas that agree with each other but move with their own
+batch, concurrency or cache (their own check's verdict). Every pair is compared by diff.diff_report,
+the pairwise diff's engine; this module only groups what it found. Reads sides, writes nothing.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any
+
+from .. import artifacts
+from ..compare.causes import Side
+from ..compare.causes.codes import TITLES
+from ..diff import diff_report
+from ..env import detllm_version
+from .identity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS, identity_groups
+
+# most fundamental first: the category a fleet report leads with (docs/fleet.md)
+CATEGORIES = ("IDENTITY_MISMATCH", "OUTLIER", "NO_MAJORITY", "ENDPOINT_ERROR", "AGREE_BUT_VARIANT", "AGREE")
+VERDICTS = {
+    "IDENTITY_MISMATCH": "replicas differ in what they serve (model, build or server settings); see identity",
+    "OUTLIER": "the named replicas disagree with the majority",
+    "NO_MAJORITY": "the replicas split with no majority: no outlier can be named; see the groups",
+    "ENDPOINT_ERROR": "the replicas that answered agree, but some failed or timed out",
+    "AGREE_BUT_VARIANT": "all replicas agree with each other, but batch, concurrency, cache or repeats move each of them",
+    "AGREE": "all replicas agree",
+}
+
+
+# an outlier whose recorded identity and settings equal the majority's: what is left is unrecorded
+UNEXPLAINED = ("nothing recorded explains it: the pairwise diff names no cause beyond the address; what differs is "
+               "not visible to a client (launch flags such as flash attention, hardware, or corrupted data)")
+
+
+@dataclass
+class Replica:
+    """One side of the fleet: an endpoint's run folder or a folder given to diff."""
+
+    index: int
+    name: str  # replica_<i> for an endpoint; the side's label for a folder
+    source: str  # the endpoint URL (credential-free) or the side as given
+    side: Side | None = None  # None: the replica failed
+    folder: str | None = None
+    error: dict[str, Any] | None = None  # {"kind": unreachable|timeout|error, "exit_code", "message"}
+    own: dict[str, Any] | None = None  # its own check's {"status", "category"}, when it ran a check
+    keys: dict[int, tuple[str, int]] = field(default_factory=dict)  # prompt_index -> (prompt_id, occurrence)
+
+
+def prompt_keys(records: list[dict[str, Any]]) -> dict[int, tuple[str, int]]:
+    """Each record's prompt as (prompt_id, occurrence): how compare.engine.align pairs them."""
+    seen: dict[str, int] = {}
+    out = {}
+    for r in sorted(records, key=lambda r: r["prompt_index"]):
+        n = seen.get(r["prompt_id"], 0)
+        seen[r["prompt_id"]] = n + 1
+        out[r["prompt_index"]] = (r["prompt_id"], n)
+    return out
+
+
+def _pair(a: Replica, b: Replica, atol: float, tier: int | None) -> tuple[dict[str, Any], set[tuple[str, int]]]:
+    """diff_report(a, b) and the prompts (keys) where the two differ or one lacks the prompt."""
+    assert a.side is not None and b.side is not None
+    report = diff_report(a.side, b.side, atol=atol, tier=tier)
+    comp = report["comparisons"][0]
+    differ = {a.keys[d["prompt_index"]] for d in comp["divergences"]}
+    differ |= {a.keys[i] for i in comp["unmatched"]["left_only"]} | {b.keys[i] for i in comp["unmatched"]["right_only"]}
+    return report, differ
+
+
+def _labels(n: int) -> list[str]:
+    letters = string.ascii_uppercase
+    return [letters[i] if i < 26 else f"G{i}" for i in range(n)]
+
+
+def _cluster(members: list[int], equal) -> list[list[int]]:
+    """Replicas in groups: each joins the first group whose first member it equals; largest first."""
+    groups: list[list[int]] = []
+    for m in members:
+        g = next((g for g in groups if equal(g[0], m)), None)
+        if g is None:
+            groups.append([m])
+        else:
+            g.append(m)
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
+
+
+def _majority(groups: list[list[int]], present: int) -> list[int] | None:
+    return groups[0] if groups and 2 * len(groups[0]) > present else None
+
+
+def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, tier: int | None = None) -> dict[str, Any]:
+    """fleet.json's body: per-prompt groups, replica groups, majority, outliers, identity, pairs."""
+    ok = [r for r in replicas if r.side is not None]
+    by_index = {r.index: r for r in replicas}
+    differ: dict[tuple[int, int], set[tuple[str, int]]] = {}
+    pairs, reports = [], {}
+    for a, b in combinations(ok, 2):
+        rep, d = _pair(a, b, atol, tier)
+        differ[(a.index, b.index)] = differ[(b.index, a.index)] = d
+        reports[(a.index, b.index)] = rep
+        pairs.append(_pair_summary(a, b, rep))
+    order: list[tuple[str, int]] = []
+    for r in ok:
+        for k in (r.keys[i] for i in sorted(r.keys)):
+            if k not in order:
+                order.append(k)
+    prompts = []
+    for key in order:
+        present = [r.index for r in ok if key in r.keys.values()]
+        groups = _cluster(present, lambda x, y, key=key: key not in differ[(x, y)])
+        major = _majority(groups, len(present))
+        index = next(i for i, k in ok[0].keys.items() if k == key) if key in ok[0].keys.values() else None
+        prompts.append({"prompt_id": key[0], "occurrence": key[1], "prompt_index": index,
+                        "groups": [{"label": lab, "replicas": g} for lab, g in zip(_labels(len(groups)), groups)],
+                        "majority": "A" if major else None,
+                        "outliers": [m for g in groups[1:] for m in g] if major else [],
+                        "missing": [r.index for r in ok if r.index not in present]})
+    # replicas with the same group at every prompt hold identical traces: one replica group
+    sig = {r.index: tuple(next((g["label"] for g in p["groups"] if r.index in g["replicas"]), "-") for p in prompts) for r in ok}
+    rgroups = _cluster([r.index for r in ok], lambda x, y: sig[x] == sig[y])
+    rmajor = _majority(rgroups, len(ok))
+    outliers = sorted({m for p in prompts for m in p["outliers"]})
+    split = [p["prompt_index"] if p["prompt_index"] is not None else p["prompt_id"] for p in prompts if len(p["groups"]) > 1 and not p["majority"]]
+    ident = identity_groups({r.index: r.side for r in ok})
+    errors = [r for r in replicas if r.error is not None]
+    variant = [{"replica": r.index, **r.own} for r in ok if r.own and r.own.get("status") == "FAIL"]
+    if ident["mismatched"] or (len(ident["groups"]) > 1 and len(ok) > 1):
+        category = "IDENTITY_MISMATCH"
+    elif outliers:
+        category = "OUTLIER"
+    elif split:
+        category = "NO_MAJORITY"
+    elif errors:
+        category = "ENDPOINT_ERROR"
+    elif variant:
+        category = "AGREE_BUT_VARIANT"
+    else:
+        category = "AGREE"
+    if len(ok) < 2 and category == "AGREE":
+        category = "ENDPOINT_ERROR"  # nothing was compared: fewer than two replicas answered
+    explained = _explain(rgroups, rmajor, reports)
+    rows = []
+    for r in replicas:
+        grp = next((lab for lab, g in zip(_labels(len(rgroups)), rgroups) if r.index in g), None)
+        rows.append({"index": r.index, "name": r.name, "source": r.source, "folder": r.folder,
+                     "status": "ok" if r.side is not None else "error", "error": r.error, "group": grp,
+                     "outlier": r.index in outliers, "identity_mismatch": r.index in ident["mismatched"],
+                     "own_check": r.own, "records": len(r.side.records or ()) if r.side is not None else 0,
+                     "prompts_outside_majority": [p["prompt_index"] for p in prompts if r.index in p["outliers"]]})
+    tiers = [p["tier_effective"] for p in pairs]
+    return artifacts.stamp("fleet", {
+        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "command": command,
+        "status": "PASS" if category == "AGREE" else "FAIL", "category": category, "verdict": VERDICTS[category],
+        "tier": {"requested": tier, "effective": min(tiers) if tiers else None}, "atol": atol,
+        "replicas": rows,
+        "groups": [{"label": lab, "replicas": g} for lab, g in zip(_labels(len(rgroups)), rgroups)],
+        "majority": ({"label": "A", "replicas": rmajor} if rmajor else None),
+        "outliers": outliers, "no_majority_prompts": split,
+        "prompts": prompts, "identity": ident, "variance": variant,
+        "errors": [{"replica": r.index, **(r.error or {})} for r in errors],
+        "explanations": explained, "pairs": pairs,
+        "not_compared": [f"replica {r.index} ({r.name}): {r.error['kind']}" for r in errors if r.error],
+    })
+
+
+def _pair_summary(a: Replica, b: Replica, rep: dict[str, Any]) -> dict[str, Any]:
+    comp = rep["comparisons"][0]
+    d = comp["first_divergence"]
+    drift = comp["drift"]
+    return {"left": a.index, "right": b.index, "status": rep["status"], "tier_effective": rep["tier"]["effective"],
+            "prompts_compared": comp["prompts_compared"], "prompts_diverged": comp["prompts_diverged"],
+            "first_divergence": ({"prompt_index": d["prompt_index"], "token_index": d["token_index"], "kind": d["kind"]} if d else None),
+            "max_abs_logprob_diff": drift.get("max_abs_logprob_diff") if drift.get("available") else None,
+            "magnitude": rep["magnitude"]["label"], "top_cause": rep["causes"][0]["code"] if rep["causes"] else None}
+
+
+def _only_address(cause: dict[str, Any]) -> bool:
+    """A cause whose only evidence is the replicas' addresses (--base-url): every replica of a fleet
+    has its own, so it explains nothing about why one of them differs."""
+    fields = cause.get("evidence", {}).get("fields")
+    return bool(fields) and all(str(f.get("field", "")).rsplit(".", 1)[-1] in ADDRESS_FIELDS for f in fields) \
+        and not cause["evidence"].get("applied")
+
+
+def _explain(rgroups: list[list[int]], rmajor: list[int] | None, reports: dict[tuple[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the pairwise diff's causes say about each minority group against the majority (its first
+    members): the ranked cause codes, as `detllm diff MAJORITY GROUP` would rank them."""
+    if not rmajor:
+        return []
+    out = []
+    for lab, g in zip(_labels(len(rgroups))[1:], rgroups[1:]):
+        a, b = rmajor[0], g[0]
+        rep = reports.get((a, b)) or reports.get((b, a))
+        if rep is None:
+            continue
+        causes = [c for c in rep["causes"] if not _only_address(c)]
+        out.append({"group": lab, "replicas": g, "against": rmajor[0],
+                    "causes": [{"code": c["code"], "title": TITLES.get(c["code"], "")} for c in causes[:3]],
+                    "note": None if causes else UNEXPLAINED})
+    return out
+
+
+__all__ = ["CATEGORIES", "Replica", "VERDICTS", "fleet_verdict", "prompt_keys"]

@@ -42,6 +42,8 @@ class CapturedTensor:
     output_shape: tuple[int, ...] = ()  # as the engine produced it (whole batch)
     ref_error: float | None = None  # max |output - the same module in float64 on the same inputs|; None: not evaluated
     cached_from_step: int | None = None  # attention: the step that wrote the K/V it read (None: not cached input)
+    positions: list[int] | None = None  # the sequence positions `output`'s token axis holds (None: every position
+    # of the step, in order); llama.cpp's last layer, e.g., keeps only the rows that yield logits
 
 
 @dataclass

@@ -141,6 +141,82 @@ def token_ids(batch: Any) -> Any:
     return ids
 
 
+def split(batch: Any, parts: int) -> list[Any]:
+    """A batch cut into `parts` micro-batches along its rows (dim 0 of every tensor in it)."""
+    import torch
+
+    if parts == 1:
+        return [batch]
+    rows = int(token_ids(batch).shape[0])
+    if rows % parts:
+        raise UsageError(f"--script: gradient accumulation {parts} must divide the batch's {rows} rows")
+    if isinstance(batch, torch.Tensor):
+        return list(batch.chunk(parts))
+    if isinstance(batch, dict):
+        cut = {k: (v.chunk(parts) if isinstance(v, torch.Tensor) else [v] * parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cut.items()} for i in range(parts)]
+    cut = [v.chunk(parts) if isinstance(v, torch.Tensor) else [v] * parts for v in batch]
+    return [type(batch)(v[i] for v in cut) if isinstance(batch, tuple) else [v[i] for v in cut] for i in range(parts)]
+
+
+class ScriptRun:
+    """A checked script as the step loop's Task (task.Task's interface): `next_batch` takes the
+    script's batches in their order (the data-order generator is not used: the order is the
+    script's, bound by H(B_t)), `loss` calls its loss_fn on the micro-batch whose token ids the
+    step hashes. `fast_forward(b)` draws b batches without training, for a resume at boundary b."""
+
+    def __init__(self, parts: ScriptTask, grad_accumulation: int = 1) -> None:
+        self.parts = parts
+        self.model, self.optimizer, self.scheduler, self.scaler = parts.model, parts.optimizer, parts.scheduler, parts.scaler
+        self.grad_accumulation = grad_accumulation
+        self.extra: dict[str, Any] = {}
+        self._it = iter(parts.batches)
+        self._drawn = 0
+        self._inputs: dict[int, Any] = {}  # id(token-id tensor) -> the user's micro-batch it came from
+
+    def _draw(self) -> Any:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise UsageError(f"--script: batches ran out after {self._drawn} batches; give at least one per step") from None
+        self._drawn += 1
+        return batch
+
+    def next_batch(self, data: Any) -> Any:
+        from .task import Batch
+
+        micro = split(self._draw(), self.grad_accumulation)
+        ids = [token_ids(m) for m in micro]
+        self._inputs = {id(i): m for i, m in zip(ids, micro)}
+        return Batch([self._drawn - 1], ids)
+
+    def loss(self, micro_ids: Any) -> Any:
+        return self.parts.loss_fn(self.model, self._inputs[id(micro_ids)])
+
+    def fast_forward(self, boundary: int) -> None:
+        for _ in range(boundary - self._drawn):
+            self._draw()
+
+    def extra_state(self) -> dict[str, Any]:
+        """checkpoint.json's `extra`: the scheduler's and scaler's state_dict() (JSON values only)."""
+        return {name: _jsonable(obj.state_dict(), name) for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
+                if obj is not None}
+
+    def load_extra(self, extra: dict[str, Any]) -> None:
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if obj is not None and name in extra:
+                obj.load_state_dict(extra[name])
+
+
+def _jsonable(state: Any, name: str) -> Any:
+    import json
+
+    try:
+        return json.loads(json.dumps(state, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--script: the {name}'s state_dict() is not plain JSON ({exc}); it cannot be checkpointed without pickling") from exc
+
+
 def pack_script(task: ScriptTask, folder: Path) -> None:
     """Copy the script's bytes into the pack (SCRIPT_COPY); its sha256 is in train_config.json."""
     from ..schema_io import atomic_write_text

@@ -246,7 +246,8 @@ class _ScriptedModel:
     def capture(self, spec: CaptureSpec, moved: int | None) -> Capture:
         import numpy as np
 
-        at = self.o.capture_from_step if self.o.capture_from_step >= 0 else moved  # the step the module moves at
+        # the step the module moves at, on the side an injection applies to (None: it never moves)
+        at = None if moved is None else (self.o.capture_from_step if self.o.capture_from_step >= 0 else moved)
         rows = len(self.req.input_ids) if spec.step == 0 else 1
         pad = self.width - rows if spec.step == 0 else 0  # left padding in the captured row (prefill), as engines see it
         target = self.o.capture_module
@@ -270,7 +271,11 @@ class _ScriptedModel:
             elif d:
                 d *= 1.5
             out = (base * np.float32(1 + d)).astype(np.float32)
-            noise = float(np.abs(base).max()) * max(1e-7, self.o.capture_nudge if hit and name == target else 0.0)
+            # each side's error against float64: a rounding-sized nudge (<= 1e-6) is the engine's own rounding
+            # on both sides; a larger one is an error of the moved module on the moved side only
+            wobble = self.o.capture_nudge <= 1e-6
+            noise = float(np.abs(base).max()) * max(8 * self.o.capture_nudge if wobble else 1e-7,
+                                                    self.o.capture_nudge if hit and name == target else 0.0)
             if pad:
                 filler = np.full((pad, self.H), float(self.size), dtype=np.float32)  # padding rows: batch-dependent
                 out_seen, inputs = np.concatenate([filler, out]), [np.concatenate([np.zeros((pad,) + i.shape[1:], i.dtype), i])

@@ -34,8 +34,8 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
            layers_only: bool = False, max_bytes: int = DEFAULT_BOUND) -> Located:
     """Locate where sides `a` and `b` (or the sides of one diff or failing check folder `a`) first
     part: the step, then the first op at that step whose inputs agree but output differs."""
-    if not isinstance(max_bytes, int) or max_bytes < 2**20:
-        raise UsageError(f"the memory bound must be at least 1 MB, got {max_bytes!r}")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= 2**50:
+        raise UsageError(f"the memory bound on captured tensors is a number of bytes from 1024 to 2**50, got {max_bytes!r}")
     if prompt is not None and prompt < 0:
         raise UsageError(f"--prompt must be a prompt index (>= 0), got {prompt}")
     left_sel, right_sel, source = resolve(a, b)

@@ -1,0 +1,169 @@
+"""`detllm locate` on the fake backend's scripted capture: the step, the exact batch re-run, the
+root-cause rule (inputs agree, output differs), the K/V step back, tolerance, memory bound, the
+folder written and resealed, and every refusal (exit 2, 4) before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import detllm
+from detllm import artifacts
+from detllm.locate import locate
+from detllm.render.locate import html_section
+from detllm.verify import verify_folder
+
+INJECT = "prompt=1,pos=2,batch=4,what=logprob"
+
+
+def _check(tmp_path, name="c", tier=2, runs=2, **opts):
+    opts = {"diverge": INJECT, **opts}
+    detllm.check(backend="fake", options=opts, vary_batch=(1, 4), runs=runs, tier=tier, max_new_tokens=6, out=tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("module", ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                                    "model.layers.0.input_layernorm", "model.layers.1.self_attn", "lm_head"])
+def test_names_the_module_that_moved(tmp_path, module):
+    folder = _check(tmp_path, capture_module=module)
+    res = locate(f"{folder}::batch_1", f"{folder}::batch_4")
+    doc = res.doc
+    assert doc["status"] == "located", doc["line"]
+    assert doc["step"]["prompt"] == 1 and doc["step"]["step"] == 2 and doc["step"]["what"] == "logprob"
+    op = doc["first_bitwise_op"]
+    assert op["module"] == module and op["step"] == 2 and op["prompt"] == 1
+    assert op["output_shape"] == {"left": [1, 1, 8], "right": [4, 1, 8]}  # as each engine saw the whole batch
+    assert doc["first_beyond_tolerance_op"]["module"] == module  # a 1e-3 move: far beyond rounding
+    assert doc["cost"]["reruns"] == {"left": 1, "right": 1}
+    row = next(r for r in doc["layers"] if r["module"] == module)
+    assert row["inputs_equal"] is True and row["output_equal"] is False
+    before = [r for r in doc["layers"] if r["order"] < row["order"]]
+    assert before and all(r["output_equal"] for r in before)
+    assert doc["growth"][0]["module"] == module and doc["growth"][-1]["kind"] == "logits"
+    # written into the folder both sides came from, and sealed with it
+    assert res.out_dir == folder
+    assert artifacts.read_json(folder / "locate.json", "locate") == json.loads(json.dumps(doc))
+    assert (folder / "locate.txt").read_text().startswith("LOCATED")
+    verify_folder(folder)
+
+
+def test_prefill_padding_is_sliced_off(tmp_path):
+    """Batch 4 pads the prompt on the left at the prefill; the scripted padding rows differ by batch size."""
+    folder = _check(tmp_path, diverge="prompt=1,pos=0,batch=4,what=logprob")
+    doc = locate(f"{folder}::batch_1", f"{folder}::batch_4").doc
+    assert doc["step"]["step"] == 0
+    assert doc["first_bitwise_op"]["module"] == "model.layers.0.mlp.down_proj"
+    assert all(r["output_equal"] for r in doc["layers"] if r["order"] < 11)
+
+
+def test_a_rounding_sized_move_is_bitwise_but_within_tolerance(tmp_path):
+    folder = _check(tmp_path, capture_nudge="3e-7")
+    doc = locate(f"{folder}::batch_1", f"{folder}::batch_4").doc
+    op = doc["first_bitwise_op"]
+    assert op["module"] == "model.layers.0.mlp.down_proj"
+    assert op["max_abs_diff"] <= op["tolerance"]
+    assert doc["first_beyond_tolerance_op"] is None
+    assert "within tolerance" in doc["line"]
+
+
+def test_cached_kv_sends_the_search_back_to_the_step_that_wrote_them(tmp_path):
+    folder = _check(tmp_path, capture_module="model.layers.0.mlp.down_proj", capture_from_step="0")
+    doc = locate(f"{folder}::batch_1", f"{folder}::batch_4").doc
+    assert doc["steps_searched"] == [2, 0] and doc["captured_step"] == 0
+    assert doc["first_bitwise_op"]["module"] == "model.layers.0.mlp.down_proj" and doc["first_bitwise_op"]["step"] == 0
+    assert doc["cost"]["reruns"] == {"left": 2, "right": 2}  # the most a side is re-run
+    assert any("cached K/V" in n for n in doc["not_captured"])
+
+
+def test_identical_repeats_locate_nothing_and_rerun_nothing(tmp_path):
+    folder = _check(tmp_path)
+    doc = locate(f"{folder}::run_0", f"{folder}::run_1").doc
+    assert doc["status"] == "no_difference" and doc["step"] is None and doc["first_bitwise_op"] is None
+    assert doc["cost"] == {}
+
+
+def test_run_variance_is_not_reproduced_here(tmp_path):
+    folder = _check(tmp_path, diverge="prompt=0,pos=1,run=1,what=logprob")
+    doc = locate(f"{folder}::run_0", f"{folder}::run_1").doc
+    assert doc["status"] == "not_reproduced"
+    assert doc["left"]["reproduced"] is True and doc["right"]["reproduced"] is False
+    assert "step 1: recorded logprob" in doc["right"]["not_reproduced"]
+    assert doc["first_bitwise_op"] is None and doc["layers"] == []
+
+
+def test_layers_only_names_the_layer(tmp_path):
+    folder = _check(tmp_path)
+    doc = locate(f"{folder}::batch_1", f"{folder}::batch_4", layers_only=True).doc
+    assert doc["first_bitwise_op"]["module"] == "model.layers.0"
+    assert {r["kind"] for r in doc["layers"]} <= {"embedding", "layer", "logits"}
+
+
+def test_past_the_memory_bound_layer_boundaries_only(tmp_path):
+    folder = _check(tmp_path)
+    doc = locate(f"{folder}::batch_1", f"{folder}::batch_4", max_bytes=4096).doc
+    assert doc["left"]["level"] == "layers" and doc["first_bitwise_op"]["module"] == "model.layers.0"
+    assert any("layer boundaries only" in n for n in doc["not_captured"])
+    assert max(doc["cost"]["peak_captured_bytes"].values()) <= 4096 // 2
+
+
+def test_a_failing_check_folder_and_a_diff_folder(tmp_path, cli):
+    folder = _check(tmp_path, diverge="prompt=1,pos=3,batch=4")  # a token flip: the check fails
+    doc = locate(str(folder)).doc
+    assert doc["source"] == "check folder" and doc["step"]["what"] == "token" and doc["step"]["step"] == 3
+    assert doc["first_bitwise_op"]["module"] == "model.layers.0.mlp.down_proj"
+    d = tmp_path / "d"
+    assert cli("diff", f"{folder}::batch_1", f"{folder}::batch_4", "--out", d).exit_code == 1
+    r = cli("locate", d)
+    assert r.exit_code == 0, r.output
+    assert "LOCATED" in r.stdout and "model.layers.0.mlp.down_proj" in r.stdout
+    assert artifacts.read_json(d / "locate.json", "locate")["source"] == "diff folder"
+    verify_folder(d)
+
+
+def test_cli_writes_html_and_json(tmp_path, cli):
+    folder = _check(tmp_path)
+    page = tmp_path / "l.html"
+    r = cli("locate", f"{folder}::batch_1", f"{folder}::batch_4", "--out", tmp_path / "o", "--html", page, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["status"] == "located"
+    text = page.read_text()
+    assert "<svg" in text and "<script" not in text and "model.layers.0.mlp.down_proj" in text
+    assert not (folder / "locate.json").exists()  # --out elsewhere: the run folder is untouched
+    assert "<svg" in "".join(html_section(json.loads((tmp_path / "o" / "locate.json").read_text())))
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["nowhere"], 2, "locate needs two sides"),
+    (["{f}::batch_x", "{f}::batch_4"], 2, "cannot read the selection"),
+    (["{f}::batch_1", "{f}::batch_16"], 2, "has no records for run_0@batch_16"),
+    (["{f}::batch_1", "{f}::batch_4", "--max-memory", "0"], 2, "--max-memory"),
+    (["{f}::batch_1", "{f}::batch_4", "--prompt", "-1"], 2, "--prompt"),
+    (["{f}::batch_1", "{f}::batch_4", "--prompt", "9"], 2, "no common record"),
+    (["{f}"], 2, "not a failing check folder"),
+])
+def test_bad_input_one_line_nothing_written(tmp_path, cli, args, code, words):
+    folder = _check(tmp_path, diverge="prompt=1,pos=2,batch=4,what=logprob")
+    before = sorted(p.name for p in folder.iterdir())
+    r = cli("locate", *[a.format(f=folder) for a in args])
+    assert r.exit_code == code, r.output
+    assert r.stderr.startswith("detllm: error:") and words in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_backend_without_internals_exit_4_nothing_written(tmp_path, cli):
+    folder = _check(tmp_path, capture="none")
+    r = cli("locate", f"{folder}::batch_1", f"{folder}::batch_4")
+    assert r.exit_code == 4, r.output
+    assert "captures nothing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (folder / "locate.json").exists()
+
+
+def test_model_changed_since_the_run_exit_7(tmp_path, cli):
+    folder = _check(tmp_path)
+    cfg = json.loads((folder / "run_config.json").read_text())
+    cfg["model"]["weights_sha256"] = "0" * 64  # the recorded weights are not the ones the backend loads now
+    (folder / "run_config.json").write_text(json.dumps(cfg))
+    r = cli("locate", f"{folder}::batch_1", f"{folder}::batch_4", "--out", tmp_path / "o")
+    assert r.exit_code == 7, r.output
+    assert "refusing" in r.stderr and not (tmp_path / "o").exists()

@@ -240,13 +240,17 @@ class Seal:
     key_sha256: str | None
 
 
-def check_bytes(seal: Seal) -> Verification:
+def check_bytes(seal: Seal, *, beside: str | None = None) -> Verification:
     """Every file against the manifest, the trace against its hash chain, every JSON file against its
     schema. Raises IntegrityError (exit 6) naming the first changed file or trace line, ArtifactError
-    (exit 5) for a schema or JSON error in unchanged bytes. The verdict is not checked here (verify.py)."""
+    (exit 5) for a schema or JSON error in unchanged bytes. The verdict is not checked here (verify.py).
+    `beside`: a folder left to the caller, whose files are checked through digests the sealed files
+    hold (a training pack's packed checkpoints/)."""
     folder, manifest = seal.folder, seal.manifest
     problems: list[Problem] = []
     files, odd = walk(folder)
+    if beside is not None:
+        files = {rel: p for rel, p in files.items() if not rel.startswith(beside + "/")}
     problems += [Problem(rel, "is a symlink or special file; a pack holds regular files only") for rel in odd]
     listed = {f["path"]: f for f in manifest["files"]}
     if len(listed) != len(manifest["files"]):

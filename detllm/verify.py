@@ -29,6 +29,10 @@ def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verificatio
 def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verification:
     """verify() of an unpacked folder."""
     seal = open_seal(Path(folder), pubkey)
+    from .training.pack import is_training_pack, verify_training
+
+    if is_training_pack(seal.folder):  # a training pack: its chain and report instead of a trace's (docs/training.md)
+        return verify_training(seal)
     # the verdict is re-derived on the other core while the bytes are checked; its answer is read
     # only once the bytes check out, so a changed file is still the first problem named
     ahead = Ahead.start(seal.folder) if seal.manifest["trace"] is not None else None

@@ -1,5 +1,371 @@
 """Hooks on a torch module tree: capture each module's (and, optionally, each aten op's) inputs and
-outputs, forward and backward, under Hugging Face module names; and the test-only perturbation of
-one module's output or weight. Used by the torch backends' capture (locate) and by the training
-loop. torch is imported lazily, inside the functions that need it.
+outputs, forward and backward, under Hugging Face module names, with a float64 re-evaluation of each
+as the tolerance. Used by the torch backends' capture (locate) and by the training loop. The
+test-only perturbation of one module lives in `detllm.perturb`; which part of a batched tensor is
+kept, in `Window`. torch is imported lazily, inside the functions that need it.
 """
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .float64 import cache_of, cache_snapshot, first_tensor, module_output, op_output
+
+LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
+_SKIP_OPS = {"clone", "detach", "alias", "_unsafe_view", "lift_fresh", "empty", "empty_like", "zeros", "zeros_like",
+             "ones", "ones_like", "full", "full_like", "arange", "scalar_tensor", "_local_scalar_dense", "copy_",
+             "empty_strided", "new_empty", "new_zeros", "new_ones", "fill_", "zero_", "detach_"}
+_OP_KINDS = {"mm": "gemm", "addmm": "gemm", "bmm": "gemm", "baddbmm": "gemm", "matmul": "gemm", "linear": "gemm",
+             "_softmax": "softmax", "softmax": "softmax", "_log_softmax": "softmax", "silu": "activation",
+             "gelu": "activation", "relu": "activation", "tanh": "activation", "sigmoid": "activation",
+             "embedding": "embedding", "rsqrt": "norm", "native_layer_norm": "norm", "_fused_rms_norm": "norm",
+             "cos": "rotary", "sin": "rotary", "all_reduce": "all_reduce"}
+
+
+@dataclass
+class Tapped:
+    """One module's (or op's) captured tensors. Field names match backends.capture.CapturedTensor's."""
+
+    name: str  # "model.layers.1.mlp.down_proj"; an op adds "/aten.mm#2"; a parameter's gradient is its parameter name
+    kind: str  # one of backends.capture.CAPTURE_KINDS
+    order: int  # completion order within the tap (a module after its children)
+    output: Any  # numpy array, cut to the window; bfloat16 widened to float32 (exact), see dtype
+    inputs: list[Any] = field(default_factory=list)  # numpy arrays, cut to the window (attention: + cached K/V)
+    input_names: list[str] = field(default_factory=list)  # "arg0", keyword names, "past_keys"/"past_values"
+    input_shapes: list[tuple[int, ...]] = field(default_factory=list)  # as the module saw them (whole batch)
+    output_shape: tuple[int, ...] = ()  # as the module produced it (whole batch)
+    dtype: str = ""  # the engine's dtype of the output ("bfloat16" even where `output` holds it as float32)
+    ref_error: float | None = None  # max |output - float64 re-evaluation on the same inputs|; None: not evaluated
+    phase: str = "forward"  # forward | backward (module grads: output = grad wrt output) | param_grad
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which part of each batched tensor a tap keeps: batch row `row` (None: all), and along each
+    position axis the last `cuts[width]` entries of an axis `width` long (left padding: the real
+    positions are the last ones), so batch 1 and batch N captures of one prompt align."""
+
+    row: int | None = None
+    batch: int | None = None  # rows in the forward (None: dim 0 of a module's tensors is the batch)
+    cuts: dict[int, int] = field(default_factory=dict)  # padded width -> real positions kept
+    fixed: frozenset[int] = frozenset()  # feature sizes (hidden, heads...): an op's axis this long is never cut
+
+    def module(self, t: Any) -> Any:
+        """A module's tensor in the Hugging Face layout [batch, position, ...]."""
+        if self.row is None or t.ndim == 0:
+            return t
+        if self.batch is None or t.shape[0] == self.batch:
+            t = t[self.row]
+            if t.ndim >= 1 and t.shape[0] in self.cuts and (t.ndim >= 2 or not t.is_floating_point()):
+                t = t[t.shape[0] - self.cuts[t.shape[0]]:]
+        return t
+
+    def axis(self, t: Any, dim: int) -> Any:
+        """Cut axis `dim` of a tensor whose batch row was taken already (cached K/V: [heads, position, dim])."""
+        if t.ndim > dim and t.shape[dim] in self.cuts:
+            return t.narrow(dim, t.shape[dim] - self.cuts[t.shape[dim]], self.cuts[t.shape[dim]])
+        return t
+
+    def everywhere(self, t: Any) -> tuple[Any, bool]:
+        """An op's or a mask's tensor, layout unknown: (the row of it, every axis of a padded width cut;
+        False where an axis could be a position or a feature axis and was left whole)."""
+        if self.row is None or t.ndim == 0:
+            return t, True
+        n = self.batch or 1
+        if t.shape[0] == n:
+            t = t[self.row]
+        elif n > 1 and t.shape[0] % n == 0 and (t.shape[0] // n in self.cuts or t.shape[0] // n in self.fixed):
+            t = t.reshape(n, t.shape[0] // n, *t.shape[1:])[self.row]  # batch folded with heads or positions
+        else:
+            return t, False
+        clean = True
+        for dim in range(t.ndim):
+            width = t.shape[dim]
+            if width in self.cuts and width in self.fixed:
+                clean = False
+            elif width in self.cuts:
+                t = t.narrow(dim, width - self.cuts[width], self.cuts[width])
+        return t, clean
+
+
+@dataclass
+class Tap:
+    """What a `tap` collected: the records in completion order and what was left out, in words."""
+
+    tensors: list[Tapped] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    nbytes: int = 0  # bytes of the numpy arrays kept
+    bounded: bool = False  # past max_bytes: layer boundaries only from then on
+    skipped_ref: Counter = field(default_factory=Counter)  # why a float64 re-evaluation was skipped -> modules
+
+    def by_name(self) -> dict[str, Tapped]:
+        return {t.name: t for t in self.tensors}
+
+
+def module_kind(name: str, module: Any, output_name: str = "lm_head") -> str:
+    """Kind of a module by its type (backends.capture.CAPTURE_KINDS)."""
+    import torch
+
+    cls = type(module).__name__
+    low = cls.lower()
+    if isinstance(module, torch.nn.Embedding):
+        return "embedding"
+    if low.endswith("rmsnorm") or low.endswith("layernorm") or isinstance(module, torch.nn.LayerNorm):
+        return "norm"
+    if isinstance(module, torch.nn.Linear) or cls in ("Conv1D", "ColumnParallelLinear", "RowParallelLinear"):
+        return "logits" if name.split(".")[-1] == output_name else "gemm"
+    if "rotary" in low:
+        return "rotary"
+    if "attention" in low:
+        return "attention"
+    if isinstance(module, torch.nn.Softmax):
+        return "softmax"
+    if low.endswith("activation") or type(module).__module__ == "torch.nn.modules.activation" or low.endswith("act"):
+        return "activation"
+    if low.endswith("decoderlayer") or low.endswith("block") or low.endswith("layer") and _is_stack_member(name):
+        return "layer"
+    return "other"
+
+
+def _is_stack_member(name: str) -> bool:
+    return name.split(".")[-1].isdigit()
+
+
+def op_kind(op: str, module_kind_: str) -> str:
+    """Kind of an aten op: its own where it has one; an add straight inside a decoder layer is the residual."""
+    if op in _OP_KINDS:
+        return _OP_KINDS[op]
+    if op == "add" and module_kind_ == "layer":
+        return "residual"
+    return "other"
+
+
+def _numpy(t: Any) -> tuple[Any, str]:
+    import torch
+
+    dtype = str(t.dtype).replace("torch.", "")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()  # numpy has no bfloat16: float32 holds every bfloat16 value exactly
+    return t.cpu().numpy().copy(), dtype
+
+
+class _Tapper:
+    """The hooks of one `tap`: a module stack for op names, the records, the bound."""
+
+    def __init__(self, model, *, window: Window, ops: bool, reference: bool, max_bytes: int | None,
+                 layers_only: bool, keep_inputs: bool, skip: tuple[str, ...]) -> None:
+        self.model, self.window, self.ops, self.reference = model, window, ops, reference
+        self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
+        self.names = {m: n for n, m in model.named_modules() if n not in skip}
+        self.kinds = {m: module_kind(n, m) for m, n in self.names.items()}
+        self.holders = {m for m in self.names if any(self.kinds.get(c) == "layer" for c in m.modules() if c is not m)}
+        self.result = Tap()
+        self.stack: list[Any] = []  # modules entered and not yet left (innermost last)
+        self.snaps: dict[int, dict] = {}  # id(module) -> cache snapshot taken as it was entered
+        self.op_counts: Counter = Counter()
+        self.busy = False  # inside a float64 re-evaluation: record nothing
+        self.order = 0
+
+    # -- forward -------------------------------------------------------------------------------
+    def pre(self, module, args, kwargs):
+        if self.busy:
+            return None
+        self.stack.append(module)
+        cache = cache_of(args, kwargs)
+        if cache is not None:
+            self.snaps[id(module)] = cache_snapshot(cache)
+        return None
+
+    def post(self, module, args, kwargs, output):
+        if self.busy:
+            return None
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+        snap = self.snaps.pop(id(module), {})
+        name, kind = self.names[module], self.kinds[module]
+        if self.layers_only and kind not in LAYER_KINDS:
+            return None
+        out = first_tensor(output)
+        if out is None:
+            return None
+        rec = self._record(name, kind, out, *self._inputs(module, args, kwargs, snap, kind))
+        if self.reference and rec is not None:
+            self._reference(module, args, kwargs, snap, out, rec)
+        return None
+
+    def _inputs(self, module, args, kwargs, snap, kind) -> tuple[list, list, list]:
+        import torch
+
+        tensors, names, shapes = [], [], []
+        named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+        for key, value in named:
+            parts = [(key, value)] if isinstance(value, torch.Tensor) else (
+                [(f"{key}.{i}", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+                if isinstance(value, (tuple, list)) else [])
+            for label, t in parts:
+                shapes.append(tuple(t.shape))
+                names.append(label)
+                tensors.append(self.window.everywhere(t)[0] if "mask" in label else self.window.module(t))
+        layer_idx = getattr(module, "layer_idx", None)
+        if kind == "attention" and layer_idx in snap:
+            for label, t in zip(("past_keys", "past_values"), snap[layer_idx]):
+                shapes.append(tuple(t.shape))
+                names.append(label)
+                cut = t[self.window.row] if self.window.row is not None else t
+                tensors.append(self.window.axis(cut, 1) if self.window.row is not None else cut)
+        return tensors, names, shapes
+
+    def _record(self, name, kind, out, inputs, input_names, input_shapes, *, cut=None) -> Tapped | None:
+        kept = cut if cut is not None else self.window.module(out)
+        arr, dtype = _numpy(kept)
+        arrays = [_numpy(t)[0] for t in inputs] if self.keep_inputs else []
+        size = arr.nbytes + sum(a.nbytes for a in arrays)
+        if self.max_bytes is not None and self.result.nbytes + size > self.max_bytes and not self.result.bounded:
+            self._bound(name)
+        if self.result.bounded and kind not in LAYER_KINDS:
+            return None
+        rec = Tapped(name, kind, self.order, arr, arrays, list(input_names) if self.keep_inputs else [],
+                     list(input_shapes), tuple(out.shape), dtype)
+        self.order += 1
+        self.result.nbytes += size
+        self.result.tensors.append(rec)
+        return rec
+
+    def _bound(self, at: str) -> None:
+        kept = [t for t in self.result.tensors if t.kind in LAYER_KINDS]
+        self.result.tensors = kept
+        self.result.nbytes = sum(t.output.nbytes + sum(a.nbytes for a in t.inputs) for t in kept)
+        self.result.bounded = True
+        self.result.notes.append(f"captured tensors passed the bound of {self.max_bytes} bytes at {at}: layer "
+                                 f"boundaries only ({', '.join(LAYER_KINDS)}), every other module and op dropped")
+
+    def _reference(self, module, args, kwargs, snap, out, rec: Tapped) -> None:
+        import numpy as np
+        import torch
+
+        if module in self.holders:
+            self.result.skipped_ref["holds the decoder layers (each layer is re-evaluated instead)"] += 1
+            return
+        self.busy = True  # the copy carries these hooks too: they record nothing meanwhile
+        try:
+            ref = module_output(module, args, kwargs, snap)
+            if ref is None or tuple(ref.shape) != tuple(out.shape):
+                self.result.skipped_ref["its float64 copy returned another shape"] += 1
+                return
+            got = self.window.module(out).detach().to(torch.float64)
+            rec.ref_error = float((got - self.window.module(ref)).abs().max().item()) if got.numel() else 0.0
+            if not np.isfinite(rec.ref_error):
+                rec.ref_error = None
+                self.result.skipped_ref["its float64 re-evaluation is not finite"] += 1
+        except Exception as exc:  # a module that cannot run in float64 or outside its engine: noted, not fatal
+            self.result.skipped_ref[f"its float64 copy failed ({type(exc).__name__})"] += 1
+        finally:
+            self.busy = False
+
+    # -- ops ---------------------------------------------------------------------------------------
+    def on_op(self, func, args, kwargs, out) -> None:
+        import torch
+
+        if self.busy or self.layers_only or self.result.bounded:
+            return
+        op = func.overloadpacket.__name__
+        tensor = first_tensor(out)
+        if (op in _SKIP_OPS or getattr(func, "is_view", False) or tensor is None or not tensor.is_floating_point()
+                or not tensor.numel()):
+            return
+        owner = self.stack[-1] if self.stack else self.model
+        path = self.names.get(owner, "")
+        key = f"{path}/aten.{op}"
+        name = f"{key}#{self.op_counts[key]}"
+        self.op_counts[key] += 1
+        ins = [a for a in args if isinstance(a, torch.Tensor)]
+        cut, clean = self.window.everywhere(tensor)
+        rec = self._record(name, op_kind(op, self.kinds.get(owner, "other")), tensor,
+                           [self.window.everywhere(a)[0] for a in ins], [f"arg{i}" for i in range(len(ins))],
+                           [tuple(a.shape) for a in ins], cut=cut)
+        if rec is None:
+            return
+        if not clean:
+            self.result.notes.append(f"{name}: an axis as long as a padded width is also a feature size; kept whole")
+        if self.reference:
+            self._op_reference(func, args, kwargs, tensor, cut, rec)
+
+    def _op_reference(self, func, args, kwargs, tensor, cut, rec) -> None:
+        import numpy as np
+        import torch
+
+        try:
+            ref = op_output(func, args, kwargs)
+        except Exception:  # an op whose float64 form does not exist (dtype-bound kernels): noted by its None
+            self.result.skipped_ref["an op without a float64 form"] += 1
+            return
+        if ref is not None and ref.shape == tensor.shape:
+            diff = (self.window.everywhere(ref.to(torch.float64))[0] - cut.to(torch.float64)).abs()
+            rec.ref_error = float(diff.max().item()) if diff.numel() else 0.0
+            if not np.isfinite(rec.ref_error):
+                rec.ref_error = None
+
+    # -- backward ----------------------------------------------------------------------------------
+    def on_grad(self, module, grad_input, grad_output) -> None:
+        out = first_tensor(grad_output)
+        if out is None or self.busy:
+            return
+        ins = [g for g in grad_input if g is not None]
+        rec = self._record(self.names[module], self.kinds[module], out, [self.window.module(g) for g in ins],
+                           [f"grad_input{i}" for i in range(len(ins))], [tuple(g.shape) for g in ins])
+        if rec is not None:
+            rec.phase = "backward"
+
+    def on_param_grad(self, name: str, kind: str, grad) -> None:
+        rec = self._record(name, kind, grad, [], [], [], cut=grad)
+        if rec is not None:
+            rec.phase = "param_grad"
+
+
+def _dispatch_mode(tapper: _Tapper):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            tapper.on_op(func, args, kwargs, out)
+            return out
+
+    return _Ops()
+
+
+@contextmanager
+def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool = False, row: int | None = None,
+        window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
+        layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
+        skip: tuple[str, ...] = ("",)) -> Iterator[Tap]:
+    """Capture while the block runs: every named submodule's inputs and output (forward), each aten
+    op's output (ops, forward only), module and parameter gradients (backward), cut to `window` (or
+    batch `row`). `reference`: each module and op re-evaluated in float64 on its own inputs
+    (Tapped.ref_error). Past `max_bytes`, layer boundaries only (noted). The hooks are gone after."""
+    window = window or Window(row=row)
+    tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
+                     layers_only=layers_only, keep_inputs=keep_inputs, skip=skip)
+    with ExitStack() as stack:
+        for module in tapper.names:
+            if forward:
+                stack.callback(module.register_forward_pre_hook(tapper.pre, with_kwargs=True).remove)
+                stack.callback(module.register_forward_hook(tapper.post, with_kwargs=True).remove)
+            if backward:
+                stack.callback(module.register_full_backward_hook(tapper.on_grad).remove)
+        if backward and params:
+            for pname, p in model.named_parameters():
+                if p.requires_grad:
+                    owner = model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model
+                    kind = tapper.kinds.get(owner, "other")
+                    stack.callback(p.register_hook(lambda g, n=pname, k=kind: tapper.on_param_grad(n, k, g)).remove)
+        if ops and forward:
+            stack.enter_context(_dispatch_mode(tapper))
+        yield tapper.result
+    for why, count in sorted(tapper.result.skipped_ref.items()):
+        tapper.result.notes.append(f"float64 reference not evaluated for {count} module(s)/op(s): {why}")

@@ -1,0 +1,185 @@
+"""detllm.taps and detllm.perturb on the built-in tiny model through real transformers: what a tap
+captures (names, kinds, shapes, order, ops, float64 references, the bound, gradients) and the
+test-only perturbation (its parser, and that the perturbed module is where the capture first moves)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from detllm import perturb, taps
+from detllm.errors import UsageError
+
+pytestmark = pytest.mark.engine
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from detllm.backends.hf import HFBackend
+
+    b = HFBackend("tiny")
+    return b.model, b.tokenize(PROMPT)
+
+
+def _forward(model, ids, **kw):
+    import torch
+
+    with torch.inference_mode():
+        with taps.tap(model, row=0, **kw) as t:
+            logits = model(input_ids=torch.tensor([ids])).logits
+    return t, logits
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    model, ids = tiny
+    return _forward(model, ids, reference=True)
+
+
+def test_every_module_is_captured_in_execution_order_with_its_kind_and_shapes(tiny, plain):
+    model, ids = tiny
+    t, _ = plain
+    names = [r.name for r in t.tensors]
+    assert set(names) == {n for n, m in model.named_modules() if n and n != "model.layers"}  # the ModuleList never runs
+    assert [r.order for r in t.tensors] == list(range(len(names)))
+    assert names.index("model.layers.0.mlp.down_proj") < names.index("model.layers.0.mlp") < names.index("model.layers.0")
+    assert names.index("model.layers.0") < names.index("model.layers.1.input_layernorm") and names[-1] == "lm_head"
+    kinds = {r.name: r.kind for r in t.tensors}
+    assert kinds["model.embed_tokens"] == "embedding" and kinds["model.rotary_emb"] == "rotary"
+    assert kinds["model.layers.1.input_layernorm"] == "norm" and kinds["model.norm"] == "norm"
+    assert kinds["model.layers.0.self_attn.q_proj"] == "gemm" and kinds["lm_head"] == "logits"
+    assert kinds["model.layers.0.self_attn"] == "attention" and kinds["model.layers.0.mlp.act_fn"] == "activation"
+    assert kinds["model.layers.1"] == "layer" and kinds["model.layers.0.mlp"] == "other"
+    rec = t.by_name()["model.layers.1.mlp.down_proj"]
+    L = len(ids)
+    assert rec.output_shape == (1, L, 128) and rec.output.shape == (L, 128) and rec.output.dtype == np.float32
+    assert rec.input_shapes == [(1, L, 256)] and rec.inputs[0].shape == (L, 256) and rec.dtype == "float32"
+    attn = t.by_name()["model.layers.0.self_attn"]
+    assert attn.input_names[0] == "hidden_states" and "attention_mask" in attn.input_names
+
+
+def test_the_capture_is_the_forward_itself(tiny, plain):
+    t, logits = plain
+    assert np.array_equal(t.by_name()["lm_head"].output, logits[0].numpy())  # bitwise the logits returned
+
+
+def test_float64_reference_is_small_finite_and_present_for_each_module(plain):
+    t, _ = plain
+    for r in t.tensors:
+        if r.name == "model":  # holds the decoder layers: its layers are evaluated instead (noted)
+            assert r.ref_error is None
+            continue
+        assert r.ref_error is not None and np.isfinite(r.ref_error), r.name
+        assert r.ref_error <= 1e-5 * max(1.0, float(np.abs(r.output).max())) * 10, (r.name, r.ref_error)
+    # a float32 GEMM is not exact in float64 terms: the reference sees rounding, not zero
+    assert t.by_name()["model.layers.0.mlp.down_proj"].ref_error > 0
+    assert any("holds the decoder layers" in n for n in t.notes)
+
+
+def test_ops_level_names_each_aten_op_under_its_innermost_module(tiny):
+    model, ids = tiny
+    t, _ = _forward(model, ids, ops=True, reference=True)
+    names = [r.name for r in t.tensors]
+    assert "model.layers.0.mlp.down_proj/aten.linear#0" in names or "model.layers.0.mlp.down_proj/aten.mm#0" in names
+    assert "model.layers.0.input_layernorm/aten.rsqrt#0" in names
+    softmax = [r for r in t.tensors if r.name.startswith("model.layers.1.self_attn/aten.") and r.kind == "softmax"]
+    assert softmax and softmax[0].output.shape == (2, len(ids), len(ids))  # heads x query x key, the row's
+    residual = [r for r in t.tensors if r.kind == "residual"]
+    assert [r.name for r in residual][:2] == ["model.layers.0/aten.add#0", "model.layers.0/aten.add#1"]
+    ops = [r for r in t.tensors if "/aten." in r.name]
+    assert all(r.ref_error is not None and np.isfinite(r.ref_error) for r in ops if r.kind in ("gemm", "softmax", "norm"))
+    # an op finishes before the module around it
+    assert names.index("model.layers.0.mlp.down_proj/aten.linear#0" if "model.layers.0.mlp.down_proj/aten.linear#0" in names
+                       else "model.layers.0.mlp.down_proj/aten.mm#0") < names.index("model.layers.0.mlp.down_proj")
+
+
+def test_past_the_memory_bound_only_layer_boundaries_are_kept(tiny, plain):
+    model, ids = tiny
+    full, _ = plain
+    bound = full.nbytes // 3
+    t, _ = _forward(model, ids, max_bytes=bound)
+    assert t.bounded and {r.kind for r in t.tensors} <= set(taps.LAYER_KINDS)
+    assert {"model.embed_tokens", "model.layers.0"} <= {r.name for r in t.tensors}
+    assert any("bound" in n and str(bound) in n for n in t.notes)
+    layers, _ = _forward(model, ids, layers_only=True)
+    assert [r.name for r in layers.tensors] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+
+
+def test_backward_hooks_capture_module_and_parameter_gradients():
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SiLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with taps.tap(net, forward=True, backward=True) as t:
+        loss = net(x).pow(2).sum()
+        loss.backward()
+    grads = {r.name: r for r in t.tensors if r.phase == "param_grad"}
+    assert set(grads) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert np.array_equal(grads["0.weight"].output, net[0].weight.grad.numpy())
+    back = {r.name: r for r in t.tensors if r.phase == "backward"}
+    assert set(back) == {"0", "1", "2"} and back["2"].output.shape == (3, 2)
+    out = net(x)
+    assert np.allclose(back["2"].output, 2 * out.detach().numpy())  # d(sum y^2)/dy
+    assert [r.name for r in t.tensors if r.phase == "forward"] == ["0", "1", "2"]
+    assert not net[0]._forward_hooks and not net[0]._backward_hooks  # gone after the block
+
+
+@pytest.mark.parametrize("text, says", [
+    ("model.norm:bias:1e-3", "target 'bias' is unknown"),
+    ("model.norm:output:nan", "finite number in (0, 1]"),
+    ("model.norm:output:inf", "finite number in (0, 1]"),
+    ("model.norm:output:0", "finite number in (0, 1]"),
+    ("model.norm:output:-1e-3", "finite number in (0, 1]"),
+    ("model.norm:output:2", "finite number in (0, 1]"),
+    ("model.norm:output:abc", "is not a number"),
+    ("model.norm:weight:1e-3@2", "@STEP applies to an output"),
+    ("model.norm:output:1e-3@x", "not a step number"),
+    ("model.norm", "is not MODULE:output:REL"),
+    (":output:1e-3", "is not MODULE:output:REL"),
+])
+def test_bad_perturbation_specs_are_one_line_usage_errors(text, says):
+    with pytest.raises(UsageError) as err:
+        perturb.parse(text)
+    assert says in err.value.one_line() and "\n" not in err.value.one_line()
+
+
+def test_perturbation_spec_parses_and_round_trips():
+    p = perturb.parse("model.layers.1.mlp.down_proj:output:1e-3@2")
+    assert (p.module, p.target, p.rel, p.step) == ("model.layers.1.mlp.down_proj", "output", 1e-3, 2)
+    assert perturb.parse(str(p)) == p
+    assert perturb.parse("lm_head:weight:0.5").step is None
+
+
+def test_unknown_module_path_names_close_matches(tiny):
+    model, _ = tiny
+    with pytest.raises(UsageError) as err:
+        perturb.resolve(model, perturb.parse("model.layer.1.mlp.down_proj:output:1e-3"))
+    assert "model.layers.1.mlp.down_proj" in err.value.one_line()
+    with pytest.raises(UsageError, match="no floating-point weight"):
+        perturb.resolve(model, perturb.parse("model.layers.1.mlp:weight:1e-3"))
+
+
+CASES = ["model.layers.1.self_attn.q_proj:output:1e-3", "model.layers.0.self_attn.o_proj:output:1e-3", "model.layers.1.mlp.down_proj:output:1e-3",
+         "model.layers.0.post_attention_layernorm:output:1e-3", "model.layers.1.mlp.act_fn:output:1e-2",
+         "model.layers.0.mlp.up_proj:weight:1e-3", "model.layers.1.self_attn.q_proj:weight:1e-2",
+         "model.layers.0.input_layernorm:weight:1e-2"]
+
+
+@pytest.mark.parametrize("text", CASES)
+def test_the_perturbed_module_is_the_first_captured_tensor_that_moves(tiny, plain, text):
+    import torch
+
+    model, ids = tiny
+    base, base_logits = plain
+    spec = perturb.parse(text)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with perturb.applied(model, spec):
+        moved, logits = _forward(model, ids)
+    assert not torch.equal(logits, base_logits)  # the perturbed run differs at the logits
+    first = next(r for r, b in zip(moved.tensors, base.tensors) if not np.array_equal(r.output, b.output))
+    assert [r.name for r in moved.tensors] == [r.name for r in base.tensors]
+    assert first.name == spec.module
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # weight taken back bit for bit

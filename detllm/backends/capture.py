@@ -42,6 +42,10 @@ class CapturedTensor:
     output_shape: tuple[int, ...] = ()  # as the engine produced it (whole batch)
     ref_error: float | None = None  # max |output - the same module in float64 on the same inputs|; None: not evaluated
     cached_from_step: int | None = None  # attention: the step that wrote the K/V it read (None: not cached input)
+    input_names: list[str] = field(default_factory=list)  # one per input: "arg0", keyword names, "past_keys"/"past_values"
+    dtype: str = ""  # the engine's dtype of the output ("bfloat16" where `output` holds it widened to float32, exactly)
+    phase: str = "forward"  # forward | backward (gradient wrt the module's output) | param_grad
+    cached_steps: list[int] = field(default_factory=list)  # attention: per cached position kept, the step that wrote it
     positions: list[int] | None = None  # the sequence positions `output`'s token axis holds (None: every position
     # of the step, in order); llama.cpp's last layer, e.g., keeps only the rows that yield logits
 

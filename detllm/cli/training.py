@@ -7,7 +7,47 @@ from typing import Annotated, Optional
 
 import typer
 
-from .shell import Backend, Model, app, guarded
+from .shell import Backend, Model, SignKey, app, guarded
+
+
+@app.command("train-check", help="Run K training steps (the built-in task: --model with attention dropout 0.1 on a small shipped "
+                                   "text, AdamW) as run 0, --repeats in this process and --fresh-process in new processes, and compare "
+                                   "them bit for bit at every step: gradients (after backward, before optimizer.step()), parameters, "
+                                   "loss, RNG state, batch. Writes a sealed training pack (docs/training.md) and its checkpoints beside "
+                                   "it. Exit 0 PASS, 1 FAIL (the first divergent step and parameter named).")
+def train_check(
+    model: Model = "tiny",
+    steps: Annotated[int, typer.Option("--steps", help="Training steps K.")] = 8,
+    seed: Annotated[int, typer.Option(help="The seed of every RNG (Python, NumPy, torch, data order).")] = 0,
+    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads in every run (default: torch's).")] = None,
+    repeats: Annotated[int, typer.Option(help="Repeats in this process, after run 0.")] = 1,
+    fresh_process: Annotated[int, typer.Option("--fresh-process", help="Repeats each in a new process.")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 4,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 32,
+    grad_accumulation: Annotated[int, typer.Option(help="Micro-batches per step (divides --batch-size).")] = 1,
+    dtype: Annotated[str, typer.Option(help="Training dtype: float32, bfloat16, float16, float64.")] = "float32",
+    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps (and at the last).")] = 1,
+    checkpoints: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (default: OUT.checkpoints beside the pack).")] = None,
+    test_option: Annotated[Optional[list[str]], typer.Option("--test-option", help="TEST ONLY, recorded in the pack: change run 1 on purpose, "
+                                                             "repeat_seed=SEED or grad_add=STEP:PARAMETER:VALUE.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Training pack folder (default: a new folder under artifacts/).")] = None,
+    force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
+    sign_key: SignKey = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print train_report.json instead of the verdict.")] = False,
+) -> None:
+    def body() -> int:
+        from ..schema_io import dumps
+        from ..training.check import parse_test_options
+        from ..training.check import train_check as run_train_check
+
+        outcome = run_train_check(model=model, steps=steps, seed=seed, out=out, threads=threads, repeats=repeats,
+                                  fresh_process=fresh_process, batch_size=batch_size, seq_len=seq_len,
+                                  grad_accumulation=grad_accumulation, dtype=dtype, checkpoint_every=checkpoint_every,
+                                  checkpoints=checkpoints, test_options=parse_test_options(test_option), force=force, sign_key=sign_key)
+        typer.echo(dumps({"out_dir": str(outcome.out_dir), **outcome.report}) if as_json else outcome.text().rstrip("\n"))
+        return outcome.exit_code
+
+    guarded(body)
 
 
 @app.command(help="Trainer <-> engine logprob parity: roll prompts out on --backend, then score the same tokens teacher-forced "

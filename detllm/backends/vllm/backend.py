@@ -18,10 +18,13 @@ from ...config import Decoding, RunConfig
 from ...errors import BackendError, BackendUnavailableError, UsageError
 from ...hashing import content_key, folder_identity
 from ...modelfiles import check_model_files
+from ...perturb import parse as parse_perturbation
 from ...models import local_folder, resolve_model
-from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
+from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request, parse_options,
+                    request_seed)
 from .engine import current_llm, first_line, release_engine, start_engine
 from .installed import INSTALL_CPU, INSTALL_CUDA, batch_invariance_support, build_platform, installed_vllm
+from .perturbing import perturbed
 from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, validate
 
 
@@ -39,6 +42,7 @@ class VLLMBackend(Backend):
         self.platform = build_platform(*found)
         self.device = self._resolve_device(device)
         validate(opts, self.platform)
+        self.perturbation = parse_perturbation(opts.perturb) if opts.perturb else None  # TEST-ONLY, before any engine
         self.model = model
         self.revision = revision
         self.dtype = dtype
@@ -113,7 +117,7 @@ class VLLMBackend(Backend):
                 kwargs["kv_cache_memory_bytes"] = opts.kv_cache_gib << 30
             # the files' content is in the key: a folder edited in place restarts the engine
             content = content_key(self.resolved.path) if self.resolved.path else None
-            key = (source, content, self.revision, self.dtype, self.platform, astuple(opts), self.max_logprobs)
+            key = (source, content, self.revision, self.dtype, self.platform, astuple(dataclasses.replace(opts, perturb="")), self.max_logprobs)
             self._llm = start_engine(key, self._engine_env(), kwargs)
         return self._llm
 
@@ -133,7 +137,8 @@ class VLLMBackend(Backend):
             notes = ("vLLM's batch-invariant mode is off: pass --opt batch_invariant=true for tier 3",)
         else:
             notes = (why,)
-        return Capabilities(max_tier=3 if on else 2, logprobs=True, sampling=True, batch_invariant=on, notes=notes)
+        return Capabilities(max_tier=3 if on else 2, logprobs=True, sampling=True, batch_invariant=on, notes=notes,
+                            capture="modules" if self.options.tensor_parallel_size == 1 and self.enforce_eager else "none")
 
     def tokenize(self, text: str) -> list[int]:
         # vLLM encodes a text prompt with tokenizer.encode(text, add_special_tokens=True): the same call here.
@@ -168,10 +173,11 @@ class VLLMBackend(Backend):
             for req in requests
         ]
         prompts = [{"prompt_token_ids": list(req.input_ids)} for req in requests]
-        try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)  # the whole batch in one call
-        except Exception as exc:
-            raise BackendError(f"vLLM failed while generating: {first_line(exc)}") from exc
+        with perturbed(llm, self.perturbation):  # TEST-ONLY hooks, taken back after the call
+            try:
+                outputs = llm.generate(prompts, params, use_tqdm=False)  # the whole batch in one call
+            except Exception as exc:
+                raise BackendError(f"vLLM failed while generating: {first_line(exc)}") from exc
         tokenizer = llm.get_tokenizer()
         return [self._generation(req, out, tokenizer, n_logprobs, logprobs) for req, out in zip(requests, outputs, strict=True)]
 
@@ -184,9 +190,24 @@ class VLLMBackend(Backend):
         seq = list(input_ids) + list(target_ids)
         self._check_fits(len(seq), 1, "the sequence to score")
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        out = self.engine().generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
+        with perturbed(self.engine(), self.perturbation):
+            out = self.engine().generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
         steps = out.prompt_logprobs  # position p: {token: Logprob} of seq[p]; None at p = 0
         return [float(steps[len(input_ids) + i][t].logprob) for i, t in enumerate(target_ids)]
+
+    def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
+                spec: CaptureSpec) -> Capture:
+        from .capture import capture_batch, engine_facts
+
+        if self.capabilities().capture == "none":
+            raise BackendUnavailableError("vLLM capture needs tensor_parallel_size=1 and an eager engine (hooks run in this process)",
+                                          hint="--opt tensor_parallel_size=1 --opt enforce_eager=true")
+        llm = self.engine()
+        if self.options.prefix_caching:
+            llm.reset_prefix_cache()  # a re-run starts cold, as the recorded run's first batch did
+        upto = dataclasses.replace(decoding, max_new_tokens=spec.step + 1)  # steps 0..spec.step, scheduled as recorded
+        return capture_batch(llm, requests, spec, lambda: self.generate(requests, upto, seed=seed, n_logprobs=n_logprobs, logprobs=True),
+                             engine_facts(llm, self.attention_backend_name(), self.perturbation))
 
     @staticmethod
     def _generation(req: Request, out: Any, tokenizer: Any, n_logprobs: int, want_logprobs: bool) -> Generation:
@@ -227,11 +248,17 @@ class VLLMBackend(Backend):
         if threads is not None:
             torch.set_num_threads(threads)  # the in-process worker runs the model on this thread pool
         try:
-            yield applied(vc, self.options, dtype_asked=self.dtype, enforce_eager=self.enforce_eager, platform=self.platform,
+            yield self._perturb_applied() + applied(vc, self.options, dtype_asked=self.dtype, enforce_eager=self.enforce_eager, platform=self.platform,
                           batch_invariance=self._batch_invariance(), attention=self.attention_backend_name(), seed=seed,
                           threads=threads, threads_now=torch.get_num_threads())
         finally:
             torch.set_num_threads(saved_threads)
+
+    def _perturb_applied(self) -> list[Applied]:
+        if self.perturbation is None:
+            return []
+        return [Applied("perturb", self.options.perturb, True, str(self.perturbation),
+                        "TEST-ONLY: hooks on the running engine (apply_model), taken back after each call")]
 
     def attention_backend_name(self) -> str | None:
         """The attention backend the model's layers actually use (e.g. CPU_ATTN, FLASH_ATTN)."""

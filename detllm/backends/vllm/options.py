@@ -27,6 +27,7 @@ class VLLMOptions:
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1: batch-invariant kernels, needed for tier 3
     kv_cache_gib: int | None = ranged(None, ints(1, 65536))  # KV cache size; None: 1 GiB on CPU (VLLM_CPU_KVCACHE_SPACE), vLLM's choice on GPU
     prefix_caching: bool = False  # reuse KV of shared prefixes: warm and cold cache may compute differently
+    perturb: str = ""  # TEST-ONLY (detllm.perturb): MODULE:output|weight:REL[@STEP], applied through hooks on the running engine
 
 
 def validate(opts: VLLMOptions, platform: str) -> None:

@@ -1,0 +1,316 @@
+"""The vllm backend's capture (`detllm locate`): forward hooks installed on the in-process model
+through `LLM.apply_model`, fired while the recorded batch is re-run, keeping the prompt's rows of
+the one forward pass that yields token `spec.step`, under Hugging Face names (names.py).
+
+vLLM flattens every sequence of a step into `[num_tokens, ...]`; the prompt's rows are
+`query_start_loc[i]:query_start_loc[i+1]` of the forward context's attention metadata, where i is
+the request's index in the model runner's input batch. Owns the hooks and the engine facts of the
+re-run; running the batch is backend.py's, comparing captures is locate's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ...errors import BackendError, UsageError
+from ...taps import LAYER_KINDS
+from ..capture import Capture, CapturedTensor, CaptureSpec
+from .names import ATTENTION_OP, Piece, Rule, rules
+from .rows import runner_of, spans
+from .weights import HFWeights, module_weight
+
+
+@dataclass
+class _Row:
+    """Where the prompt's rows are in the forward pass being run (set by the root pre-hook)."""
+
+    active: bool = False  # this forward yields the captured step's token for the prompt
+    start: int = 0
+    end: int = 0
+    index: int = 0  # the request's index in the runner's input batch (the logits row)
+    total: int = 0  # tokens in the whole forward (the flattened dim 0)
+    positions: list[int] | None = None  # set when the rows are not every position of the step (a prefill's last chunk)
+
+
+@dataclass
+class _State:
+    target_id: str  # the vLLM request id prefix of the prompt under test ("<counter>")
+    target_pos: int  # the position of the last query token of the captured forward
+    spec: CaptureSpec
+    row: _Row = field(default_factory=_Row)
+    done: bool = False
+    tensors: list[CapturedTensor] = field(default_factory=list)
+    snapshots: dict[int, list[Any]] = field(default_factory=dict)  # id(module) -> its inputs' rows, cloned before it ran
+    steps: list[dict[str, Any]] = field(default_factory=list)  # the engine's schedule, one entry per forward
+    notes: set[str] = field(default_factory=set)
+    weights: HFWeights | None = None  # the model's files: linear weights vLLM's CPU build packed away
+    fused: dict[int, Any] = field(default_factory=dict)  # id(module) -> its weight, read once
+
+
+def _root_pre_hook(state: _State, runner: Any) -> Callable:
+    def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        state.row = _Row()
+        found = None if state.done else spans(runner, args, kwargs)
+        if found is None:
+            return
+        rows, total = found
+        entry: dict[str, Any] = {"tokens": total, "requests": len(rows)}
+        state.steps.append(entry)
+        mine = [r for r in rows if r.req_id.split("-", 1)[0] == state.target_id]
+        if not mine:
+            return
+        span = mine[0]
+        entry["row_positions"] = [span.first, span.last]
+        if span.last == state.target_pos:
+            chunked = span.first > 0 and state.spec.step == 0
+            state.row = _Row(True, span.start, span.end, span.index, total,
+                             list(range(span.first, span.last + 1)) if chunked else None)
+            if chunked:
+                state.notes.add(f"the prompt's prefill ran in chunks; the last chunk (positions {span.first}-{span.last}) was captured")
+    return hook
+
+
+def _rows(state: _State, t: Any) -> Any:
+    """The prompt's rows of a flattened tensor, copied (vLLM's fused norms work in place)."""
+    r = state.row
+    if t.dim() >= 1 and t.shape[0] == r.total:
+        t = t[r.start:r.end]
+    return t.detach().clone()
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _pre_hook(state: _State, rule: Rule) -> Callable:
+    part = rule.pieces[0].part
+
+    def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        if not state.row.active:
+            return
+        if part == "logits":
+            h = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            snap = [h[state.row.index:state.row.index + 1].detach().clone()]
+        elif part == "layer":
+            hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            residual = args[2] if len(args) > 2 else kwargs.get("residual")
+            snap = [_rows(state, hidden if residual is None else hidden + residual)]
+        else:
+            tensors = [a for a in (*args, *kwargs.values()) if _is_tensor(a)]
+            if part != "plain" or "Embedding" not in type(module).__name__:
+                tensors = [t for t in tensors if t.is_floating_point()]
+            snap = [_rows(state, t) for t in tensors]
+        state.snapshots[id(module)] = snap
+    return hook
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def _post_hook(state: _State, rule: Rule) -> Callable:
+    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if not state.row.active:
+            return
+        inputs = state.snapshots.pop(id(module), [])
+        shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if _is_tensor(a)]
+        whole = _first(output)
+        for piece in rule.pieces:
+            out, ins = _piece_output(state, piece, output, inputs)
+            ref = _ref_error(state, module, rule, piece, ins, out) if state.spec.reference else None
+            state.tensors.append(CapturedTensor(
+                name=piece.name, kind=piece.kind, order=len(state.tensors), output=_numpy(state, out),
+                inputs=[_numpy(state, i) for i in ins], input_shapes=shapes,
+                output_shape=tuple(whole.shape[:-1]) + ((piece.hi - piece.lo,) if piece.hi else tuple(whole.shape[-1:])),
+                ref_error=ref, dtype=str(out.dtype).replace("torch.", ""), input_names=_input_names(piece, len(ins)),
+                positions=[state.target_pos] if piece.part == "logits" else state.row.positions))
+        if rule.pieces[0].part == "logits":
+            state.done = True
+            state.row = _Row()
+    return hook
+
+
+def _input_names(piece: Piece, n: int) -> list[str]:
+    """As transformers' modules are called: one positional input, HF's attention block by keyword."""
+    if piece.name.endswith("/" + ATTENTION_OP):
+        return ["query", "key", "value"][:n]
+    if piece.kind == "attention":
+        return ["hidden_states"][:n]
+    return [f"arg{i}" for i in range(n)]
+
+
+def _piece_output(state: _State, piece: Piece, output: Any, inputs: list[Any]) -> tuple[Any, list[Any]]:
+    """The HF-named tensor `piece` of a module's output, and the HF module's inputs."""
+    if piece.part == "logits":
+        return output[state.row.index:state.row.index + 1].detach().clone(), inputs
+    if piece.part == "layer":  # (hidden, residual): the residual add is deferred to the next norm
+        hidden, residual = output
+        return _rows(state, hidden + residual), inputs
+    if piece.part == "norm" and isinstance(output, (tuple, list)):  # fused add-RMSNorm: (normed, x + residual)
+        summed = _rows(state, output[1])
+        return _rows(state, output[0]), [summed]
+    out = _rows(state, _first(output))
+    if piece.part == "linear":
+        if isinstance(output, (tuple, list)) and output[1] is not None:  # skip_bias_add: HF's output has the bias
+            out = out + output[1]
+        if piece.hi:
+            out = out[..., piece.lo:piece.hi].clone()
+        return out, inputs[:1]
+    return out, inputs
+
+
+def _numpy(state: _State, t: Any) -> Any:
+    import torch
+
+    t = t.detach().cpu()
+    if not t.is_floating_point():
+        t = t.long()  # token ids as transformers holds them (int64), so the two sides' inputs compare bitwise
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: float32 holds every bf16 value exactly
+        state.notes.add("bfloat16 tensors are kept as float32 (exact)")
+        t = t.float()
+    return t.numpy()
+
+
+def _weight_of(state: _State, module: Any, rule: Rule) -> Any | None:
+    if id(module) not in state.fused:
+        state.fused[id(module)] = module_weight(module, [p.name for p in rule.pieces], state.weights) if state.weights else None
+    return state.fused[id(module)]
+
+
+def _ref_error(state: _State, module: Any, rule: Rule, piece: Piece, inputs: list[Any], out: Any) -> float | None:
+    """max |out - the same computation in float64 on the captured inputs|, where it is one op."""
+    import torch
+
+    if not inputs:
+        return None
+    x, cls = inputs[0], type(module).__name__
+    try:
+        if piece.kind == "embedding" and not x.is_floating_point():
+            ref = module.weight.detach().double()[x.long()]
+        elif piece.part == "linear" and (w := _weight_of(state, module, rule)) is not None:
+            w, bias = w.detach().double(), getattr(module, "bias", None)
+            if piece.hi:
+                w, bias = w[piece.lo:piece.hi], (bias[piece.lo:piece.hi] if bias is not None else None)
+            ref = x.double() @ w.T + (bias.detach().double() if bias is not None else 0)
+        elif piece.part == "norm" and cls == "RMSNorm" and getattr(module, "has_weight", True):
+            x = x.double()
+            ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon) * module.weight.detach().double()
+        elif cls == "SiluAndMul":
+            g, u = x.double().chunk(2, dim=-1)
+            ref = torch.nn.functional.silu(g) * u
+        else:
+            return None
+    except (RuntimeError, IndexError):
+        return None
+    if tuple(ref.shape) != tuple(out.shape):
+        return None
+    return float((out.double() - ref).abs().max()) if out.numel() else 0.0
+
+
+@dataclass
+class Hooks:
+    """Hooks installed on the engine's model; `remove()` restores the clean engine."""
+
+    handles: list[Any] = field(default_factory=list)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def install(llm: Any, state: _State) -> Hooks:
+    runner = runner_of(llm)
+
+    def fn(model: Any) -> Hooks:
+        hooks = Hooks()
+        try:
+            hooks.handles.append(model.register_forward_pre_hook(_root_pre_hook(state, runner), with_kwargs=True))
+            for rule in rules(model):
+                if state.spec.level == "layers" and rule.pieces[0].kind not in LAYER_KINDS:
+                    continue
+                module = model.get_submodule(rule.module)
+                hooks.handles.append(module.register_forward_pre_hook(_pre_hook(state, rule), with_kwargs=True))
+                hooks.handles.append(module.register_forward_hook(_post_hook(state, rule), with_kwargs=True))
+        except Exception:
+            hooks.remove()
+            raise
+        return hooks
+
+    return llm.apply_model(fn)[0]
+
+
+def capture_batch(llm: Any, requests: Sequence[Any], spec: CaptureSpec, run: Callable[[], list[Any]],
+                  engine_facts: dict[str, Any]) -> Capture:
+    """Re-run `requests` through `run` (the backend's one-batch generate, max_tokens = step + 1)
+    with capture hooks on, keeping row `spec.row`'s tensors at step `spec.step`."""
+    if not 0 <= spec.row < len(requests):
+        raise UsageError(f"capture row {spec.row} is outside the batch of {len(requests)}")
+    if requests[spec.row].is_filler:
+        raise UsageError(f"capture row {spec.row} is a batch filler, not a prompt under test")
+    if spec.step < 0:
+        raise UsageError(f"capture step must be >= 0, got {spec.step}")
+    if not engine_facts.get("enforce_eager", True):
+        raise UsageError("vLLM capture needs an eager engine (compiled graphs and CUDA graphs skip module hooks)",
+                         hint="--opt enforce_eager=true")
+    prompt_len = len(requests[spec.row].input_ids)
+    state = _State(target_id=str(llm.request_counter.counter + spec.row), target_pos=prompt_len + spec.step - 1, spec=spec,
+                   weights=HFWeights(llm.llm_engine.vllm_config.model_config.model) if spec.reference else None)
+    hooks = install(llm, state)
+    try:
+        generations = run()
+    finally:
+        hooks.remove()
+    if not state.done:
+        made = len(generations[spec.row].token_ids)
+        raise BackendError(f"vLLM never ran step {spec.step} for prompt row {spec.row} (it generated {made} tokens)")
+    tensors, level, notes = _bounded(state, spec)
+    engine = dict(engine_facts, schedule=state.steps, captured_forward_tokens=state.steps[-1]["tokens"] if state.steps else None)
+    return Capture(generations=generations, tensors=tensors, level=level, notes=sorted(state.notes) + notes, engine=engine)
+
+
+def engine_facts(llm: Any, attention: str | None, perturbation: Any) -> dict[str, Any]:
+    """How the engine runs a batch: what decides the rows and the kernels of the captured step."""
+    vc = llm.llm_engine.vllm_config
+    sched = vc.scheduler_config
+    return {
+        "dtype": str(vc.model_config.dtype).replace("torch.", ""),
+        "enforce_eager": bool(vc.model_config.enforce_eager),
+        "chunked_prefill": bool(sched.enable_chunked_prefill),
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens),  # tokens one step may hold (longer prefills chunk)
+        "max_num_seqs": int(sched.max_num_seqs),
+        "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+        "async_scheduling": bool(sched.async_scheduling),
+        "tensor_parallel_size": int(vc.parallel_config.tensor_parallel_size),
+        "attention_backend": attention,
+        "layout": "flattened [num_tokens, ...] across sequences; rows from query_start_loc",
+        "perturb": str(perturbation) if perturbation is not None else None,
+    }
+
+
+def _bounded(state: _State, spec: CaptureSpec) -> tuple[list[CapturedTensor], str, list[str]]:
+    notes = [
+        "q_proj/k_proj/v_proj are column slices of vLLM's fused qkv_proj; gate_proj/up_proj of its gate_up_proj",
+        "model.layers.N is vLLM's hidden + residual (the residual add vLLM defers into the next layer's fused add-RMSNorm)",
+        "not captured: HF's mlp.act_fn (silu(gate) alone): vLLM fuses it with the multiply by up ('mlp/silu_and_mul')",
+        "not captured: rotary embedding as a module (vLLM applies it per layer; its rotated q/k are the inputs of 'self_attn/attention')",
+        "not captured: the cached K/V the attention op reads at decode steps (only the step's own q, k, v are its inputs)",
+        "lm_head is the logits of the captured step's last token only (vLLM computes no logits for other positions)",
+    ]
+    tensors, level = state.tensors, spec.level
+    if spec.level == "layers":
+        notes.append("layer boundaries and logits only, as asked")
+    size = sum(t.output.nbytes + sum(i.nbytes for i in t.inputs) for t in tensors)
+    if size > spec.max_bytes:
+        tensors = [t for t in tensors if t.kind in LAYER_KINDS]
+        level = "layers"
+        notes.append(f"captured tensors took {size} bytes, over the {spec.max_bytes}-byte bound: layer boundaries only")
+    for i, t in enumerate(tensors):
+        t.order = i
+    return tensors, level, notes
+
+
+__all__ = ["Hooks", "capture_batch", "engine_facts", "install"]

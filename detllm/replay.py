@@ -37,12 +37,27 @@ def replay(
     base_url: str | None = None,
     api_key_env: str | None = None,
     allow_pack_options: tuple[str, ...] = (),
-) -> Outcome:
+    sample: str | None = None,
+    sample_seed: int | None = None,
+    checkpoints: str | Path | None = None,
+    script: str | None = None,
+) -> Any:
     """Re-run `pack` (a sealed run folder or .tar.gz) on this machine into `out`; the outcome's
     report is the diff of the replay against the pack (PASS: the pack reproduced). With `pubkey`,
     only a pack whose manifest.sig verifies with that key is replayed. `allow_pack_options`
     names the code-loading options (RISKY_OPTIONS) the pack may set for this replay."""
     with open_run_path(Path(pack)) as folder:
+        from .training.pack import is_training_pack
+
+        if is_training_pack(folder):  # re-run its steps, each landing on its committed h_t (training/replay.py)
+            return _replay_training(folder, str(pack), out=out, force=force, sample=sample, sample_seed=sample_seed,
+                                    checkpoints=checkpoints, model=model, allow_model_change=allow_model_change, script=script,
+                                    allow_pack_options=allow_pack_options, pubkey=pubkey, sign_key=sign_key,
+                                    served=(base_url, api_key_env))
+        given = [flag for flag, v in (("--sample", sample), ("--sample-seed", sample_seed), ("--checkpoints", checkpoints),
+                                      ("--script", script)) if v is not None]
+        if given:
+            raise UsageError(f"{given[0]} applies to a training pack (detllm train-check); {str(pack)!r} is a run pack")
         verify_folder(folder, pubkey=pubkey)  # a changed (or, with pubkey, unsigned) pack is refused before anything runs
         recorded = artifacts.load_run(folder, validate_records=False)  # verify already checked every record
         config = pack_options(RunConfig.from_json(recorded.run_config["config"]), allow=allow_pack_options)
@@ -70,6 +85,16 @@ def replay(
             )
         finally:
             backend.close()
+
+
+def _replay_training(folder: Path, label: str, *, sign_key: str | Path | None, served: tuple[str | None, str | None], **kw: Any) -> Any:
+    from .training.replay import replay_folder
+
+    if sign_key is not None:
+        raise UsageError("--sign-key: a training replay writes train_replay.json, which is not sealed; replay without it")
+    if any(v is not None for v in served):
+        raise UsageError("--base-url and --api-key-env apply to packs of a served endpoint, not to a training pack")
+    return replay_folder(folder, label=label, **kw)
 
 
 # Options through which a pack could make replay run code of its choosing. Replay takes none of

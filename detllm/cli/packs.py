@@ -46,19 +46,28 @@ def replay(
     pubkey: Annotated[Optional[Path], typer.Option("--pubkey", help="Replay only a pack whose manifest.sig verifies with this Ed25519 public key.")] = None,
     base_url: Annotated[Optional[str], typer.Option("--base-url", help="openai packs: the server to replay against (never taken from the pack).")] = None,
     api_key_env: Annotated[Optional[str], typer.Option("--api-key-env", metavar="NAME", help="openai packs: the variable holding the key (never taken from the pack).")] = None,
-    allow_pack_option: Annotated[Optional[list[str]], typer.Option("--allow-pack-option", metavar="NAME", help="Take this code-loading option from the pack (trust_remote_code, attn_implementation, bin); refused or dropped otherwise.")] = None,
+    allow_pack_option: Annotated[Optional[list[str]], typer.Option("--allow-pack-option", metavar="NAME", help="Take this code-loading option from the pack (trust_remote_code, attn_implementation, bin; script: a training pack's copy of its --script); refused or dropped otherwise.")] = None,
+    sample: Annotated[Optional[str], typer.Option("--sample", metavar="k/N", help="Training packs: re-run k of N segments from their checkpoints (default: the whole run from genesis).")] = None,
+    sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Training packs: choose the --sample segments from this seed (default: the system's random source).")] = None,
+    checkpoints: Annotated[Optional[Path], typer.Option("--checkpoints", help="Training packs: the checkpoints folder (default: packed inside, else beside the pack).")] = None,
+    script: Annotated[Optional[str], typer.Option("--script", metavar="PATH[:FUNCTION]", help="Training packs made with --script: the script to run (its sha256 must be the recorded one).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     def body() -> int:
         from ..replay import replay as replay_pack
         from ..seedlayout import refuse_seed_layout
+        from ..training.pack import TrainingOutcome
+        from .training import emit_training
 
         refuse_seed_layout(pack)
         with ProgressBar(progress and not as_json) as bar:
             outcome = replay_pack(pack, out=out, force=force, allow_model_change=allow_model_change, model=model,
                                   sign_key=sign_key, pubkey=pubkey, progress=bar, base_url=base_url, api_key_env=api_key_env,
-                                  allow_pack_options=tuple(allow_pack_option or ()))
+                                  allow_pack_options=tuple(allow_pack_option or ()), sample=sample, sample_seed=sample_seed,
+                                  checkpoints=checkpoints, script=script)
+        if isinstance(outcome, TrainingOutcome):  # a training pack (docs/training.md)
+            return emit_training(outcome, as_json)
         return emit(outcome, as_json=as_json)
 
     guarded(body)

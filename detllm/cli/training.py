@@ -82,3 +82,13 @@ def parity(
         return outcome.exit_code
 
     guarded(body)
+
+
+def emit_training(outcome, as_json: bool) -> int:
+    """Print a training command's outcome (replay or diff of training packs): its document with
+    --json, else its text and folder; return its exit code."""
+    from ..schema_io import dumps
+
+    folder = f"folder: {outcome.out_dir}" if outcome.out_dir is not None else ""
+    typer.echo(dumps(outcome.doc) if as_json else outcome.text + folder)
+    return outcome.exit_code

@@ -9,18 +9,43 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import schema_io
-from ..errors import IntegrityError
+from ..errors import EXIT_FAIL, EXIT_PASS, IntegrityError
 from ..integrity import Seal, Verification, check_bytes
+from .verdict import first_divergence
 from .chain import STEPS, TRAIN_CONFIG, ChainCheck, check_chain, read_records, safetensors_digest
 
 CHECKPOINTS_INDEX = "checkpoints.json"
 TRAIN_REPORT = "train_report.json"
 PACKED_CHECKPOINTS = "checkpoints"  # `pack --with-checkpoints` puts them here, inside the pack, checked by digest
-NOT_COMPARED = ("seconds", "run")  # the only fields two bitwise-equal step records may differ in
+
+
+@dataclass
+class TrainingOutcome:
+    """What a command on training packs (replay, diff) returns: its document, folder and text."""
+
+    doc: dict[str, Any]
+    out_dir: Path | None
+    text: str
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_PASS if self.doc["verdict"] == "PASS" else EXIT_FAIL
+
+
+@dataclass
+class TrainingVerification(Verification):
+    """verify's result for a training pack: `records` counts step records (genesis included)."""
+
+    def lines(self) -> list[str]:
+        key = f" by key sha256 {self.key_sha256[:16]}…" if self.key_sha256 else ""
+        head = f" (run 0 head {self.head[:16]}…)" if self.head else ""
+        return [f"verified training pack {self.path}: {self.files} files unchanged, {self.records} step records chained{head}; "
+                f"signature {self.signature}{key}"] + ([self.verdict] if self.verdict else []) + [f"note: {n}" for n in self.notes]
 
 
 def is_training_pack(folder: Path) -> bool:
@@ -53,36 +78,6 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [rec for _, rec in read_records(path)]
 
 
-def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
-    """The first field (docs/training.md's order) in which two step records differ; None: bitwise equal."""
-    if a["artifact_type"] == "train_genesis" or b["artifact_type"] == "train_genesis":
-        for key, where in (("config_sha256", "config"), ("seed", "seed"), ("params_sha256", "params_init"), ("h", "genesis")):
-            if a.get(key) != b.get(key):
-                return where
-        return None if _strip(a) == _strip(b) else "value"
-    for key, where in (("rng_sha256", "rng"), ("batch_sha256", "batch"), ("samples", "batch"), ("grads_sha256", "grad"),
-                       ("loss", "loss"), ("params_sha256", "value")):
-        if a.get(key) != b.get(key):
-            return where
-    return None if _strip(a) == _strip(b) else "value"
-
-
-def _strip(rec: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in rec.items() if k not in NOT_COMPARED}
-
-
-def first_divergent_step(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int | None, str] | None:
-    """(step, where) of the first record that differs (step None: the genesis), ("length") when one
-    run holds fewer steps; None when every record is bitwise equal."""
-    for ra, rb in zip(a, b):
-        where = first_difference(ra, rb)
-        if where is not None:
-            return (ra.get("step"), where)
-    if len(a) != len(b):
-        return (min(len(a), len(b)) - 1, "length")
-    return None
-
-
 def rederive_report(folder: Path) -> str:
     """train_report.json's verdict and first divergent step re-derived from the steps files it
     names; IntegrityError when they do not follow."""
@@ -93,10 +88,11 @@ def rederive_report(folder: Path) -> str:
         run = next((r for r in report["runs"] if r["run"] == comp["run"]), None)
         if run is None or not (folder / run["file"]).is_file():
             raise IntegrityError(f"{TRAIN_REPORT}: run {comp['run']} names no steps file in the pack")
-        found = first_divergent_step(ref, records(folder / run["file"]))
+        found = first_divergence(ref, records(folder / run["file"]), run=comp["run"], test_options=report["test_options"])
         said = comp["first_divergence"]
-        if (found is None) != comp["equal"] or (found is not None and said is not None and said["step"] != found[0]):
-            at = "no difference" if found is None else f"a first difference at step {found[0]} ({found[1]})"
+        if (found is None) != comp["equal"] or (found is not None and said is not None and
+                                                (said["step"], said["where"], said["parameter"]) != (found["step"], found["where"], found["parameter"])):
+            at = "no difference" if found is None else f"a first difference at step {found['step']} ({found['where']})"
             raise IntegrityError(f"{TRAIN_REPORT}: run {comp['run']} is recorded as "
                                  f"{'equal' if comp['equal'] else 'different'}, but its steps file shows {at}",
                                  hint="the report does not follow from the sealed steps files")
@@ -161,13 +157,8 @@ def verify_training(seal: Seal, *, checkpoints: str | Path | None = None, weight
     where = checkpoints_dir(folder, checkpoints)
     if (folder / CHECKPOINTS_INDEX).is_file():
         notes += check_checkpoints(folder, where, chain) if where is not None else ["checkpoints: not found beside the pack; not checked"]
-    head = chain.runs[0]
-    result.records = sum(r.steps + 1 for r in chain.runs)
-    result.head = head.head
-    result.verdict = verdict
-    result.notes = notes + result.notes
-    return result
+    return TrainingVerification(result.path, result.files, sum(r.steps + 1 for r in chain.runs), chain.runs[0].head,
+                                result.signature, result.key_sha256, notes + result.notes, verdict)
 
 
-__all__ = ["CHECKPOINTS_INDEX", "PACKED_CHECKPOINTS", "TRAIN_REPORT", "check_checkpoints", "checkpoints_dir", "first_difference",
-           "first_divergent_step", "is_training_pack", "records", "rederive_report", "verify_training"]
+__all__ = ["CHECKPOINTS_INDEX", "PACKED_CHECKPOINTS", "TRAIN_REPORT", "TrainingOutcome", "check_checkpoints", "checkpoints_dir", "is_training_pack", "records", "rederive_report", "verify_training"]

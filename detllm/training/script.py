@@ -169,7 +169,6 @@ class ScriptRun:
         self.parts = parts
         self.model, self.optimizer, self.scheduler, self.scaler = parts.model, parts.optimizer, parts.scheduler, parts.scaler
         self.grad_accumulation = grad_accumulation
-        self.extra: dict[str, Any] = {}
         self._it = iter(parts.batches)
         self._drawn = 0
         self._inputs: dict[int, Any] = {}  # id(token-id tensor) -> the user's micro-batch it came from
@@ -197,15 +196,30 @@ class ScriptRun:
         for _ in range(boundary - self._drawn):
             self._draw()
 
-    def extra_state(self) -> dict[str, Any]:
-        """checkpoint.json's `extra`: the scheduler's and scaler's state_dict() (JSON values only)."""
-        return {name: _jsonable(obj.state_dict(), name) for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
-                if obj is not None}
+    @property
+    def extra(self) -> dict[str, Any]:
+        """What checkpoint.json's `extra` holds beyond the scheduler (checkpoint.py saves that): the
+        scaler's state_dict(), JSON values only."""
+        return {"scaler": _jsonable(self.scaler.state_dict(), "scaler")} if self.scaler is not None else {}
 
     def load_extra(self, extra: dict[str, Any]) -> None:
-        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
-            if obj is not None and name in extra:
-                obj.load_state_dict(extra[name])
+        if self.scaler is not None and "scaler" in extra:
+            self.scaler.load_state_dict(extra["scaler"])
+
+
+def script_task_maker(load: Callable[[], ScriptTask], *, fast_forward: int = 0) -> Callable[[dict[str, Any], Path], ScriptRun]:
+    """loop.run_steps's make_task for a script: every source seeded from the config's seed before
+    make() runs (its weights and data order are then the same in every process), the script's
+    batches fast-forwarded to a resumed segment's start."""
+    def make_task(config: dict[str, Any], _model_path: Path) -> ScriptRun:
+        from .rng import seed_all
+
+        seed_all(config["seed"])
+        run = ScriptRun(load(), config["grad_accumulation"])
+        run.fast_forward(fast_forward)
+        return run
+
+    return make_task
 
 
 def _jsonable(state: Any, name: str) -> Any:

@@ -156,10 +156,11 @@ def _jcs(obj: Any, out: list[str]) -> None:
             _jcs(v, out)
         out.append("]")
     elif isinstance(obj, dict):
+        bad = next((k for k in obj if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ValueError(f"JSON object key {bad!r} is not a string")
         out.append("{")
-        for i, k in enumerate(sorted(obj, key=lambda s: s.encode("utf-16-be"))):  # UTF-16 code units
-            if not isinstance(k, str):
-                raise ValueError(f"JSON object key {k!r} is not a string")
+        for i, k in enumerate(sorted(obj, key=lambda s: s.encode("utf-16-be", "surrogatepass"))):  # UTF-16 code units
             if i:
                 out.append(",")
             out.append(json.dumps(k, ensure_ascii=False) + ":")

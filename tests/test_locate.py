@@ -167,3 +167,37 @@ def test_model_changed_since_the_run_exit_7(tmp_path, cli):
     r = cli("locate", f"{folder}::batch_1", f"{folder}::batch_4", "--out", tmp_path / "o")
     assert r.exit_code == 7, r.output
     assert "refusing" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_diff_locate_report_issue_html_and_pack_hold_it(tmp_path, cli):
+    folder = _check(tmp_path)
+    d = tmp_path / "d"
+    r = cli("diff", f"{folder}::batch_1", f"{folder}::batch_4", "--out", d, "--locate")
+    assert r.exit_code == 0, r.output  # the diff's own verdict (tier 2 across batch sizes: tokens only)
+    assert "LOCATED" in r.stdout and "model.layers.0.mlp.down_proj" in r.stdout
+    issue = cli("report", d, "--format", "issue").stdout
+    assert "Where the bits part" in issue and "first_bitwise_op`: model.layers.0.mlp.down_proj (gemm)" in issue
+    assert "in [[1, 1, 8]] -> out [1, 1, 8] (left)" in issue and "#" in issue.split("log scale")[1]
+    page = cli("report", d, "--format", "html").stdout
+    assert "Where the bits part" in page and "<svg" in page and "<script" not in page
+    r = cli("pack", d, "-o", tmp_path / "d.tar.gz")
+    assert r.exit_code == 0, r.output
+    import tarfile
+
+    assert "d/locate.json" in tarfile.open(tmp_path / "d.tar.gz").getnames()
+    (d / "locate.json").write_text((d / "locate.json").read_text().replace("down_proj", "up_proj"))
+    assert cli("verify", d).exit_code == 6  # sealed: an edit is caught
+
+
+def test_a_hostile_locate_json_is_escaped_or_ignored(tmp_path, cli):
+    folder = _check(tmp_path)
+    locate(f"{folder}::batch_1", f"{folder}::batch_4")
+    doc = json.loads((folder / "locate.json").read_text())
+    doc["first_bitwise_op"]["module"] = "<script>alert(1)</script>"
+    doc["line"] = "<img src=x onerror=alert(1)>"
+    (folder / "locate.json").write_text(json.dumps(doc))
+    page = cli("report", folder, "--format", "html").stdout
+    assert "<script>alert" not in page and "<img src=x" not in page and "&lt;script&gt;" in page
+    doc["step"] = "<b>"  # not the schema's: the section is left out
+    (folder / "locate.json").write_text(json.dumps(doc))
+    assert "Where the bits part" not in cli("report", folder, "--format", "html").stdout

@@ -17,7 +17,7 @@ from .shell import Backend, JUnit, Model, app, emit, guarded, write_html
 
 
 @app.command(help="Compare two run folders (or FOLDER::run_N, FOLDER::batch_B, FOLDER::run_N@batch_B selections): "
-                  "first divergent token, ranked causes with evidence, drift. No engine is imported.")
+                  "first divergent token, ranked causes with evidence, drift. No engine is imported (except with --locate).")
 def diff(
     a: Annotated[Optional[str], typer.Argument(metavar="A", help="Left side: FOLDER, FOLDER::run_N@batch_B (default run 0 at its --batch-size) or a trace .jsonl file.")] = None,
     b: Annotated[Optional[str], typer.Argument(metavar="B", help="Right side, the same way.")] = None,
@@ -33,6 +33,8 @@ def diff(
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write a self-contained HTML report here.")] = None,
     validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: every artifact is always validated.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
+    locate: Annotated[bool, typer.Option("--locate", help="Then run `detllm locate` on the two sides (into --out when given): the only "
+                                                          "path on which diff loads an engine, to re-run each side's recorded batch.")] = False,
 ) -> None:
     def body() -> int:
         from ..tracefiles import diff_any, pick_sides
@@ -43,7 +45,12 @@ def diff(
         check_output_file(html, "--html")
         outcome = diff_any(left_arg, right_arg, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
         write_html(outcome, html)
-        return emit(outcome, as_json=as_json)  # the library wrote --junit
+        code = emit(outcome, as_json=as_json)  # the library wrote --junit
+        if locate:
+            from .locate import after_diff
+
+            after_diff(left_arg, right_arg, outcome.out_dir, quiet=as_json)
+        return code
 
     guarded(body)
 

@@ -47,3 +47,13 @@ def locate(
         return result.exit_code
 
     guarded(body)
+
+
+def after_diff(a: str, b: str, out_dir: Path | None, *, quiet: bool) -> None:
+    """`diff --locate`: locate the diff's two sides, into the diff's folder when it wrote one."""
+    from ..locate import locate as run_locate
+    from ..render.locate import render_text
+
+    result = run_locate(a, b, out=out_dir)
+    if not quiet:
+        typer.echo(render_text(result.doc) + f"locate folder: {result.out_dir}")

@@ -286,9 +286,10 @@ def _matrix(report: dict[str, Any]) -> list[str]:
 
 
 def render_html(report: dict[str, Any], *, records: tuple[dict | None, dict | None] = (None, None),
-                sides: dict[str, dict[str, Any]] | None = None) -> str:
+                sides: dict[str, dict[str, Any]] | None = None, located: dict[str, Any] | None = None) -> str:
     """The page. `records`: the left and right trace records of the first divergence's prompt,
-    when at hand; `sides`: engine, model, dtype, device and label of each side for the header."""
+    when at hand; `sides`: engine, model, dtype, device and label of each side for the header;
+    `located`: the folder's locate.json (the located op, its shapes and the per-layer plot)."""
     title = f"detllm {report['command']}: {report['status']}"
     body = _header(report, sides or {})
     if report["command"] == "check":
@@ -297,6 +298,10 @@ def render_html(report: dict[str, Any], *, records: tuple[dict | None, dict | No
         body += _divergence(report["first_divergence"], records)
     if any(c["drift"].get("available") for c in report["comparisons"]):
         body += _drift(report)
+    if located is not None:
+        from .locate import html_section
+
+        body += html_section(located)
     body += _causes(report)
     return page(title, body)
 
@@ -360,7 +365,10 @@ def render_outcome(report: dict[str, Any], folder: Path | None) -> str:
         elif c:
             sides = {"run": {"backend": c.get("backend"), "model": c.get("model"), "dtype": c.get("dtype"),
                              "device": c.get("device"), "label": str(Path(folder).name)}}
-    return render_html(report, records=records, sides=sides)
+    from .locate import load_located
+
+    located = load_located(folder)  # detllm locate's finding, sealed with the folder
+    return render_html(report, records=records, sides=sides, located=located)
 
 
 def _read(path: Path) -> dict[str, Any] | None:

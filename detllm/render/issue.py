@@ -277,6 +277,11 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
         title += f", prompt {d['prompt_index']} diverges at generated token {d['token_index']}"
     lines = [f"<!-- {TEMPLATE.get(engine, 'the engine bug template')} -->", f"### {title}", "", "#### Describe the bug", ""]
     lines += _verdict(report)
+    from .locate import issue_lines, load_located
+
+    located = load_located(folder)  # detllm locate's finding, sealed with the folder
+    if located is not None:
+        lines += ["", *issue_lines(located)]
     lines += ["", "#### Your current environment", ""]
     for side in sides:
         lines += [f"{side.name} ({side.backend}):", "", *_fence("\n".join(_env_lines(side)))]

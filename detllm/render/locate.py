@@ -6,10 +6,28 @@ nothing; report.html and `report --format issue` include the section when a fold
 from __future__ import annotations
 
 import html
+import json
 import math
+from pathlib import Path
 from typing import Any
 
+from ..errors import ArtifactError
+from ..schema_io import check_header, validate
+
 TABLE_ROWS = 40  # text/markdown tables: every boundary and differing row up to this many
+
+
+def load_located(folder: str | Path | None) -> dict[str, Any] | None:
+    """The folder's locate.json when it holds a valid one (a report renders without it otherwise)."""
+    if folder is None:
+        return None
+    try:
+        doc = json.loads((Path(folder) / "locate.json").read_text(encoding="utf-8"))
+        check_header(doc, "locate", "locate.json")
+        validate(doc, "locate", where="locate.json")
+    except (OSError, ValueError, ArtifactError):
+        return None
+    return doc
 
 
 def _g(v: Any) -> str:
@@ -153,8 +171,8 @@ def growth_svg(doc: dict[str, Any], *, width: int = 560, height: int = 170) -> s
 
 
 def html_section(doc: dict[str, Any]) -> list[str]:
-    """The locate section of an HTML page (escaped), for report.html and `locate --html`."""
-    e = html.escape
+    """The locate section of an HTML page, every value escaped (a pack's locate.json is a stranger's)."""
+    e = lambda v: html.escape(str(v))  # noqa: E731
     out = ["<h2>Where the bits part (detllm locate)</h2>", f"<p><b>{e(doc['status'].replace('_', ' '))}</b>: {e(doc['line'])}</p>"]
     out.append("<table><tr><th></th><th>module</th><th>kind</th><th>step</th><th>inputs (left / right)</th>"
                "<th>output (left / right)</th><th>max |Δ|</th><th>tolerance</th></tr>")
@@ -163,9 +181,9 @@ def html_section(doc: dict[str, Any]) -> list[str]:
         if op is None:
             out.append(f"<tr><td>{key}</td><td colspan='7'>none</td></tr>")
             continue
-        out.append(f"<tr><td>{key}</td><td class='mono'>{e(op['module'])}</td><td>{e(op['kind'])}</td><td>{op['step']}</td>"
-                   f"<td class='mono'>{e(str(op['input_shapes']['left']))} / {e(str(op['input_shapes']['right']))}</td>"
-                   f"<td class='mono'>{e(str(op['output_shape']['left']))} / {e(str(op['output_shape']['right']))}</td>"
+        out.append(f"<tr><td>{key}</td><td class='mono'>{e(op['module'])}</td><td>{e(op['kind'])}</td><td>{e(op['step'])}</td>"
+                   f"<td class='mono'>{e(op['input_shapes']['left'])} / {e(op['input_shapes']['right'])}</td>"
+                   f"<td class='mono'>{e(op['output_shape']['left'])} / {e(op['output_shape']['right'])}</td>"
                    f"<td>{e(_g(op['max_abs_diff']))}</td><td>{e(_g(op['tolerance']))}</td></tr>")
     out.append("</table>")
     if doc["layers"]:
@@ -173,6 +191,26 @@ def html_section(doc: dict[str, Any]) -> list[str]:
     if doc["growth"]:
         out.append("<table><tr><th>from the op to the logits</th><th>kind</th><th>max |Δ|</th><th>rel</th></tr>" +
                    "".join(f"<tr><td class='mono'>{e(g['module'])}</td><td>{e(g['kind'])}</td><td>{e(_g(g['max_abs_diff']))}</td>"
-                           f"<td>{e(_g(g['rel_diff']))}</td></tr>" for g in doc["growth"]) + "</table>")
+                           f"<td>{e(_g(g.get('rel_diff')))}</td></tr>" for g in doc["growth"]) + "</table>")
     out.append(f"<p class='muted'>rule: {e(doc['rule'])}; tolerance {e(doc['tolerance']['formula'])}</p>")
+    return out
+
+
+def issue_lines(doc: dict[str, Any]) -> list[str]:
+    """The located op for a bug report (`report --format issue`): the finding, the op with its shapes,
+    and the per-layer plot as text bars (max |Δ| on a log scale, one row per layer boundary)."""
+    out = ["#### Where the bits part (`detllm locate`)", "", doc["line"], ""]
+    for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
+        out.append(f"- `{key}`: {op_line(doc[key])}")
+    rows = [r for r in doc["layers"] if r["kind"] in ("embedding", "layer", "logits")
+            or (doc["first_bitwise_op"] is not None and r["module"] == doc["first_bitwise_op"]["module"])]
+    if rows:
+        vals = [r.get("max_abs_diff") for r in rows]
+        pos = [v for v in vals if isinstance(v, float) and v > 0]
+        lo = math.floor(math.log10(min(pos))) if pos else 0
+        bars = []
+        for r, v in zip(rows, vals):
+            n = 0 if not isinstance(v, float) or v <= 0 else 1 + round(3 * (math.log10(v) - lo))
+            bars.append(f"{r['module'][:40]:<40} {'#' * min(n, 40):<40} {_g(v)}")
+        out += ["", f"max |Δ| per layer boundary, log scale (one # per 1/3 decade above 1e{lo}):", "", "```text", *bars, "```"]
     return out

@@ -177,12 +177,19 @@ def _pair_summary(a: Replica, b: Replica, rep: dict[str, Any]) -> dict[str, Any]
             "magnitude": rep["magnitude"]["label"], "top_cause": rep["causes"][0]["code"] if rep["causes"] else None}
 
 
-def _only_address(cause: dict[str, Any]) -> bool:
-    """A cause whose only evidence is the replicas' addresses (--base-url): every replica of a fleet
-    has its own, so it explains nothing about why one of them differs."""
-    fields = cause.get("evidence", {}).get("fields")
-    return bool(fields) and all(str(f.get("field", "")).rsplit(".", 1)[-1] in ADDRESS_FIELDS for f in fields) \
-        and not cause["evidence"].get("applied")
+def _set_aside(cause: dict[str, Any]) -> str | None:
+    """Why a pairwise cause explains nothing between replicas, or None when it may. Every replica has
+    its own address (--base-url); and a batch cause whose sides ran the same batch size with the same
+    composition rests only on the servers' sampled busy counts (/slots, /metrics), which a sampler
+    that missed a short request reads as 0."""
+    ev = cause.get("evidence", {})
+    fields = ev.get("fields")
+    if fields and all(str(f.get("field", "")).rsplit(".", 1)[-1] in ADDRESS_FIELDS for f in fields) and not ev.get("applied"):
+        return "only the replicas' addresses differ"
+    size = ev.get("batch_size") or {}
+    if cause["code"] == "BATCH_VARIANCE" and size.get("left") == size.get("right") and not ev.get("composition_changed"):
+        return "the same batch size and composition on both replicas; only the sampled server busy counts differ"
+    return None
 
 
 def _explain(rgroups: list[list[int]], rmajor: list[int] | None, reports: dict[tuple[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
@@ -196,9 +203,11 @@ def _explain(rgroups: list[list[int]], rmajor: list[int] | None, reports: dict[t
         rep = reports.get((a, b)) or reports.get((b, a))
         if rep is None:
             continue
-        causes = [c for c in rep["causes"] if not _only_address(c)]
+        why = {id(c): _set_aside(c) for c in rep["causes"]}
+        causes = [c for c in rep["causes"] if why[id(c)] is None]
         out.append({"group": lab, "replicas": g, "against": rmajor[0],
                     "causes": [{"code": c["code"], "title": TITLES.get(c["code"], "")} for c in causes[:3]],
+                    "set_aside": [{"code": c["code"], "why": why[id(c)]} for c in rep["causes"] if why[id(c)] is not None],
                     "note": None if causes else UNEXPLAINED})
     return out
 

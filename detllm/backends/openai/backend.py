@@ -76,6 +76,10 @@ class OpenAIBackend(Backend):
 
     def _detect(self) -> str:
         status, props, _ = self.endpoint.get("/props", root=True)
+        if status == 0:  # nothing answers there: say so (exit 4), not what a server of unknown kind cannot do
+            status, doc, _ = self.endpoint.get("/models", timeout=self.options.connect_timeout + 5)
+            if status == 0:
+                raise self.endpoint.unreachable(_safe_url(self.endpoint.url("/models")), doc)
         if status == 200 and isinstance(props, dict) and ("build_info" in props or "total_slots" in props):
             return "llamacpp"
         status, info, _ = self.endpoint.get("/get_server_info", root=True)

@@ -285,7 +285,8 @@ class _ScriptedModel:
             tensors.append(CapturedTensor(
                 name=name, kind=kind, order=order, output=out_seen, inputs=inputs,
                 input_shapes=[(self.size,) + tuple(i.shape) for i in inputs], output_shape=(self.size,) + out_seen.shape,
-                ref_error=noise if spec.reference else None,
+                ref_error=noise if spec.reference else None, input_names=["hidden_states", "past_keys", "past_values"][:len(inputs)],
+                cached_steps=[0] * len(self.req.input_ids) + list(range(1, spec.step)) if len(inputs) > 1 else [],
                 cached_from_step=(at if kv_moved and len(inputs) > 1 and self._layer_of(name) > self._layer_of(target) else
                                   (0 if len(inputs) > 1 else None))))
             prev = out

@@ -24,6 +24,7 @@ class Pair:
     kv_equal: bool | None  # attention: the cached K/V inputs bitwise equal (None: none read)
     metrics: dict[str, Any]
     trimmed: bool = False  # padding positions were sliced off to align the prompt's positions
+    kv_step: int | None = None  # the step that wrote the first cached position that differs (None: unknown or none)
 
 
 def trailing(a: Any, b: Any) -> tuple[Any, Any, bool] | None:
@@ -82,18 +83,40 @@ def _num(v: float) -> float | str:
     return v if v == v and abs(v) != float("inf") else str(v)
 
 
-def _inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool | None, bool | None]:
-    """(every input bitwise equal, the cached K/V inputs equal) after aligning each input pair."""
+KV_NAMES = ("past_keys", "past_values")  # the cached K/V inputs of an attention (CapturedTensor.input_names)
+
+
+def is_kv(t: CapturedTensor, n: int) -> bool:
+    if t.input_names and n < len(t.input_names):
+        return t.input_names[n] in KV_NAMES
+    return n >= 1 and t.cached_from_step is not None  # no names: inputs after the first are the cache
+
+
+def _inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool | None, bool | None, int | None]:
+    """(every input bitwise equal, the cached K/V inputs equal, the step that wrote the first cached
+    position that differs) after aligning each input pair."""
+    import numpy as np
+
     if not a.inputs or not b.inputs or len(a.inputs) != len(b.inputs):
-        return None, None
-    equal, kv = True, None
+        return None, None, None
+    equal, kv, wrote = True, None, None
     for n, (x, y) in enumerate(zip(a.inputs, b.inputs)):
         t = trailing(x, y)
         same = t is not None and bitwise_equal(t[0], t[1])
         equal = equal and same
-        if n >= 1 and (a.cached_from_step is not None or b.cached_from_step is not None):
+        if is_kv(a, n) or is_kv(b, n):
             kv = same if kv is None else kv and same
-    return equal, kv
+            if not same and t is not None and t[0].ndim >= 2 and t[0].shape == t[1].shape:
+                # [heads, position, dim]: the first cached position that differs, and the step that wrote it
+                moved = np.any(np.ascontiguousarray(t[0]).view(np.uint8).reshape(t[0].shape + (-1,)) !=
+                               np.ascontiguousarray(t[1]).view(np.uint8).reshape(t[1].shape + (-1,)),
+                               axis=tuple(i for i in range(t[0].ndim + 1) if i != t[0].ndim - 2))
+                first = int(np.argmax(moved)) if moved.any() else None
+                steps = a.cached_steps or b.cached_steps
+                if first is not None and steps and len(steps) == t[0].shape[-2]:
+                    at = steps[first]
+                    wrote = at if wrote is None else min(wrote, at)
+    return equal, kv, wrote
 
 
 def pair_up(left: list[CapturedTensor], right: list[CapturedTensor]) -> tuple[list[Pair], list[str], list[str]]:
@@ -106,11 +129,11 @@ def pair_up(left: list[CapturedTensor], right: list[CapturedTensor]) -> tuple[li
             left_only.append(t.name)
             continue
         t2 = trailing(t.output, other.output)
-        inputs_equal, kv_equal = _inputs(t, other)
+        inputs_equal, kv_equal, kv_step = _inputs(t, other)
         if t2 is None:
-            pairs.append(Pair(t, other, False, None, inputs_equal, kv_equal, {}))
+            pairs.append(Pair(t, other, False, None, inputs_equal, kv_equal, {}, kv_step=kv_step))
             continue
         x, y, trimmed = t2
-        pairs.append(Pair(t, other, True, bitwise_equal(x, y), inputs_equal, kv_equal, measure(x, y), trimmed))
+        pairs.append(Pair(t, other, True, bitwise_equal(x, y), inputs_equal, kv_equal, measure(x, y), trimmed, kv_step))
     names = {t.name for t in left}
     return pairs, left_only, [t.name for t in sorted(right, key=lambda t: t.order) if t.name not in names]

@@ -60,7 +60,8 @@ def judge(pairs: list[Pair]) -> Verdict:
     own = [p for p in differing if p.inputs_equal is True]
     verdict = Verdict(own[0] if own else None, next((p for p in own if beyond(p)), None), first)
     if first is not None and first.inputs_equal is False and first.kv_equal is False and not _other_inputs_differ(first):
-        steps = [s for s in (first.left.cached_from_step, first.right.cached_from_step) if s is not None]
+        steps = [first.kv_step] if first.kv_step is not None else \
+            [s for s in (first.left.cached_from_step, first.right.cached_from_step) if s is not None]
         if steps and (verdict.first_bitwise is None or verdict.first_bitwise.left.order > first.left.order):
             verdict.back_to = min(steps)
     return verdict
@@ -70,10 +71,17 @@ def _other_inputs_differ(p: Pair) -> bool:
     """Whether an input other than the cached K/V (the first input: the op's fresh activations) differs."""
     from .align import bitwise_equal, trailing
 
-    if not p.left.inputs or not p.right.inputs:
+    from .align import is_kv
+
+    if not p.left.inputs or not p.right.inputs or len(p.left.inputs) != len(p.right.inputs):
         return True
-    t = trailing(p.left.inputs[0], p.right.inputs[0])
-    return t is None or not bitwise_equal(t[0], t[1])
+    for n, (x, y) in enumerate(zip(p.left.inputs, p.right.inputs)):
+        if is_kv(p.left, n) or is_kv(p.right, n):
+            continue
+        t = trailing(x, y)
+        if t is None or not bitwise_equal(t[0], t[1]):
+            return True
+    return False
 
 
 def op_json(p: Pair | None, *, prompt: int, step: int) -> dict[str, Any] | None:

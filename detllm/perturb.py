@@ -68,7 +68,24 @@ def resolve(model: Any, spec: Perturbation) -> Any:
     weight = getattr(module, "weight", None)
     if spec.target == "weight" and (weight is None or not hasattr(weight, "dtype") or not weight.is_floating_point()):
         raise UsageError(f"perturb: module {spec.module!r} ({type(module).__name__}) has no floating-point weight to perturb")
+    if spec.target == "weight":
+        _weight_point(module, spec)
     return module
+
+
+def _weight_point(module: Any, spec: Perturbation) -> tuple[int, Any, Any]:
+    """(flat index, value now, perturbed value) of the weight element a weight perturbation changes."""
+    import torch
+
+    with torch.no_grad():
+        flat = module.weight.data.view(-1)
+        i = int(flat.abs().argmax().item())
+        old = flat[i].clone()
+        new = old + spec.rel * _rms(module.weight.data)
+    if bool(new == old):
+        raise UsageError(f"perturb {spec}: {spec.rel} x RMS is below the rounding of the largest weight in "
+                         f"{module.weight.dtype}; nothing would change", hint="pass a larger REL")
+    return i, old, new
 
 
 def _rms(t: Any) -> float:
@@ -142,14 +159,10 @@ def applied(model: Any, spec: Perturbation | None) -> Iterator[Applied | None]:
         finally:
             handle.remove()
         return
+    i, old, new = _weight_point(module, spec)
     flat = module.weight.data.view(-1)
     with torch.no_grad():
-        i = int(flat.abs().argmax().item())
-        old = flat[i].clone()
-        flat[i] = old + spec.rel * _rms(module.weight.data)
-        if bool(flat[i] == old):
-            raise UsageError(f"perturb {spec}: {spec.rel} x RMS is below the rounding of the largest weight in "
-                             f"{module.weight.dtype}; nothing would change", hint="pass a larger REL")
+        flat[i] = new
     try:
         yield state
     finally:

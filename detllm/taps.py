@@ -52,6 +52,7 @@ class Window:
     batch: int | None = None  # rows in the forward (None: dim 0 of a module's tensors is the batch)
     cuts: dict[int, int] = field(default_factory=dict)  # padded width -> real positions kept
     fixed: frozenset[int] = frozenset()  # feature sizes (hidden, heads...): an op's axis this long is never cut
+    heads: frozenset[int] = frozenset()  # attention head counts: an op's dim 0 of batch x heads is unfolded
 
     def module(self, t: Any) -> Any:
         """A module's tensor in the Hugging Face layout [batch, position, ...]."""
@@ -77,7 +78,7 @@ class Window:
         n = self.batch or 1
         if t.shape[0] == n:
             t = t[self.row]
-        elif n > 1 and t.shape[0] % n == 0 and (t.shape[0] // n in self.cuts or t.shape[0] // n in self.fixed):
+        elif n > 1 and t.shape[0] % n == 0 and (t.shape[0] // n in self.cuts or t.shape[0] // n in self.heads):
             t = t.reshape(n, t.shape[0] // n, *t.shape[1:])[self.row]  # batch folded with heads or positions
         else:
             return t, False
@@ -161,6 +162,7 @@ class _Tapper:
         self.model, self.window, self.ops, self.reference = model, window, ops, reference
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
         self.names = {m: n for n, m in model.named_modules() if n not in skip}
+        self.weights = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}  # never an op's recorded input
         self.kinds = {m: module_kind(n, m) for m, n in self.names.items()}
         self.holders = {m for m in self.names if any(self.kinds.get(c) == "layer" for c in m.modules() if c is not m)}
         self.result = Tap()
@@ -282,7 +284,7 @@ class _Tapper:
         key = f"{path}/aten.{op}"
         name = f"{key}#{self.op_counts[key]}"
         self.op_counts[key] += 1
-        ins = [a for a in args if isinstance(a, torch.Tensor)]
+        ins = [a for a in args if isinstance(a, torch.Tensor) and id(a) not in self.weights]
         cut, clean = self.window.everywhere(tensor)
         rec = self._record(name, op_kind(op, self.kinds.get(owner, "other")), tensor,
                            [self.window.everywhere(a)[0] for a in ins], [f"arg{i}" for i in range(len(ins))],

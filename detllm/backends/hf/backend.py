@@ -4,7 +4,8 @@ The loop (not `model.generate`) lets every request carry its own seeded
 torch.Generator, so sampled output does not depend on batch order, and returns
 raw-logit logprobs for the chosen token and the top-k. Left padding, and only
 generated tokens are returned, never padding. Models are loaded once per process.
-The batch-invariant ops of `--opt batch_invariant=true` live in invariant.py.
+The batch-invariant ops of `--opt batch_invariant=true` live in invariant.py; `capture` (locate)
+re-runs this same loop with taps at one step (capture.py).
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ import inspect
 import logging
 import os
 import random
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 from ...config import Decoding, RunConfig
 from ...env import dist_version
 from ...errors import BackendError, BackendUnavailableError, UsageError
 from ...hashing import content_key, folder_identity
 from ...modelfiles import check_model_files
+from ... import perturb
 from ...models import local_folder, resolve_model
 from ...models.hub import hub_unreachable
 from ...processwide import disable_tf32, read_tf32, refuse_after_batch_invariant, tf32_is_off, write_tf32
-from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
+from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
+                    parse_options, request_seed)
 from . import invariant
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
@@ -42,6 +45,7 @@ class HFOptions:
     attn_implementation: str = "eager"  # eager | sdpa: kernels differ, so it is recorded and fixed
     trust_remote_code: bool = False  # never run hub code unless asked
     batch_invariant: bool = False  # tier 3: batch-invariant ops for the run (invariant.py); slower
+    perturb: str | None = None  # TEST-ONLY: MODULE:output|weight:REL[@STEP] (detllm.perturb), a known difference for locate
 
 
 def _torch():
@@ -76,7 +80,10 @@ class HFBackend(Backend):
             dtype = "float32"
         self.dtype = dtype
         self.resolved = resolve_model(model)
+        self.perturbation = perturb.parse(self.options.perturb) if self.options.perturb else None  # before any load
         self.model, self.tokenizer = self._load(torch)
+        if self.perturbation is not None:
+            perturb.resolve(self.model, self.perturbation)  # an unknown module is a UsageError before anything is written
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "HFBackend":
@@ -147,10 +154,12 @@ class HFBackend(Backend):
                 max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
                 notes=("transformers kernels are not batch invariant: padding and batch shape change GEMM reductions; "
                        "pass --opt batch_invariant=true for tier 3",),
+                capture="ops",
             )
         missing = invariant.uncovered(self._invariant_ops())
         notes = tuple(f"batch_invariant: op {op.name!r} {op.how}" for op in missing)
-        return Capabilities(max_tier=2 if missing else 3, logprobs=True, sampling=True, batch_invariant=not missing, notes=notes)
+        return Capabilities(max_tier=2 if missing else 3, logprobs=True, sampling=True, batch_invariant=not missing, notes=notes,
+                            capture="ops")
 
     def _invariant_ops(self):
         return invariant.coverage(self.model, self.options.attn_implementation, self.device)
@@ -176,12 +185,30 @@ class HFBackend(Backend):
     def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
         torch = _torch()
         try:
-            with torch.inference_mode():
-                return self._generate(torch, requests, decoding, seed, n_logprobs, logprobs)
+            with torch.inference_mode(), perturb.applied(self.model, self.perturbation) as moved:
+                return self._generate(torch, requests, decoding, seed, n_logprobs, logprobs, at_step=self.stepper(moved))
         except RuntimeError as exc:
             raise BackendError(f"transformers failed while generating: {str(exc).splitlines()[0][:300]}") from exc
 
-    def _generate(self, torch, requests, decoding, seed, n_logprobs, want_logprobs) -> list[Generation]:
+    def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
+                spec: CaptureSpec) -> Capture:
+        from . import capture
+
+        return capture.capture(self, requests, decoding, seed=seed, n_logprobs=n_logprobs, spec=spec)
+
+    @staticmethod
+    def stepper(moved: perturb.Applied | None, then: Callable[[int], ContextManager] | None = None) -> Callable[[int], ContextManager]:
+        """The loop's per-step hook: tells a perturbation the step about to run, then enters `then(step)`."""
+        def at_step(step: int) -> ContextManager:
+            if moved is not None:
+                moved.step = step
+            return then(step) if then is not None else nullcontext()
+        return at_step
+
+    def _generate(self, torch, requests, decoding, seed, n_logprobs, want_logprobs, *,
+                  at_step: Callable[[int], ContextManager] | None = None, steps: int | None = None) -> list[Generation]:
+        """The one decode loop (generate and capture): `at_step(step)` is entered around each step's
+        forward; `steps` stops it early (capture: steps 0..s)."""
         n = len(requests)
         width = max(len(r.input_ids) for r in requests)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self._eos()), 0)
@@ -202,9 +229,10 @@ class HFBackend(Backend):
         reasons = ["length"] * n
         done = [False] * n
         past, cur, cur_pos = None, ids, pos
-        for _ in range(decoding.max_new_tokens):
-            out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past, use_cache=True,
-                             **self._last_logits_only)
+        for step in range(min(decoding.max_new_tokens, steps or decoding.max_new_tokens)):
+            with (at_step(step) if at_step is not None else nullcontext()):
+                out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
+                                 use_cache=True, **self._last_logits_only)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()  # (n, vocab) raw logits of the next token
             logp = torch.log_softmax(logits, dim=-1)
@@ -246,7 +274,9 @@ class HFBackend(Backend):
     def score(self, input_ids: Sequence[int], target_ids: Sequence[int]) -> list[float]:
         torch = _torch()
         seq = torch.tensor([list(input_ids) + list(target_ids)], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), perturb.applied(self.model, self.perturbation) as moved:
+            if moved is not None:
+                moved.step = 0  # one prefill forward
             logits = self.model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0].float()
         start = len(input_ids) - 1  # logits at position p predict token p + 1
         logp = torch.log_softmax(logits[start:start + len(target_ids)], dim=-1)
@@ -318,6 +348,9 @@ class HFBackend(Backend):
                 torch.set_num_threads(threads)
             applied.append(Applied("threads", threads, True, torch.get_num_threads(), "" if threads else "engine default kept"))
             applied.append(Applied("attn_implementation", self.options.attn_implementation, True, self.options.attn_implementation))
+            if self.perturbation is not None:
+                applied.append(Applied("perturb", self.options.perturb, True, str(self.perturbation),
+                                       "TEST-ONLY: a known difference made on purpose (detllm locate's tests)"))
             applied.append(Applied("dtype", self.requested_dtype, True, str(self.model.dtype).replace("torch.", ""),
                                    "auto resolves to float32" if self.requested_dtype == "auto" else ""))
             if self.options.batch_invariant:  # the invariant ops, swapped in for this run only

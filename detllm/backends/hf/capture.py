@@ -1,0 +1,123 @@
+"""The hf backend's capture (`detllm locate`): re-run a recorded batch through the backend's own
+decode loop (same left padding, positions and cache) for steps 0..s, with `detllm.taps` hooks
+active at the forward of step s only, cut to the row under test and its real positions. Comparing
+captures is locate's; the hooks are taps'; the loop is backend.py's, never a copy of it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Sequence
+
+from ... import perturb, taps
+from ...config import Decoding
+from ...errors import BackendError, UsageError
+from ..base import Capture, CapturedTensor, CaptureSpec, Request
+from ..capture import CAPTURE_LEVELS
+
+
+def check_spec(requests: Sequence[Request], decoding: Decoding, spec: CaptureSpec) -> None:
+    """A spec this batch cannot honour is a UsageError (before anything runs)."""
+    if spec.level not in CAPTURE_LEVELS[1:]:
+        raise UsageError(f"capture level {spec.level!r} is unknown: one of {', '.join(CAPTURE_LEVELS[1:])}")
+    if not 0 <= spec.row < len(requests):
+        raise UsageError(f"capture row {spec.row} is not in a batch of {len(requests)}")
+    if not 0 <= spec.step < decoding.max_new_tokens:
+        raise UsageError(f"capture step {spec.step} is past the {decoding.max_new_tokens} tokens the run generates")
+    if spec.max_bytes <= 0:
+        raise UsageError(f"capture bound {spec.max_bytes} bytes must be positive")
+
+
+def window(model: Any, requests: Sequence[Request], spec: CaptureSpec) -> taps.Window:
+    """The row under test at step s: left padding puts its real positions last; at a decode step
+    the keys are the width so far (real: prompt + s) and the cache one shorter."""
+    width = max(len(r.input_ids) for r in requests)
+    real = len(requests[spec.row].input_ids)
+    s = spec.step
+    cuts = {width: real} if s == 0 else {width + s: real + s, width + s - 1: real + s - 1}
+    cfg = model.config
+    fixed = {int(d) for p in model.parameters() for d in p.shape}
+    heads = {int(v) for k in ("num_attention_heads", "num_key_value_heads") if isinstance(v := getattr(cfg, k, None), int)}
+    head_dim = getattr(cfg, "head_dim", None)
+    fixed |= heads | ({head_dim} if isinstance(head_dim, int) else set())
+    return taps.Window(row=spec.row, batch=len(requests), cuts=cuts, fixed=frozenset(fixed), heads=frozenset(heads))
+
+
+def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
+            spec: CaptureSpec) -> Capture:
+    """Backend.capture for hf. Run it inside `backend.determinism(...)` as the run was (seed, threads)."""
+    import torch
+
+    check_spec(requests, decoding, spec)
+    notes: list[str] = []
+    found: dict[str, taps.Tap] = {}
+    cut = window(backend.model, requests, spec)
+
+    def at(step: int):
+        if step != spec.step:
+            return nullcontext()
+        return _tap_into(found, taps.tap(backend.model, window=cut, ops=spec.level == "ops", reference=spec.reference,
+                                         max_bytes=spec.max_bytes, layers_only=spec.level == "layers"))
+
+    try:
+        with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
+            gens = backend._generate(torch, requests, decoding, seed, n_logprobs, True,
+                                     at_step=backend.stepper(moved, at), steps=spec.step + 1)
+    except RuntimeError as exc:
+        raise BackendError(f"transformers failed while capturing: {str(exc).splitlines()[0][:300]}") from exc
+    tap = found.get("tap")
+    if tap is None:
+        notes.append(f"every sequence stopped before step {spec.step}: nothing was captured")
+        tensors: list[CapturedTensor] = []
+    else:
+        tensors = [_captured(t, len(requests[spec.row].input_ids), spec.step) for t in tap.tensors]
+        notes.extend(tap.notes)
+    row_gen = gens[spec.row]
+    if len(row_gen.token_ids) <= spec.step and tap is not None:
+        notes.append(f"row {spec.row} stopped (end of sequence) at step {len(row_gen.token_ids) - 1}: at step "
+                     f"{spec.step} it is fed padding, and what was captured is that")
+    if spec.backward:
+        notes.append("gradients not captured: capture re-runs inference; detllm.taps.tap(backward=True) serves training")
+    level = spec.level
+    if tap is not None and (tap.bounded or spec.level == "layers"):
+        level = "layers"
+    if spec.level != "ops":
+        notes.append("aten ops not captured (level 'ops' asks for them)")
+    return Capture(generations=gens, tensors=tensors, level=level, notes=notes, engine=_facts(backend, torch))
+
+
+class _tap_into:
+    """Enter a tap and keep what it yields in `found` (the loop sees only a context manager)."""
+
+    def __init__(self, found: dict, cm: Any) -> None:
+        self.found, self.cm = found, cm
+
+    def __enter__(self):
+        self.found["tap"] = self.cm.__enter__()
+        return self.found["tap"]
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
+
+
+def _captured(t: taps.Tapped, prompt_len: int, step: int) -> CapturedTensor:
+    rec = CapturedTensor(name=t.name, kind=t.kind, order=t.order, output=t.output, inputs=t.inputs,
+                         input_shapes=t.input_shapes, output_shape=t.output_shape, ref_error=t.ref_error,
+                         input_names=t.input_names, dtype=t.dtype, phase=t.phase)
+    if "past_keys" in t.input_names:
+        rec.cached_from_step = 0  # the prefill wrote the prompt's positions; decode step j wrote position prompt + j - 1
+        rec.cached_steps = [0] * prompt_len + list(range(1, step))
+    return rec
+
+
+def _facts(backend: Any, torch: Any) -> dict[str, Any]:
+    from importlib import metadata
+
+    return {
+        "name": "hf", "transformers": metadata.version("transformers"), "torch": torch.__version__,
+        "dtype": str(backend.model.dtype).replace("torch.", ""), "device": backend.device,
+        "threads": torch.get_num_threads(), "attn_implementation": backend.options.attn_implementation,
+        "padding_side": backend.tokenizer.padding_side, "batch_invariant": backend.options.batch_invariant,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "perturb": str(backend.perturbation) if backend.perturbation is not None else None,
+    }

@@ -56,6 +56,10 @@ def diff_any(a: str, b: str, **kw: Any) -> Outcome:
         path = Path(arg.rpartition("::")[0] if "::" in arg else arg)
         if path.exists():
             refuse_seed_layout(path)
+    from .training.diffing import diff_training_sides, is_training_side
+
+    if is_training_side(a) or is_training_side(b):  # two training packs (docs/training.md)
+        return diff_training_sides(a, b, **kw)
     if not (is_bare_trace(a) or is_bare_trace(b)):
         return diff(a, b, **kw)
     junit, plot = kw.get("junit"), kw.get("plot")

@@ -43,7 +43,16 @@ def diff(
             return nway(a, b, more, left, right, out, atol, tier, junit, plot, html, as_json)
         left_arg, right_arg = pick_sides(a, b, left, right)
         check_output_file(html, "--html")
+        if html is not None:
+            from ..training.diffing import is_training_side
+
+            if is_training_side(left_arg) or is_training_side(right_arg):
+                raise UsageError("--html does not apply to training packs")
         outcome = diff_any(left_arg, right_arg, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
+        if not hasattr(outcome, "report"):  # two training packs (training/diffing.py)
+            from .training import emit_training
+
+            return emit_training(outcome, as_json)
         write_html(outcome, html)
         code = emit(outcome, as_json=as_json)  # the library wrote --junit
         if locate:

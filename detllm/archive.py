@@ -26,9 +26,11 @@ from .errors import ArtifactError, IntegrityError
 from .schema_io import _UMASK
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
-# What a run folder holds: JSON, JSON lines, rendered text, the signature, plots. Anything else
-# (.pkl, .py, .so, ...) is refused at extraction, so it can never reach a loader.
-ALLOWED_SUFFIXES = (".json", ".jsonl", ".txt", ".md", ".sig", ".png", ".svg")
+# What a run folder holds: JSON, JSON lines, rendered text, the signature, plots, and a training
+# pack's checkpoints when packed (.safetensors: tensor data, no code; each file is checked against
+# its digest before it is read). Anything else (.pkl, .py, .so, ...) is refused at extraction,
+# so it can never reach a loader.
+ALLOWED_SUFFIXES = (".json", ".jsonl", ".txt", ".md", ".sig", ".png", ".svg", ".safetensors")
 _CHUNK = 1 << 20  # 1 MiB copies
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
@@ -64,10 +66,13 @@ def open_run_path(path: str | Path) -> Iterator[Path]:
 # ---------------------------------------------------------------- write
 
 
-def write_tar_gz(run_dir: Path, names: list[str], dest: Path) -> Path:
+def write_tar_gz(run_dir: Path, names: list[str], dest: Path, extra: dict[str, Path] | None = None) -> Path:
     """Write `names` (paths relative to `run_dir`) into `dest` under one top-level folder named
-    after `dest`, atomically (a temporary name, then a rename). Returns `dest`."""
+    after `dest`, atomically (a temporary name, then a rename). `extra`: more files, by the
+    relative path they get in the archive. Returns `dest`."""
     root = _root_name(dest)
+    sources = {rel: run_dir / rel for rel in names} | dict(extra or {})
+    names = list(sources)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     try:
@@ -77,7 +82,7 @@ def write_tar_gz(run_dir: Path, names: list[str], dest: Path) -> Path:
             for d in sorted({""} | {str(PurePosixPath(n).parent) for n in names} - {"."}):
                 tar.addfile(_info(f"{root}/{d}".rstrip("/"), tarfile.DIRTYPE, 0, 0o755))
             for rel in sorted(names):
-                p = run_dir / rel
+                p = sources[rel]
                 with open(p, "rb") as f:
                     tar.addfile(_info(f"{root}/{rel}", tarfile.REGTYPE, os.fstat(f.fileno()).st_size, 0o644), f)
         os.replace(tmp, dest)

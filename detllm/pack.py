@@ -13,9 +13,11 @@ from .integrity import SEAL_FILES, walk
 from .verify import verify_folder
 
 
-def create_pack(run_dir: str | Path, dest: str | Path, *, force: bool = False) -> Path:
+def create_pack(run_dir: str | Path, dest: str | Path, *, force: bool = False, with_checkpoints: bool = False,
+                checkpoints: str | Path | None = None) -> Path:
     """Verify `run_dir` against its manifest, then write exactly its sealed files to `dest`
-    (.tar.gz, one top-level folder named after `dest`). Returns `dest`."""
+    (.tar.gz, one top-level folder named after `dest`). A training pack's checkpoints go in
+    (under checkpoints/, checked by digest) only `with_checkpoints`. Returns `dest`."""
     run_dir, dest = Path(run_dir), Path(dest)
     if not str(dest).lower().endswith(ARCHIVE_SUFFIXES):
         raise UsageError(f"-o {str(dest)!r} must end in .tar.gz or .tgz")
@@ -25,13 +27,19 @@ def create_pack(run_dir: str | Path, dest: str | Path, *, force: bool = False) -
         raise UsageError(f"{str(run_dir)!r} is already a pack")
     if dest.resolve().is_relative_to(run_dir.resolve()):
         raise UsageError(f"-o {str(dest)!r} is inside the run folder (it would break its seal)", hint="write the pack elsewhere")
+    from .training.pack import is_training_pack, packed_checkpoints
+
+    training = is_training_pack(run_dir)
+    if (with_checkpoints or checkpoints is not None) and not training:
+        raise UsageError("--with-checkpoints applies to a training pack (detllm train-check)")
     verify_folder(run_dir)  # never pack a folder that changed after sealing
+    extra = packed_checkpoints(run_dir, checkpoints) if training and with_checkpoints else {}
     files, _ = walk(run_dir)
     names = sorted(files) + [n for n in SEAL_FILES if (run_dir / n).is_file()]
     for rel in names:
         if not rel.lower().endswith(ALLOWED_SUFFIXES):
             raise UsageError(f"{rel} in {str(run_dir)!r} is not a detllm artifact ({', '.join(ALLOWED_SUFFIXES)})",
                              hint="packs hold JSON and text only; move it out of the run folder and re-run")
-    return write_tar_gz(run_dir, names, dest)
+    return write_tar_gz(run_dir, names, dest, extra)
 
 

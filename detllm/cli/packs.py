@@ -78,11 +78,13 @@ def pack_cmd(
     run_dir: Annotated[Path, typer.Argument(help="A sealed detllm run folder.")],
     dest: Annotated[Path, typer.Option("--output", "-o", help="The pack to write (.tar.gz).")],
     force: Annotated[bool, typer.Option(help="Overwrite an existing pack file.")] = False,
+    with_checkpoints: Annotated[bool, typer.Option("--with-checkpoints", help="Training packs: also pack the checkpoints (under checkpoints/, each checked by digest); left out otherwise.")] = False,
+    checkpoints: Annotated[Optional[Path], typer.Option("--checkpoints", help="Training packs: where the checkpoints are (default: beside the pack, where train-check wrote them).")] = None,
 ) -> None:
     def body() -> int:
         from ..pack import create_pack
 
-        path = create_pack(run_dir, dest, force=force)
+        path = create_pack(run_dir, dest, force=force, with_checkpoints=with_checkpoints, checkpoints=checkpoints)
         typer.echo(f"packed {run_dir} into {path} ({path.stat().st_size} bytes)")
         return 0
 

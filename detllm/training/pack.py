@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import schema_io
-from ..errors import EXIT_FAIL, EXIT_PASS, IntegrityError
-from ..integrity import Seal, Verification, check_bytes
+from ..errors import EXIT_FAIL, EXIT_PASS, IntegrityError, UsageError
+from ..integrity import Seal, Verification, check_bytes, open_seal
 from .verdict import first_divergence
 from .chain import STEPS, TRAIN_CONFIG, ChainCheck, check_chain, read_records, safetensors_digest
 
@@ -72,6 +72,27 @@ def checkpoints_dir(folder: Path, given: str | Path | None = None) -> Path | Non
         if loc.is_dir():
             return loc
     return None
+
+
+def packed_checkpoints(folder: Path, given: str | Path | None = None) -> dict[str, Path]:
+    """`pack --with-checkpoints`: every file of every checkpoints.json entry, by its path in the
+    archive (checkpoints/<boundary dir>/<file>); each is checked by digest first (verify does)."""
+    where = checkpoints_dir(folder, given)
+    if where is None or not (folder / CHECKPOINTS_INDEX).is_file():
+        raise UsageError("--with-checkpoints: this training pack's checkpoints are not found",
+                         hint="pass --checkpoints DIR (train-check writes them beside the pack, in OUT.checkpoints)")
+    index = json.loads((folder / CHECKPOINTS_INDEX).read_bytes())
+    verification = verify_training(open_seal(folder), checkpoints=where)
+    if not any(n.startswith("checkpoints: ") and " checked by digest" in n for n in verification.notes):
+        raise UsageError(f"--with-checkpoints: no checkpoint of this pack is in {str(where)!r}")
+    out: dict[str, Path] = {}
+    for cp in index["checkpoints"]:
+        d = where / cp["dir"]
+        if not d.is_dir():
+            raise UsageError(f"--with-checkpoints: checkpoint {cp['dir']} is missing from {str(where)!r}")
+        for name in ("checkpoint.json", *(f["path"] for f in json.loads((d / "checkpoint.json").read_bytes())["files"])):
+            out[f"{PACKED_CHECKPOINTS}/{cp['dir']}/{name}"] = d / name
+    return out
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -138,6 +159,14 @@ def check_checkpoints(folder: Path, where: Path, chain: ChainCheck) -> list[str]
         if step_b is not None and desc["rng_sha256"] is not None and desc["rng_sha256"] != step_b["rng_sha256"]:
             raise IntegrityError(f"{cp['dir']}: rng_sha256 is not R_{b} recorded in {STEPS}")
         found += 1
+    if where == folder / PACKED_CHECKPOINTS:  # inside the pack, outside the manifest: nothing unreferenced may ride along
+        listed = {f"{cp['dir']}/{name}" for cp in index["checkpoints"] for name in ("checkpoint.json", "model.safetensors",
+                                                                                  "optimizer.safetensors", "rng.json")}
+        stray = sorted(p.relative_to(where).as_posix() for p in where.rglob("*") if not p.is_dir() and
+                       p.relative_to(where).as_posix() not in listed)
+        if stray:
+            raise IntegrityError(f"{PACKED_CHECKPOINTS}/{stray[0]} is not a file of a checkpoint {CHECKPOINTS_INDEX} names",
+                                 hint="the pack changed after it was packed")
     total = len(index["checkpoints"])
     if found == 0:
         return [f"checkpoints: none of {total} found (looked in {where}); not checked"]

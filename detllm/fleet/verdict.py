@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
-from itertools import combinations
 from typing import Any
 
 from .. import artifacts
@@ -70,6 +69,31 @@ def _pair(a: Replica, b: Replica, atol: float, tier: int | None) -> tuple[dict[s
     return report, differ
 
 
+class _Pairs:
+    """The pairs compared so far, each once (diff.diff_report, as `detllm diff A B` would): grouping
+    compares a replica only with the first member of each group before it, so N replicas that agree
+    cost N-1 comparisons, not N(N-1)/2."""
+
+    def __init__(self, replicas: dict[int, Replica], atol: float, tier: int | None) -> None:
+        self.replicas, self.atol, self.tier = replicas, atol, tier
+        self.done: dict[tuple[int, int], tuple[dict[str, Any], set[tuple[str, int]]]] = {}
+
+    def _get(self, x: int, y: int) -> tuple[dict[str, Any], set[tuple[str, int]]]:
+        key = (min(x, y), max(x, y))
+        if key not in self.done:
+            self.done[key] = _pair(self.replicas[key[0]], self.replicas[key[1]], self.atol, self.tier)
+        return self.done[key]
+
+    def differ(self, x: int, y: int) -> set[tuple[str, int]]:
+        return self._get(x, y)[1]
+
+    def report(self, x: int, y: int) -> dict[str, Any]:
+        return self._get(x, y)[0]
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [_pair_summary(self.replicas[a], self.replicas[b], self.done[(a, b)][0]) for a, b in sorted(self.done)]
+
+
 def _labels(n: int) -> list[str]:
     letters = string.ascii_uppercase
     return [letters[i] if i < 26 else f"G{i}" for i in range(n)]
@@ -94,14 +118,7 @@ def _majority(groups: list[list[int]], present: int) -> list[int] | None:
 def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, tier: int | None = None) -> dict[str, Any]:
     """fleet.json's body: per-prompt groups, replica groups, majority, outliers, identity, pairs."""
     ok = [r for r in replicas if r.side is not None]
-    by_index = {r.index: r for r in replicas}
-    differ: dict[tuple[int, int], set[tuple[str, int]]] = {}
-    pairs, reports = [], {}
-    for a, b in combinations(ok, 2):
-        rep, d = _pair(a, b, atol, tier)
-        differ[(a.index, b.index)] = differ[(b.index, a.index)] = d
-        reports[(a.index, b.index)] = rep
-        pairs.append(_pair_summary(a, b, rep))
+    pairs = _Pairs({r.index: r for r in ok}, atol, tier)
     order: list[tuple[str, int]] = []
     for r in ok:
         for k in (r.keys[i] for i in sorted(r.keys)):
@@ -110,7 +127,7 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
     prompts = []
     for key in order:
         present = [r.index for r in ok if key in r.keys.values()]
-        groups = _cluster(present, lambda x, y, key=key: key not in differ[(x, y)])
+        groups = _cluster(present, lambda x, y, key=key: key not in pairs.differ(x, y))
         major = _majority(groups, len(present))
         index = next(i for i, k in ok[0].keys.items() if k == key) if key in ok[0].keys.values() else None
         prompts.append({"prompt_id": key[0], "occurrence": key[1], "prompt_index": index,
@@ -141,7 +158,7 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
         category = "AGREE"
     if len(ok) < 2 and category == "AGREE":
         category = "ENDPOINT_ERROR"  # nothing was compared: fewer than two replicas answered
-    explained = _explain(rgroups, rmajor, reports)
+    explained = _explain(rgroups, rmajor, pairs)
     rows = []
     for r in replicas:
         grp = next((lab for lab, g in zip(_labels(len(rgroups)), rgroups) if r.index in g), None)
@@ -150,7 +167,8 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
                      "outlier": r.index in outliers, "identity_mismatch": r.index in ident["mismatched"],
                      "own_check": r.own, "records": len(r.side.records or ()) if r.side is not None else 0,
                      "prompts_outside_majority": [p["prompt_index"] for p in prompts if r.index in p["outliers"]]})
-    tiers = [p["tier_effective"] for p in pairs]
+    summaries = pairs.summaries()
+    tiers = [p["tier_effective"] for p in summaries]
     return artifacts.stamp("fleet", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "command": command,
         "status": "PASS" if category == "AGREE" else "FAIL", "category": category, "verdict": VERDICTS[category],
@@ -161,7 +179,7 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
         "outliers": outliers, "no_majority_prompts": split,
         "prompts": prompts, "identity": ident, "variance": variant,
         "errors": [{"replica": r.index, **(r.error or {})} for r in errors],
-        "explanations": explained, "pairs": pairs,
+        "explanations": explained, "pairs": summaries,
         "not_compared": [f"replica {r.index} ({r.name}): {r.error['kind']}" for r in errors if r.error],
     })
 
@@ -192,17 +210,14 @@ def _set_aside(cause: dict[str, Any]) -> str | None:
     return None
 
 
-def _explain(rgroups: list[list[int]], rmajor: list[int] | None, reports: dict[tuple[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
+def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: "_Pairs") -> list[dict[str, Any]]:
     """What the pairwise diff's causes say about each minority group against the majority (its first
     members): the ranked cause codes, as `detllm diff MAJORITY GROUP` would rank them."""
     if not rmajor:
         return []
     out = []
     for lab, g in zip(_labels(len(rgroups))[1:], rgroups[1:]):
-        a, b = rmajor[0], g[0]
-        rep = reports.get((a, b)) or reports.get((b, a))
-        if rep is None:
-            continue
+        rep = pairs.report(rmajor[0], g[0])
         why = {id(c): _set_aside(c) for c in rep["causes"]}
         causes = [c for c in rep["causes"] if why[id(c)] is None]
         out.append({"group": lab, "replicas": g, "against": rmajor[0],

@@ -1,0 +1,192 @@
+"""The fleet's client at scale (issue 24 item 3): printed figures, no timed asserts.
+
+1. Client overhead: N stub endpoints (tests/stubhttp.py, in a process of their own) that answer every
+   completion after a fixed sleep, no compute. `detllm check` against one endpoint with 100 requests
+   in flight, then against 8 endpoints with 100 each (800 in flight): wall time side by side (the
+   target is 8 x 100 within 1.2x of 1 x 100), the client's CPU time and peak RSS.
+2. Memory: the client's peak RSS at 100 requests in flight (8 endpoints x 13, and 1 x 100) and at
+   800 (8 x 100); the target is < 100 MB growth. Each check streams its trace to its replica folder.
+3. Real servers: 8 real llama-servers (tiny GGUF, -t 1) in one fleet check; the verdict (the 8
+   identical servers must agree), the client's CPU time and peak RSS. On 2 cores the servers
+   compete for the CPU, so the wall time is theirs as much as the client's.
+
+Each client run is a fresh `detllm check` process; its CPU time and peak RSS come from
+getrusage(RUSAGE_CHILDREN) around it.
+
+    .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--skip-real]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DETLLM = [sys.executable, "-m", "detllm"]
+
+STUBS = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from http.server import ThreadingHTTPServer
+from tests.stubhttp import JSONHandler, StubServer
+
+n, sleep, tokens = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+step = {"token": " a", "logprob": -0.5, "top_logprobs": {" a": -0.5, " b": -1.5, " c": -2.5, " d": -3.5, " e": -4.5}}
+answer = json.dumps({"object": "text_completion", "model": "tiny", "choices": [{"index": 0, "text": " a" * tokens, "finish_reason": "length",
+          "logprobs": {"tokens": [" a"] * tokens, "token_logprobs": [-0.5] * tokens, "top_logprobs": [step["top_logprobs"]] * tokens}}],
+          "usage": {"prompt_tokens": 4, "completion_tokens": tokens}}).encode()
+
+class Handler(JSONHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self.send_json(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "stub"}]})
+        if self.path == "/health":
+            return self.send_json(200, {"status": "ok"})
+        self.send_json(404, {"error": "not found"})
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        time.sleep(sleep)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+class Server(ThreadingHTTPServer):
+    request_queue_size = 2048  # 800 connections arrive at once
+    daemon_threads = True
+    def handle_error(self, *a):
+        pass
+
+stubs = []
+for _ in range(n):
+    s = StubServer()
+    s.serve(Handler, Server)
+    stubs.append(s)
+print(json.dumps([s.url for s in stubs]), flush=True)
+sys.stdin.read()  # until the benchmark closes our stdin
+"""
+
+
+def client(urls: list[str], prompts: Path, in_flight: int, runs: int, out: Path, extra: list[str] | None = None) -> dict:
+    """One `detllm check` process against `urls`; its wall time, CPU time, peak RSS and verdict."""
+    args = DETLLM + ["check", "-b", "openai", "-m", "tiny", "--tier", "2", "--runs", str(runs), "--batch-size", str(in_flight),
+                     "--max-new-tokens", "16", "--prompts", str(prompts), "--out", str(out), "--json", "--no-progress", *(extra or [])]
+    for u in urls:
+        args += ["--base-url", u]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        doc = json.loads(proc.stdout)
+    except ValueError:
+        raise SystemExit(f"client failed (exit {proc.returncode}): {proc.stderr[-800:]}")
+    return {"endpoints": len(urls), "in_flight_each": in_flight, "in_flight": in_flight * len(urls), "exit": proc.returncode,
+            "verdict": f"{doc['status']} {doc['category']}", "wall_s": round(wall, 2),
+            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
+            "peak_rss_mib": round(after.ru_maxrss / 1024, 1)}  # ru_maxrss of children is the largest child's so far
+
+
+def fresh_rss_client(*a, **kw) -> dict:
+    """client() in a wrapper process of its own, so ru_maxrss is this run's peak and not an earlier one's."""
+    code = ("import json,sys; sys.path.insert(0, %r); from benchmarks.bench_fleet import client; from pathlib import Path; "
+            "a = json.loads(sys.argv[1]); print(json.dumps(client(a[0], Path(a[1]), a[2], a[3], Path(a[4]), a[5])))") % str(REPO)
+    urls, prompts, in_flight, runs, out = a
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([urls, str(prompts), in_flight, runs, str(out), kw.get("extra")])],
+                          capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-1500:])
+    return json.loads(proc.stdout)
+
+
+def show(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    keys = ["endpoints", "in_flight_each", "in_flight", "verdict", "wall_s", "cpu_s", "peak_rss_mib"]
+    print("  " + "  ".join(f"{k:>14}" for k in keys))
+    for r in rows:
+        print("  " + "  ".join(f"{str(r.get(k)):>14}" for k in keys))
+
+
+def stub_figures(args, tmp: Path) -> None:
+    stubs = subprocess.Popen([sys.executable, "-c", STUBS, str(REPO), "8", str(args.sleep), "16"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        urls = json.loads(stubs.stdout.readline())
+        prompts = tmp / "prompts.txt"
+        prompts.write_text("".join(f"prompt number {i} of the fleet benchmark\n" for i in range(args.prompts)))
+        runs = []
+        for name, use, each in (("one", urls[:1], args.prompts), ("eight_small", urls, 13), ("eight", urls, args.prompts)):
+            out = tmp / f"out_{name}"
+            runs.append(fresh_rss_client(use, prompts, each, args.runs, out))
+            shutil.rmtree(out, ignore_errors=True)
+        one, small, eight = runs
+        show(f"1-2. stub endpoints answering after {args.sleep:g} s, {args.prompts} prompts x {args.runs} runs per endpoint, "
+             "one batch = the requests in flight", runs)
+        print(f"  wall time, 8 x {args.prompts} vs 1 x {args.prompts}: {eight['wall_s'] / one['wall_s']:.2f}x (target <= 1.2x)")
+        print(f"  peak RSS growth from {one['in_flight']} to {eight['in_flight']} in flight: "
+              f"{eight['peak_rss_mib'] - one['peak_rss_mib']:+.1f} MiB (1 endpoint) / "
+              f"{eight['peak_rss_mib'] - small['peak_rss_mib']:+.1f} MiB (8 endpoints at {small['in_flight']}) (target < 100 MB)")
+        print(f"  client CPU per request: {1000 * eight['cpu_s'] / (eight['in_flight'] * args.runs):.2f} ms (8 x {args.prompts}), "
+              f"{1000 * one['cpu_s'] / (one['in_flight'] * args.runs):.2f} ms (1 x {args.prompts})")
+    finally:
+        stubs.stdin.close()
+        stubs.wait(timeout=30)
+
+
+def real_figures(args, tmp: Path) -> None:
+    from detllm.backends.llamacpp import Server, find_server, free_port
+    from detllm.models import builtin_path
+
+    binary, gguf = find_server(), builtin_path("tiny", "gguf") / "model.gguf"
+    servers = []
+    try:
+        for _ in range(args.real):
+            port = free_port()
+            srv = Server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "4", "-c", "2048",
+                          "--alias", "tiny", "--no-webui", "-t", "1"], port, 120.0)
+            servers.append(srv)
+            srv.wait_ready(120.0)
+        urls = [f"http://127.0.0.1:{s.port}/v1" for s in servers]
+        prompts = tmp / "real.txt"
+        prompts.write_text("".join(f"Story {i}: once upon a time\n" for i in range(args.real_prompts)))
+        rows = []
+        for each in (1, 4):
+            rows.append(fresh_rss_client(urls, prompts, each, 2, tmp / f"real_{each}", extra=["--opt", "cache_prompt=false"]))
+        show(f"3. {args.real} real llama-servers (tiny, -t 1, -np 4) on 2 cores, {args.real_prompts} prompts x 2 runs per endpoint", rows)
+        for r, each in zip(rows, (1, 4)):
+            doc = json.loads((tmp / f"real_{each}" / "fleet.json").read_text())
+            print(f"  {each} in flight per endpoint: {doc['status']} {doc['category']}; groups "
+                  f"{[g['replicas'] for g in doc['groups']]}; own checks {sorted({(x['own_check'] or {}).get('category') for x in doc['replicas']}, key=str)}")
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sleep", type=float, default=2.0, help="seconds each stub answer waits")
+    ap.add_argument("--prompts", type=int, default=100, help="prompts per endpoint = requests in flight per endpoint")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--real", type=int, default=8, help="real llama-servers (0: skip)")
+    ap.add_argument("--real-prompts", type=int, default=8)
+    args = ap.parse_args()
+    print(f"cpus: {os.cpu_count()}, python {sys.version.split()[0]}")
+    with tempfile.TemporaryDirectory(prefix="detllm-bench-fleet-") as tmp:
+        stub_figures(args, Path(tmp))
+        if args.real:
+            real_figures(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

@@ -62,7 +62,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     try:
         for r in sides:
             reruns.start(r)  # model files checked (exit 7) and engines loaded before anything is written
-        _search(doc, sides, step.step, tier=tier, level="layers" if layers_only else "ops", bound=max_bytes)
+        _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes)
     finally:
         for r in sides:
             reruns.close(r)
@@ -72,20 +72,36 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     return write_locate(target, artifacts.stamp("locate", doc))
 
 
-def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int) -> None:
-    """Capture both sides at `step`; judge; go back once to the step that wrote differing K/V."""
+def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int,
+                  strict: bool = True) -> list | None:
+    """Both sides captured at `step`; None (doc says why) when a side did not reproduce its trace:
+    `strict`, that ends the search (not reproduced here); else only this capture is set aside."""
+    got = [reruns.capture(r, step, level=level, max_bytes=bound // 2, tier=tier) for r in sides]
+    for (cap, differs), r, key in zip(got, sides, ("left", "right")):
+        if differs is not None and not strict:
+            doc["not_captured"].append(f"the {level} capture changed the {key} side's outputs ({differs}): its {level} were "
+                                       "not compared; the finding from the capture before stands")
+            for r2, k2 in zip(sides, ("left", "right")):
+                doc[k2]["reruns"] = r2.runs
+            return None
+        doc[key].update(reruns=r.runs, level=cap.level, notes=list(cap.notes), reproduced=differs is None)
+        if differs is not None:
+            doc[key]["not_reproduced"] = differs
+            doc.update(status="not_reproduced", line=f"not reproduced here: the {key} side's re-run differs from its "
+                                                     f"own recorded trace at {differs}; nothing is located")
+            return None
+    return [cap for cap, _ in got]
+
+
+def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, layers_only: bool, bound: int) -> None:
+    """Capture both sides' modules at `step` and judge; go back once to the step that wrote differing
+    K/V; then, with a re-run left and a backend that captures ops, descend into the ops."""
+    level = "layers" if layers_only else "modules"
     while True:
         doc["steps_searched"].append(step)
-        caps = []
-        for r, key in zip(sides, ("left", "right")):
-            cap, differs = reruns.capture(r, step, level=level, max_bytes=bound // 2, tier=tier)
-            doc[key].update(reruns=r.runs, level=cap.level, notes=list(cap.notes), reproduced=differs is None)
-            if differs is not None:
-                doc[key]["not_reproduced"] = differs
-                doc.update(status="not_reproduced", line=f"not reproduced here: the {key} side's re-run differs from its "
-                                                         f"own recorded trace at {differs}; nothing is located")
-                return
-            caps.append(cap)
+        caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound)
+        if caps is None:
+            return
         pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors)
         verdict = judge(pairs)
         if verdict.back_to is not None and verdict.back_to < step and all(r.runs < 2 for r in sides):
@@ -94,6 +110,18 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
             step = verdict.back_to
             continue
         break
+    if (not layers_only and verdict.first_bitwise is not None and all(r.runs < 2 and r.offers == "ops" for r in sides)
+            and "layers" not in {c.level for c in caps}):
+        deeper = _capture_both(doc, sides, step, tier=tier, level="ops", bound=bound, strict=False)
+        if deeper is not None:
+            p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors)
+            v2 = judge(p2)
+            if v2.first_bitwise is not None:
+                caps, pairs, only_l, only_r, verdict = deeper, p2, l2, r2, v2
+    _conclude(doc, caps, pairs, only_l, only_r, verdict, step, bound)
+
+
+def _conclude(doc, caps, pairs, only_l, only_r, verdict, step: int, bound: int) -> None:
     prompt = doc["step"]["prompt"]
     doc["captured_step"] = step
     doc["first_bitwise_op"] = op_json(verdict.first_bitwise, prompt=prompt, step=step)
@@ -107,7 +135,7 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
     doc["captured"].update(level={"left": caps[0].level, "right": caps[1].level}, tensors=len(pairs),
                            only_left=only_l, only_right=only_r)
     if "layers" in levels and doc["captured"]["level_requested"] != "layers":
-        doc["not_captured"].append(f"past the bound of {bound // 2**20} MB per both sides, layer boundaries only were compared")
+        doc["not_captured"].append(f"past the bound of {bound / 2**20:g} MB (both sides together), layer boundaries only were compared")
     if verdict.back_to is not None:
         doc["not_captured"].append(f"cached K/V differ from step {verdict.back_to}, but each side was already re-run twice")
     doc["not_captured"] += [f"only on the left side: {n}" for n in only_l[:20]] + [f"only on the right side: {n}" for n in only_r[:20]]

@@ -34,6 +34,7 @@ class Rerun:
     backend: Backend | None = None
     runs: int = 0  # re-runs made so far (at most 2)
     peak_bytes: int = 0  # the most bytes one capture held
+    offers: str = "none"  # the backend's Capabilities.capture: the most it can capture
     notes: list[str] = field(default_factory=list)
 
 
@@ -93,7 +94,8 @@ def start(rerun: Rerun) -> None:
     backend = create_backend(rerun.config)
     try:
         check_model(recorded, backend.model_identity().to_json(), allow=False)
-        if backend.capabilities().capture == "none":
+        rerun.offers = backend.capabilities().capture
+        if rerun.offers == "none":
             raise BackendUnavailableError(f"{rerun.side.label}: backend {rerun.config.backend!r} as configured captures nothing")
         fillers = [tuple(backend.tokenize(t)) for t in FILLERS]
     except BaseException:

@@ -10,6 +10,7 @@ asking `capabilities()` never import vLLM.
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 from dataclasses import astuple
 from typing import Any, Iterator, Sequence
@@ -22,10 +23,10 @@ from ...perturb import parse as parse_perturbation
 from ...models import local_folder, resolve_model
 from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request, parse_options,
                     request_seed)
-from .engine import current_llm, first_line, release_engine, start_engine
+from .engine import attention_names, current_llm, first_line, release_engine, start_engine, worker_ranks
 from .installed import INSTALL_CPU, INSTALL_CUDA, batch_invariance_support, build_platform, installed_vllm
 from .perturbing import perturbed
-from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, validate
+from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, threads_bind, validate
 
 
 class VLLMBackend(Backend):
@@ -33,7 +34,8 @@ class VLLMBackend(Backend):
     Options = VLLMOptions
 
     def __init__(self, model: str = "tiny", *, options: VLLMOptions | None = None, revision: str | None = None,
-                 dtype: str = "float32", device: str = "cpu", n_logprobs: int = 5, max_new_tokens: int = 0) -> None:
+                 dtype: str = "float32", device: str = "cpu", n_logprobs: int = 5, max_new_tokens: int = 0,
+                 threads: int | None = None) -> None:
         self.options = opts = options or VLLMOptions()
         found = installed_vllm()
         if found is None:
@@ -43,6 +45,8 @@ class VLLMBackend(Backend):
         self.device = self._resolve_device(device)
         validate(opts, self.platform)
         self.perturbation = parse_perturbation(opts.perturb) if opts.perturb else None  # TEST-ONLY, before any engine
+        # CPU build, tensor_parallel_size > 1: the worker processes' cores, fixed before the engine starts
+        self.threads_bind = threads_bind(opts, threads, sorted(os.sched_getaffinity(0))) if self.platform == "cpu" else None
         self.model = model
         self.revision = revision
         self.dtype = dtype
@@ -63,7 +67,7 @@ class VLLMBackend(Backend):
             # a batch larger than max_num_seqs would run in waves: not the batch the trace records
             opts = dataclasses.replace(opts, max_num_seqs=biggest)
         return cls(config.model, options=opts, revision=config.revision, dtype=config.dtype, device=config.device,
-                   n_logprobs=config.logprobs, max_new_tokens=config.decoding.max_new_tokens)
+                   n_logprobs=config.logprobs, max_new_tokens=config.decoding.max_new_tokens, threads=config.threads)
 
     def _resolve_device(self, device: str) -> str:
         if self.platform == "cpu":
@@ -94,6 +98,8 @@ class VLLMBackend(Backend):
         }
         if self.platform == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.options.kv_cache_gib or 1)
+        if self.threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.threads_bind  # never vLLM's "auto": it asserts with fewer NUMA nodes than ranks
         return env
 
     def engine(self) -> Any:
@@ -117,7 +123,7 @@ class VLLMBackend(Backend):
                 kwargs["kv_cache_memory_bytes"] = opts.kv_cache_gib << 30
             # the files' content is in the key: a folder edited in place restarts the engine
             content = content_key(self.resolved.path) if self.resolved.path else None
-            key = (source, content, self.revision, self.dtype, self.platform, astuple(dataclasses.replace(opts, perturb="")), self.max_logprobs)
+            key = (source, content, self.revision, self.dtype, self.platform, astuple(dataclasses.replace(opts, perturb="")), self.max_logprobs, self.threads_bind)
             self._llm = start_engine(key, self._engine_env(), kwargs)
         return self._llm
 
@@ -250,7 +256,7 @@ class VLLMBackend(Backend):
         try:
             yield self._perturb_applied() + applied(vc, self.options, dtype_asked=self.dtype, enforce_eager=self.enforce_eager, platform=self.platform,
                           batch_invariance=self._batch_invariance(), attention=self.attention_backend_name(), seed=seed,
-                          threads=threads, threads_now=torch.get_num_threads())
+                          threads=threads, threads_now=torch.get_num_threads(), bind=self.threads_bind, ranks=worker_ranks())
         finally:
             torch.set_num_threads(saved_threads)
 
@@ -262,9 +268,10 @@ class VLLMBackend(Backend):
 
     def attention_backend_name(self) -> str | None:
         """The attention backend the model's layers actually use (e.g. CPU_ATTN, FLASH_ATTN)."""
-        layers = self.engine().llm_engine.vllm_config.compilation_config.static_forward_context
-        names = {cls.get_name() for cls in (getattr(m, "attn_backend", None) for m in layers.values()) if cls is not None}
-        return ",".join(sorted(names)) or None
+        vc = self.engine().llm_engine.vllm_config
+        ranks = worker_ranks()  # tensor_parallel_size > 1: the layers live in the worker processes
+        names = {n for r in ranks for n in (r["attention"] or "").split(",") if n} if ranks else None
+        return (",".join(sorted(names)) or None) if names is not None else attention_names(vc)
 
     def env_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"name": "vllm", "version": self.version, "distribution": self.distribution, "build": self.platform}

@@ -32,9 +32,47 @@ class _Engine:
     key: tuple  # (model source, its content key, revision, dtype, platform, options, max_logprobs)
     llm: Any  # vllm.LLM
     saved_env: dict[str, str | None]  # env vars this engine set -> their previous values
+    ranks: list[dict[str, Any]] | None = None  # worker processes' own report (worker_ranks), asked once
 
 
 _ENGINE: _Engine | None = None
+
+
+def worker_ranks() -> list[dict[str, Any]] | None:
+    """What each worker process of the running engine reports of itself, in rank order:
+    {"rank", "cpus" (its CPU affinity), "omp_threads" (torch's pool), "numa_nodes" (of those
+    cpus)}. None when no engine is up or it runs the model in this process (world size 1)."""
+    if _ENGINE is None or _ENGINE.llm.llm_engine.vllm_config.parallel_config.world_size == 1:
+        return None
+    if _ENGINE.ranks is None:
+        # collective_rpc answers in rank order
+        _ENGINE.ranks = [{"rank": r, **got} for r, got in enumerate(_ENGINE.llm.collective_rpc(_rank_report))]
+    return _ENGINE.ranks
+
+
+def attention_names(vc: Any) -> str | None:
+    """The attention backend(s) the model's layers use in the process holding them (`vc`: its VllmConfig)."""
+    layers = vc.compilation_config.static_forward_context
+    names = {cls.get_name() for cls in (getattr(m, "attn_backend", None) for m in layers.values()) if cls is not None}
+    return ",".join(sorted(names)) or None
+
+
+def _rank_report(worker: Any) -> dict[str, Any]:
+    """Runs in a worker process (vLLM's collective_rpc passes the worker): the cores its threads are
+    pinned to (the union over its threads: vLLM pins each OpenMP thread to one core of the rank's
+    list, and the main thread's own affinity names only the first), its threads, its attention backend."""
+    import torch
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
+
+    pinned: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            pinned |= os.sched_getaffinity(int(tid))
+        except OSError:  # the thread ended meanwhile
+            pass
+    cpus = sorted(pinned)
+    numa = sorted({c.numa_node for c in get_allowed_cpu_list() if c.id in cpus})
+    return {"attention": attention_names(worker.vllm_config), "cpus": cpus, "omp_threads": torch.get_num_threads(), "numa_nodes": numa}
 
 
 def current_llm() -> Any:
@@ -122,4 +160,4 @@ def first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
-__all__ = ["current_llm", "first_line", "release_engine", "start_engine"]
+__all__ = ["attention_names", "current_llm", "first_line", "release_engine", "start_engine", "worker_ranks"]

@@ -119,5 +119,5 @@ def _facts(backend: Any, torch: Any) -> dict[str, Any]:
         "threads": torch.get_num_threads(), "attn_implementation": backend.options.attn_implementation,
         "padding_side": backend.tokenizer.padding_side, "batch_invariant": backend.options.batch_invariant,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "perturb": str(backend.perturbation) if backend.perturbation is not None else None,
+        "perturb": backend.options.perturb,  # as given (--opt perturb=...); None: none
     }

@@ -112,10 +112,12 @@ def replay_tensors(folder: Path, config: dict[str, Any], committed: list[dict[st
 
 
 NUMERIC_KEYS = frozenset({"threads", "dtype", "grad_accumulation"})  # same data and randomness, other arithmetic
+INERT_KEYS = frozenset({"checkpoint_every"})  # where checkpoints are taken changes no bit of the training (segmented replay)
 
 
 def _config_cause(ca: dict[str, Any], cb: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     """The cause of a divergence between packs whose train_config.json differs, named by the keys."""
+    keys = [k for k in keys if k not in INERT_KEYS] or keys
     said = ", ".join(f"{k} {ca.get(k)!r} vs {cb.get(k)!r}" for k in keys)
     if keys == ["seed"]:
         return {"where": "seed", "cause": "seed", "detail": f"A was trained with seed {ca['seed']}, B with seed {cb['seed']}: "

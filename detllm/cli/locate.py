@@ -23,8 +23,11 @@ def locate(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write here (default: the folder both sides come from, resealed; else a new folder under artifacts/).")] = None,
     force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
     prompt: Annotated[Optional[int], typer.Option(help="Locate this prompt index (default: the earliest difference).")] = None,
+    step: Annotated[Optional[int], typer.Option(help="Capture at this step whatever was recorded there (default: the first step that differs).")] = None,
     layers_only: Annotated[bool, typer.Option("--layers-only", help="Compare layer boundaries only (large models).")] = False,
     max_memory: Annotated[int, typer.Option("--max-memory", help="Bound on captured tensors, MB, both sides together; past it, layer boundaries only.")] = 512,
+    no_ops: Annotated[bool, typer.Option("--no-ops", help="Stop at modules: no second re-run to descend into aten ops.")] = False,
+    no_reference: Annotated[bool, typer.Option("--no-reference", help="Skip the float64 re-evaluation of each op (faster; no tolerance is judged).")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write a self-contained HTML page of the finding here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print locate.json instead of the text.")] = False,
 ) -> None:
@@ -36,7 +39,8 @@ def locate(
         check_output_file(html, "--html")
         if max_memory < 1 or max_memory > 1 << 20:
             raise UsageError(f"--max-memory is in MB, from 1 to 1048576, got {max_memory}")
-        result = run_locate(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_memory * 2**20)
+        result = run_locate(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_memory * 2**20,
+                            ops=not no_ops, reference=not no_reference, step=step)
         if html is not None:
             from ..render.html import page
             from ..render.locate import html_section

@@ -16,8 +16,8 @@ from ..errors import UsageError
 from . import rerun as reruns
 from .align import pair_up
 from .folder import Located, check_out, write_locate
-from .rule import FACTOR, growth, judge, op_json, row_json
-from .sides import compared_tier, first_step, load, resolve, side_json
+from .rule import FACTOR, growth, judge, op_json, row_json, tolerance
+from .sides import compared_tier, first_step, forced_step, load, resolve, side_json
 
 DEFAULT_BOUND = 512 * 2**20  # bytes of captured tensors, both sides together
 RULE = ("the first op, in execution order, whose inputs agree bitwise (cached K/V included) but whose output differs; "
@@ -31,25 +31,33 @@ TOLERANCE = {"factor": FACTOR, "formula": "|Δ| > factor * min(ref_error_left, r
 
 
 def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force: bool = False, prompt: int | None = None,
-           layers_only: bool = False, max_bytes: int = DEFAULT_BOUND) -> Located:
+           layers_only: bool = False, max_bytes: int = DEFAULT_BOUND, ops: bool = True, reference: bool = True,
+           step: int | None = None) -> Located:
     """Locate where sides `a` and `b` (or the sides of one diff or failing check folder `a`) first
-    part: the step, then the first op at that step whose inputs agree but output differs."""
+    part: the step, then the first op at that step whose inputs agree but output differs.
+    `layers_only`: layer boundaries only; `ops`: descend into aten ops where the backend captures
+    them (a second re-run); `reference`: evaluate each op in float64 too (the tolerance; slower);
+    `step`: capture at this step whatever was recorded there (a control: equal sides locate nothing)."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= 2**50:
         raise UsageError(f"the memory bound on captured tensors is a number of bytes from 1024 to 2**50, got {max_bytes!r}")
     if prompt is not None and prompt < 0:
         raise UsageError(f"--prompt must be a prompt index (>= 0), got {prompt}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise UsageError(f"--step must be a generated-token position (>= 0), got {step!r}")
     left_sel, right_sel, source = resolve(a, b)
     left, right = load(left_sel, right_sel)
     target = check_out(out, force, left_sel, right_sel, source, given=a)
     tier = compared_tier(left, right)
-    step = first_step(left, right, tier=tier, prompt=prompt)
+    at = step
+    step = first_step(left, right, tier=tier, prompt=prompt) if at is None else forced_step(left, right, at, prompt)
     doc: dict[str, Any] = {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "source": source,
         "left": side_json(left, left_sel), "right": side_json(right, right_sel), "tier_compared": tier,
         "step": None, "status": "no_difference", "line": "", "captured_step": None, "steps_searched": [],
         "first_bitwise_op": None, "first_beyond_tolerance_op": None, "first_differing": None,
         "rule": RULE, "tolerance": TOLERANCE, "layers": [], "growth": [],
-        "captured": {"level_requested": "layers" if layers_only else "ops", "bound_bytes": max_bytes},
+        "captured": {"level_requested": "layers" if layers_only else "ops" if ops else "modules",
+                     "bound_bytes": max_bytes, "reference": reference},
         "not_captured": [], "cost": {},
     }
     if step is None:
@@ -62,7 +70,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     try:
         for r in sides:
             reruns.start(r)  # model files checked (exit 7) and engines loaded before anything is written
-        _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes)
+        _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
     finally:
         for r in sides:
             reruns.close(r)
@@ -73,10 +81,10 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
 
 
 def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int,
-                  strict: bool = True) -> list | None:
+                  reference: bool, strict: bool = True) -> list | None:
     """Both sides captured at `step`; None (doc says why) when a side did not reproduce its trace:
     `strict`, that ends the search (not reproduced here); else only this capture is set aside."""
-    got = [reruns.capture(r, step, level=level, max_bytes=bound // 2, tier=tier) for r in sides]
+    got = [reruns.capture(r, step, level=level, max_bytes=bound // 2, tier=tier, reference=reference) for r in sides]
     for (cap, differs), r, key in zip(got, sides, ("left", "right")):
         if differs is not None and not strict:
             doc["not_captured"].append(f"the {level} capture changed the {key} side's outputs ({differs}): its {level} were "
@@ -93,13 +101,14 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
     return [cap for cap, _ in got]
 
 
-def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, layers_only: bool, bound: int) -> None:
+def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, layers_only: bool, bound: int, ops: bool,
+            reference: bool) -> None:
     """Capture both sides' modules at `step` and judge; go back once to the step that wrote differing
     K/V; then, with a re-run left and a backend that captures ops, descend into the ops."""
     level = "layers" if layers_only else "modules"
     while True:
         doc["steps_searched"].append(step)
-        caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound)
+        caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound, reference=reference)
         if caps is None:
             return
         pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors)
@@ -110,9 +119,9 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
             step = verdict.back_to
             continue
         break
-    if (not layers_only and verdict.first_bitwise is not None and all(r.runs < 2 and r.offers == "ops" for r in sides)
+    if (ops and not layers_only and verdict.first_bitwise is not None and all(r.runs < 2 and r.offers == "ops" for r in sides)
             and "layers" not in {c.level for c in caps}):
-        deeper = _capture_both(doc, sides, step, tier=tier, level="ops", bound=bound, strict=False)
+        deeper = _capture_both(doc, sides, step, tier=tier, level="ops", bound=bound, reference=reference, strict=False)
         if deeper is not None:
             p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors)
             v2 = judge(p2)
@@ -153,7 +162,8 @@ def _line(verdict, step: int, prompt: int, first) -> tuple[str, str]:
     where = f"{b.left.name} ({b.left.kind}) at prompt {prompt}, step {step}"
     shapes = f"out {list(b.left.output_shape)} vs {list(b.right.output_shape)}"
     tol = (f"; beyond tolerance first at {t.left.name}" if t is not None and t is not b else
-           "; beyond tolerance" if t is b else "; within tolerance of both sides' float64 error")
+           "; beyond tolerance" if t is b else "; tolerance not evaluated (no float64 reference)" if tolerance(b) is None
+           else "; within tolerance of both sides' float64 error")
     return "located", f"first op whose inputs agree but output differs: {where}, {shapes}, max |Δ| {_g(b.metrics['max_abs_diff'])}{tol}"
 
 

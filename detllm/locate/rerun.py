@@ -106,7 +106,7 @@ def start(rerun: Rerun) -> None:
                       for r in rerun.requests]
 
 
-def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int) -> tuple[Capture, str | None]:
+def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, reference: bool = True) -> tuple[Capture, str | None]:
     """Re-run the batch up to `step` capturing row `rerun.row`; returns the capture and what it
     changed from the recorded trace (None: every member reproduced bitwise up to `step`)."""
     if rerun.backend is None:
@@ -115,7 +115,7 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int) -
     if rerun.runs >= 2:
         raise UsageError(f"{rerun.side.label}: locate re-runs a side at most twice")
     cfg, applied = rerun.config, rerun.side.applied
-    spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes)
+    spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference)
     with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rerun.runs += 1

@@ -40,8 +40,10 @@ def tolerance(p: Pair) -> float | None:
     out = np.asarray(p.left.output)
     dtype = out.dtype if np.issubdtype(out.dtype, np.floating) else np.dtype(np.float32)
     mags = [abs(v) for v in (p.metrics.get("left_value"), p.metrics.get("right_value")) if isinstance(v, float)]
-    scale = float(np.abs(out.astype(np.float64)).max()) if out.size else 0.0
-    ulp = float(np.spacing(dtype.type(max([scale] + mags))))
+    finite = np.abs(out.astype(np.float64))
+    finite = finite[np.isfinite(finite)]
+    scale = min(max([float(finite.max()) if finite.size else 0.0] + mags), float(np.finfo(dtype).max))
+    ulp = float(np.spacing(dtype.type(scale)))
     return FACTOR * min(el, er) + ulp
 
 

@@ -25,7 +25,7 @@ class Step:
     right_prompt_index: int  # the same prompt on the right side
     prompt_id: str
     step: int  # generated-token position (0: the token the prefill yields)
-    what: str  # token | logprob | top_logprobs | length
+    what: str  # token | logprob | top_logprobs | length; asked: --step chose it, whatever was recorded
     left: Any  # what the left side recorded there
     right: Any
 
@@ -83,6 +83,20 @@ def first_step(left: Side, right: Side, *, tier: int, prompt: int | None = None)
     if prompt is not None and not any(l["prompt_index"] == prompt for l, _ in pairs):
         raise UsageError(f"--prompt {prompt}: the two sides hold no common record of that prompt index")
     return best
+
+
+def forced_step(left: Side, right: Side, step: int, prompt: int | None) -> Step:
+    """`--step N`: capture at step N of `prompt` (default: the first common prompt) whatever was recorded."""
+    pairs, _, _ = align(left.records, right.records)
+    pick = next(((l, r) for l, r in pairs if prompt is None or l["prompt_index"] == prompt), None)
+    if pick is None:
+        raise UsageError(f"--prompt {prompt}: the two sides hold no common record of that prompt index" if prompt is not None
+                         else "the two sides hold no common prompt")
+    l, r = pick
+    if step >= min(len(l["token_ids"]), len(r["token_ids"])):
+        raise UsageError(f"--step {step}: prompt {l['prompt_index']} has {min(len(l['token_ids']), len(r['token_ids']))} "
+                         "generated tokens on both sides", hint="steps count from 0 (the prefill)")
+    return Step(l["prompt_index"], r["prompt_index"], l["prompt_id"], step, "asked", None, None)
 
 
 def _record_step(a: dict[str, Any], b: dict[str, Any], tier: int) -> tuple[int, str, Any, Any] | None:

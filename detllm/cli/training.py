@@ -33,6 +33,9 @@ def train_check(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Training pack folder (default: a new folder under artifacts/).")] = None,
     force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
     sign_key: SignKey = None,
+    script: Annotated[Optional[str], typer.Option("--script", metavar="PATH.py[:make]", help="Train your own setup instead of the built-in task: "
+                                                  "a function returning model, optimizer, batches, loss_fn[, scheduler[, scaler]] "
+                                                  "(docs/training.md); --model, --batch-size and --seq-len then do not apply.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print train_report.json instead of the verdict.")] = False,
 ) -> None:
     def body() -> int:
@@ -43,7 +46,8 @@ def train_check(
         outcome = run_train_check(model=model, steps=steps, seed=seed, out=out, threads=threads, repeats=repeats,
                                   fresh_process=fresh_process, batch_size=batch_size, seq_len=seq_len,
                                   grad_accumulation=grad_accumulation, dtype=dtype, checkpoint_every=checkpoint_every,
-                                  checkpoints=checkpoints, test_options=parse_test_options(test_option), force=force, sign_key=sign_key)
+                                  checkpoints=checkpoints, test_options=parse_test_options(test_option), force=force, sign_key=sign_key,
+                                  script=script)
         typer.echo(dumps({"out_dir": str(outcome.out_dir), **outcome.report}) if as_json else outcome.text().rstrip("\n"))
         return outcome.exit_code
 

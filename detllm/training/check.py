@@ -29,7 +29,7 @@ from .verdict import first_divergence
 TRAIN_REPORT = "train_report.json"
 CHECKPOINTS = "checkpoints.json"
 REPORT_TXT = "report.txt"
-OWNED = (TRAIN_CONFIG, artifacts.ENV, STEPS, "repeats", CHECKPOINTS, TRAIN_REPORT, REPORT_TXT, artifacts.MANIFEST, "manifest.sig")
+OWNED = (TRAIN_CONFIG, "script.py.txt", artifacts.ENV, STEPS, "repeats", CHECKPOINTS, TRAIN_REPORT, REPORT_TXT, artifacts.MANIFEST, "manifest.sig")
 
 
 @dataclass
@@ -63,11 +63,13 @@ def parse_test_options(items: list[str] | None) -> dict[str, Any]:
 
 def make_config(*, model_id: str, identity: dict[str, Any], steps: int, seed: int, threads: int | None, batch_size: int,
                 seq_len: int, grad_accumulation: int, dtype: str, checkpoint_every: int | None,
-                test_options: dict[str, Any]) -> dict[str, Any]:
-    """train_config.json's document (refused when RFC 8785 cannot carry it exactly)."""
+                test_options: dict[str, Any], task: dict[str, Any] | None = None,
+                optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """train_config.json's document (refused when RFC 8785 cannot carry it exactly); `task` and
+    `optimizer` are a --script's sections (script.py), else the built-in task's."""
     doc = schema_io.stamp("train_config", {
         "model": {"id": model_id, **{k: identity.get(k) for k in ("weights_sha256", "tokenizer_sha256", "config_sha256")}},
-        "task": task_section(batch_size=batch_size, seq_len=seq_len), "optimizer": optimizer_section(),
+        "task": task or task_section(batch_size=batch_size, seq_len=seq_len), "optimizer": optimizer or optimizer_section(),
         "seed": seed, "steps": steps, "grad_accumulation": grad_accumulation, "dtype": dtype, "threads": threads,
         "checkpoint_every": checkpoint_every, "test_options": test_options,
     })
@@ -142,7 +144,8 @@ def _prepare(out: Path, ckdir: Path) -> None:
 def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str | Path | None = None, threads: int | None = None,
                 repeats: int = 1, fresh_process: int = 1, batch_size: int = 4, seq_len: int = 32, grad_accumulation: int = 1,
                 dtype: str = "float32", checkpoint_every: int | None = 1, checkpoints: str | Path | None = None,
-                test_options: dict[str, Any] | None = None, force: bool = False, sign_key: str | Path | None = None) -> TrainOutcome:
+                test_options: dict[str, Any] | None = None, force: bool = False, sign_key: str | Path | None = None,
+                script: str | None = None) -> TrainOutcome:
     """Run the built-in training task `1 + repeats + fresh_process` times and compare every step bit
     for bit; write the training pack to `out` and its checkpoints beside it. Exit code 0 PASS, 1 FAIL."""
     from ..hashing import folder_identity
@@ -156,22 +159,31 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
         if o["run"] > repeats + fresh_process:
             raise UsageError(f"--test-option {key} changes run {o['run']}, but only {repeats + fresh_process} repeat(s) run")
     signer = load_signing_key(sign_key) if sign_key is not None else None
-    resolved = resolve_model(model)
-    if resolved.path is None or not resolved.path.is_dir():
-        raise UsageError(f"--model {model!r}: train-check needs a built-in model or a local model folder")
-    if "grad_add" in opts and opts["grad_add"]["parameter"] not in (names := _parameter_names(resolved.path)):
+    sections: dict[str, Any] = {}
+    if script is not None:  # --script (script.py): the script's path stands for the model folder from here on
+        from .script import script_setup
+
+        path, sections["task"], sections["optimizer"], names = script_setup(script)
+        model, identity = "script", {}
+    else:
+        resolved = resolve_model(model)
+        if resolved.path is None or not resolved.path.is_dir():
+            raise UsageError(f"--model {model!r}: train-check needs a built-in model or a local model folder")
+        path = resolved.path
+    if "grad_add" in opts and opts["grad_add"]["parameter"] not in (names := names if script else _parameter_names(path)):
         raise UsageError(f"--test-option grad_add: the model has no parameter {opts['grad_add']['parameter']!r}",
                          hint=f"e.g. {names[-1]}")
-    identity = folder_identity(model, resolved.path).to_json()
+    if script is None:
+        identity = folder_identity(model, path).to_json()
     config = make_config(model_id=model, identity=identity, steps=steps, seed=seed, threads=threads, batch_size=batch_size,
                          seq_len=seq_len, grad_accumulation=grad_accumulation, dtype=dtype, checkpoint_every=checkpoint_every,
-                         test_options=opts)
+                         test_options=opts, **sections)
     out = Path(out) if out is not None else artifacts.default_out_dir("train-check")
     ckdir = Path(checkpoints) if checkpoints is not None else out.parent / (out.name + ".checkpoints")
     _check_out(out, ckdir, force)
     with exclusive_writer(out):
         try:
-            return _execute(config, resolved.path, out, ckdir, repeats, fresh_process, signer)
+            return _execute(config, path, out, ckdir, repeats, fresh_process, signer)
         except (DetllmError, OSError) as exc:
             if not (out / artifacts.PARTIAL).exists():
                 raise
@@ -185,6 +197,10 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
 def _execute(config: dict[str, Any], model_path: Path, out: Path, ckdir: Path, repeats: int, fresh: int, signer: Any) -> TrainOutcome:
     _prepare(out, ckdir)
     schema_io.write_json(out, TRAIN_CONFIG, config)
+    if config["task"]["kind"] == "script":
+        from .script import copy_script
+
+        copy_script(model_path, out)  # its bytes in the pack; run again only from a given path or when allowed
     schema_io.write_json(out, artifacts.ENV, collect_env(None))
     seeds = {r: config["seed"] for r in range(1 + repeats + fresh)}
     if "repeat_seed" in config["test_options"]:

@@ -159,6 +159,14 @@ def split(batch: Any, parts: int) -> list[Any]:
     return [type(batch)(v[i] for v in cut) if isinstance(batch, tuple) else [v[i] for v in cut] for i in range(parts)]
 
 
+@dataclass
+class ScriptBatch:
+    """One step's data, as task.Batch: `samples` is the batch's ordinal in the script's stream."""
+
+    samples: list[int]
+    micro: list[Any]  # the micro-batches' token-id tensors, in order
+
+
 class ScriptRun:
     """A checked script as the step loop's Task (task.Task's interface): `next_batch` takes the
     script's batches in their order (the data-order generator is not used: the order is the
@@ -181,13 +189,11 @@ class ScriptRun:
         self._drawn += 1
         return batch
 
-    def next_batch(self, data: Any) -> Any:
-        from .task import Batch
-
+    def next_batch(self, data: Any) -> "ScriptBatch":
         micro = split(self._draw(), self.grad_accumulation)
         ids = [token_ids(m) for m in micro]
         self._inputs = {id(i): m for i, m in zip(ids, micro)}
-        return Batch([self._drawn - 1], ids)
+        return ScriptBatch([self._drawn - 1], ids)
 
     def loss(self, micro_ids: Any) -> Any:
         return self.parts.loss_fn(self.model, self._inputs[id(micro_ids)])
@@ -222,6 +228,41 @@ def script_task_maker(load: Callable[[], ScriptTask], *, fast_forward: int = 0) 
     return make_task
 
 
+def build_script_task(config: dict[str, Any], script_path: Path) -> ScriptRun:
+    """task.build_task for a --script config (a fresh process's run): the script at `script_path`,
+    its bytes checked against the recorded sha256 before it runs."""
+    func = config["task"]["entry"].rpartition(":")[2]
+    return script_task_maker(lambda: _run(Path(script_path), func, f"{script_path}:{func}", config["task"]["script_sha256"]))(
+        config, script_path)
+
+
+def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
+    """train-check --script: (the script's path, standing for the model folder; the config's
+    task and optimizer sections; the model's parameter names), from one run of make()."""
+    from .rng import Saved, seed_all
+
+    with Saved():  # the caller's random state is put back
+        seed_all(0)
+        parts = load_script(spec)
+    opt = parts.optimizer
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opt.defaults.items()
+                if isinstance(v, (bool, int, str, type(None))) or (isinstance(v, float) and v == v and abs(v) != float("inf"))
+                or (isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v))}
+    optimizer = {"name": type(opt).__name__, **settings}
+    if parts.scheduler is not None:
+        optimizer["scheduler"] = type(parts.scheduler).__name__
+    if parts.scaler is not None:
+        optimizer["scaler"] = type(parts.scaler).__name__
+    return Path(parts.entry.rpartition(":")[0]), parts.config_task(), optimizer, [n for n, _ in parts.model.named_parameters()]
+
+
+def copy_script(script_path: Path, folder: Path) -> None:
+    """The script's bytes into the pack (SCRIPT_COPY), as text that nothing runs unless allowed."""
+    from ..schema_io import atomic_write_text
+
+    atomic_write_text(folder / SCRIPT_COPY, script_path.read_bytes().decode("utf-8", "surrogateescape"))
+
+
 def _jsonable(state: Any, name: str) -> Any:
     import json
 
@@ -229,13 +270,6 @@ def _jsonable(state: Any, name: str) -> Any:
         return json.loads(json.dumps(state, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise UsageError(f"--script: the {name}'s state_dict() is not plain JSON ({exc}); it cannot be checkpointed without pickling") from exc
-
-
-def pack_script(task: ScriptTask, folder: Path) -> None:
-    """Copy the script's bytes into the pack (SCRIPT_COPY); its sha256 is in train_config.json."""
-    from ..schema_io import atomic_write_text
-
-    atomic_write_text(folder / SCRIPT_COPY, task.source.decode("utf-8", "surrogateescape"))
 
 
 def script_for_replay(pack: Path, config: dict[str, Any], script: str | None, allow_pack_options: tuple[str, ...]) -> ScriptTask:

@@ -112,7 +112,12 @@ def check_task_args(*, batch_size: int, seq_len: int, grad_accumulation: int, dt
 
 
 def build_task(config: dict[str, Any], model_path: Path) -> Task:
-    """The built-in task of `config` (train_config.json's document) on the model folder."""
+    """The built-in task of `config` (train_config.json's document) on the model folder; a
+    --script config's task is the script's (script.py; `model_path` is then the script)."""
+    if config["task"]["kind"] == "script":
+        from .script import build_script_task
+
+        return build_script_task(config, model_path)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -111,6 +111,21 @@ def test_capture_is_in_hf_naming_with_the_row_shapes(backend, batch, clean):
 
 
 @pytest.mark.engine
+def test_attention_reads_the_keys_and_values_earlier_steps_wrote(batch, clean):
+    """At a decode step the attention op's inputs include the cached K/V: what the prompt's rows
+    wrote at steps 0..s-1 of the re-run, each position tagged with the step that wrote it."""
+    caps = clean[1]
+    n = len(batch[ROW].input_ids)
+    at = {s: {t.name: t for t in caps[s].tensors}["model.layers.1.self_attn/attention"] for s in (0, 1, 2)}
+    assert at[0].input_names == ["query", "key", "value"] and at[0].cached_from_step is None
+    assert at[2].input_names == ["query", "key", "value", "past_keys", "past_values"]
+    assert at[2].cached_steps == [0] * n + [1] and at[2].cached_from_step == 0
+    past_k, past_v = at[2].inputs[3:]
+    assert past_k.shape == past_v.shape == (n + 1, 128)
+    assert past_k[:n].tobytes() == at[0].inputs[1].tobytes() and past_v[n:].tobytes() == at[1].inputs[2].tobytes()
+
+
+@pytest.mark.engine
 def test_residual_stream_and_split_projections_match_transformers(backend, batch, clean):
     """vLLM's hidden + residual at each layer boundary is HF's decoder-layer output; the slices of
     qkv_proj and gate_up_proj are HF's q/k/v and gate/up, same shapes, float32-close."""

@@ -17,7 +17,7 @@ from ...errors import BackendError, UsageError
 from ...taps import LAYER_KINDS
 from ..capture import Capture, CapturedTensor, CaptureSpec
 from .names import ATTENTION_OP, Piece, Rule, rules
-from .rows import runner_of, spans
+from .rows import Span, runner_of, spans
 from .weights import HFWeights, module_weight
 
 
@@ -46,11 +46,14 @@ class _State:
     notes: set[str] = field(default_factory=set)
     weights: HFWeights | None = None  # the model's files: linear weights vLLM's CPU build packed away
     fused: dict[int, Any] = field(default_factory=dict)  # id(module) -> its weight, read once
+    span: Span | None = None  # the prompt's rows in the forward being run (any step)
+    written: dict[int, list[tuple[int, Any, Any]]] = field(default_factory=dict)  # attention op -> (step, keys, values) it wrote
+    cached: dict[int, list[int]] = field(default_factory=dict)  # attention op -> the step that wrote each cached position read
 
 
 def _root_pre_hook(state: _State, runner: Any) -> Callable:
     def hook(module: Any, args: tuple, kwargs: dict) -> None:
-        state.row = _Row()
+        state.row, state.span = _Row(), None
         found = None if state.done else spans(runner, args, kwargs)
         if found is None:
             return
@@ -60,7 +63,7 @@ def _root_pre_hook(state: _State, runner: Any) -> Callable:
         mine = [r for r in rows if r.req_id.split("-", 1)[0] == state.target_id]
         if not mine:
             return
-        span = mine[0]
+        span = state.span = mine[0]
         entry["row_positions"] = [span.first, span.last]
         if span.last == state.target_pos:
             chunked = span.first > 0 and state.spec.step == 0
@@ -85,8 +88,11 @@ def _first(out: Any) -> Any:
 
 def _pre_hook(state: _State, rule: Rule) -> Callable:
     part = rule.pieces[0].part
+    attention = rule.pieces[0].name.endswith("/" + ATTENTION_OP)
 
     def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        if attention and state.span is not None:
+            _kv(state, module, args, kwargs)
         if not state.row.active:
             return
         if part == "logits":
@@ -105,6 +111,20 @@ def _pre_hook(state: _State, rule: Rule) -> Callable:
     return hook
 
 
+def _kv(state: _State, module: Any, args: tuple, kwargs: dict) -> None:
+    """Keep the keys/values the prompt's rows write at each step before the captured one: the
+    cached K/V the attention op reads at the captured step (its inputs past_keys/past_values)."""
+    span = state.span
+    assert span is not None
+    written = state.written.setdefault(id(module), [])
+    if state.row.active:
+        state.cached[id(module)] = [step for step, k, _ in written for _ in range(k.shape[0])]
+        return
+    key = args[1] if len(args) > 1 else kwargs["key"]
+    value = args[2] if len(args) > 2 else kwargs["value"]
+    written.append((span.step or 0, key[span.start:span.end].detach().clone(), value[span.start:span.end].detach().clone()))
+
+
 def _is_tensor(x: Any) -> bool:
     import torch
 
@@ -118,6 +138,13 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
         inputs = state.snapshots.pop(id(module), [])
         shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if _is_tensor(a)]
         whole = _first(output)
+        cached = state.cached.pop(id(module), [])
+        if cached:
+            import torch
+
+            written = state.written[id(module)]
+            inputs = [*inputs, torch.cat([k for _, k, _ in written]), torch.cat([v for _, _, v in written])]
+            shapes += [tuple(inputs[-2].shape), tuple(inputs[-1].shape)]
         for piece in rule.pieces:
             out, ins = _piece_output(state, piece, output, inputs)
             ref = _ref_error(state, module, rule, piece, ins, out) if state.spec.reference else None
@@ -126,7 +153,8 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
                 inputs=[_numpy(state, i) for i in ins], input_shapes=shapes,
                 output_shape=tuple(whole.shape[:-1]) + ((piece.hi - piece.lo,) if piece.hi else tuple(whole.shape[-1:])),
                 ref_error=ref, dtype=str(out.dtype).replace("torch.", ""), input_names=_input_names(piece, len(ins)),
-                positions=[state.target_pos] if piece.part == "logits" else state.row.positions))
+                positions=[state.target_pos] if piece.part == "logits" else state.row.positions,
+                cached_steps=cached, cached_from_step=min(cached) if cached else None))
         if rule.pieces[0].part == "logits":
             state.done = True
             state.row = _Row()
@@ -136,7 +164,7 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
 def _input_names(piece: Piece, n: int) -> list[str]:
     """As transformers' modules are called: one positional input, HF's attention block by keyword."""
     if piece.name.endswith("/" + ATTENTION_OP):
-        return ["query", "key", "value"][:n]
+        return ["query", "key", "value", "past_keys", "past_values"][:n]
     if piece.kind == "attention":
         return ["hidden_states"][:n]
     return [f"arg{i}" for i in range(n)]
@@ -287,6 +315,7 @@ def engine_facts(llm: Any, attention: str | None, perturbation: Any) -> dict[str
         "tensor_parallel_size": int(vc.parallel_config.tensor_parallel_size),
         "attention_backend": attention,
         "layout": "flattened [num_tokens, ...] across sequences; rows from query_start_loc",
+        "kv_cache_dtype": str(vc.cache_config.cache_dtype),
         "perturb": str(perturbation) if perturbation is not None else None,
     }
 
@@ -297,7 +326,8 @@ def _bounded(state: _State, spec: CaptureSpec) -> tuple[list[CapturedTensor], st
         "model.layers.N is vLLM's hidden + residual (the residual add vLLM defers into the next layer's fused add-RMSNorm)",
         "not captured: HF's mlp.act_fn (silu(gate) alone): vLLM fuses it with the multiply by up ('mlp/silu_and_mul')",
         "not captured: rotary embedding as a module (vLLM applies it per layer; its rotated q/k are the inputs of 'self_attn/attention')",
-        "not captured: the cached K/V the attention op reads at decode steps (only the step's own q, k, v are its inputs)",
+        "self_attn/attention's past_keys/past_values are the keys/values the prompt's rows wrote at the earlier steps of "
+        "this re-run ([positions, kv_heads * head_dim], as computed, before the KV cache's own layout)",
         "lm_head is the logits of the captured step's last token only (vLLM computes no logits for other positions)",
     ]
     tensors, level = state.tensors, "layers" if spec.level == "layers" else "modules"

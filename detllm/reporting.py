@@ -1,5 +1,6 @@
 """`detllm report`: find a report (run or diff folder, .tar.gz pack, or report.json) and
-render it in one of the formats: txt, json, md, html, issue.
+render it in one of the formats: txt, json, md, html, issue; or, with kld, two runs' traces
+(two run folders, or the two a diff folder compared) as llama-perplexity's KLD statistics.
 
 Owns the choice of format and where the rendering goes; the renderers live in render/.
 Reads artifacts only, never an engine.
@@ -15,7 +16,7 @@ from .errors import ArtifactError, UsageError
 from .schema_io import to_json
 from .seedlayout import refuse_seed_layout
 
-FORMATS = ("txt", "json", "md", "html", "issue")
+FORMATS = ("txt", "json", "md", "html", "issue", "kld")
 _SUFFIX = {".txt": "txt", ".json": "json", ".md": "md", ".html": "html", ".htm": "html"}
 
 
@@ -49,10 +50,21 @@ def _renderer(fmt: str) -> Callable[[dict[str, Any], Path | None], str]:
     return lambda r, _: render_text(r)
 
 
-def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, junit: Path | None = None) -> str:
+def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, junit: Path | None = None,
+                right: str | Path | None = None) -> str:
     """Render the report at `path`; with `out`, also write it there (atomically). `junit`
-    writes JUnit XML of the same report. Returns the rendering."""
+    writes JUnit XML of the same report. `right`: the second run of --format kld. Returns the rendering."""
     fmt = pick_format(fmt, out)
+    if fmt == "kld" or right is not None:
+        if fmt != "kld" or junit is not None:
+            raise UsageError("a second run folder is read by --format kld only, and kld writes no JUnit" if fmt != "kld"
+                             else "--format kld compares two traces and has no JUnit form", hint="drop --junit" if junit else None)
+        from .render.kld import render_kld
+
+        text = render_kld(kld_document(path, right))
+        if out is not None:
+            artifacts.atomic_write_text(out, text)
+        return text
     render = _renderer(fmt)
     path = Path(path)
     if not path.exists():
@@ -76,3 +88,40 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
     if out is not None:
         artifacts.atomic_write_text(out, text)
     return text
+
+
+def kld_document(a: str | Path, b: str | Path | None = None) -> dict[str, Any]:
+    """The KLD statistics of two runs (compare/kld.py): `a` and `b` are run folders, packs or
+    diff selections (`FOLDER::run_N@batch_B`); `a` alone is a diff folder, whose two sides are
+    read from where it recorded them (as given to diff, else next to the diff folder). The left
+    run is the base (P)."""
+    from .compare.kld import positions, statistics
+    from .diff import Selection, effective_dtype, load_sides
+
+    sels = (Selection.parse(a), Selection.parse(b)) if b is not None else _diff_sides(Path(a))
+    left, right = load_sides(*sels)
+    found, counts = positions(left.records or [], right.records or [])
+    def side(s: Any) -> dict[str, Any]:
+        return {"label": s.label, "dtype": effective_dtype(s), **{k: s.run_config["config"][k] for k in ("backend", "model", "device")}}
+
+    return {"left": side(left), "right": side(right), "counts": counts, "statistics": statistics(found),
+            "top_k": min(s.run_config["config"]["logprobs"] for s in (left, right))}
+
+
+def _diff_sides(path: Path) -> tuple[Any, Any]:
+    from .diff import Selection
+
+    if not path.is_dir() or not artifacts.is_diff_folder(path):
+        raise UsageError("--format kld compares two runs' traces: pass two run folders, or a diff folder",
+                         hint="detllm report --format kld LEFT_RUN RIGHT_RUN")
+    artifacts.check_complete(path)
+    summary = artifacts.read_json(path / artifacts.REPORT, "report")["summary"]
+    sels = []
+    for name in ("left", "right"):
+        s = summary[name]
+        folder = next((f for f in (Path(s["folder"]), path.parent / s["folder"]) if f.exists()), None)
+        if folder is None:
+            raise ArtifactError(f"the diff folder's {name} run {s['folder']!r} is not where diff read it (a diff folder holds no trace)",
+                                hint="pass the two run folders: detllm report --format kld LEFT_RUN RIGHT_RUN")
+        sels.append(Selection(folder, s["run_index"], s["batch_size"]))
+    return sels[0], sels[1]

@@ -53,11 +53,13 @@ def env(
 
 
 @app.command(help="Render a run or diff folder's report.json: txt, json, md, html (one self-contained file) or "
-                  "issue (markdown for an engine's bug template). No engine is imported.")
+                  "issue (markdown for an engine's bug template); kld: llama-perplexity's --kl-divergence statistics of "
+                  "two runs (RUN_DIR RIGHT, or a diff folder). No engine is imported.")
 def report(
     run_dir: Annotated[Optional[Path], typer.Argument(help="A detllm run or diff folder, .tar.gz pack, or report.json.")] = None,
+    right: Annotated[Optional[str], typer.Argument(help="--format kld: the second run (folder, pack or FOLDER::run_N@batch_B).")] = None,
     report_in: Annotated[Optional[Path], typer.Option("--in", help="The same as RUN_DIR (the seed's spelling).")] = None,
-    fmt: Annotated[Optional[str], typer.Option("--format", "-f", help="txt, json, md, html or issue (default: from --out's suffix, else txt).")] = None,
+    fmt: Annotated[Optional[str], typer.Option("--format", "-f", help="txt, json, md, html, issue or kld (default: from --out's suffix, else txt).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the rendering to this file instead of stdout.")] = None,
     junit: JUnit = None,
     validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: report.json is always validated.")] = False,
@@ -69,7 +71,7 @@ def report(
             raise UsageError("give the report to render once: RUN_DIR or --in", hint="e.g. detllm report artifacts/check-1")
         check_output_file(out, "--out")
         check_output_file(junit, "--junit")
-        text = render_path(run_dir or report_in, fmt, out=out, junit=junit)
+        text = render_path(run_dir or report_in, fmt, out=out, junit=junit, right=right)
         if out is None:
             typer.echo(text, nl=False)
         return 0

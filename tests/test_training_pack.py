@@ -165,3 +165,19 @@ def test_pack_carries_checkpoints_only_when_asked(packs, tmp_path, cli):
     res = cli("replay", full, "--sample", "1/8", "--out", tmp_path / "r")  # the packed checkpoints, no --checkpoints
     assert res.exit_code == 0, res.output
     assert cli("pack", packs[0], "-o", tmp_path / "x.tar.gz", "--with-checkpoints", "--checkpoints", tmp_path).exit_code == 2
+
+
+def test_axes_say_which_setting_changes_the_bits(tmp_path, cli):
+    """--axis as sweep's: the base runs twice, each change once; micro-batching (with dropout on)
+    changes the bits at step 0; the verdict says the base repeated itself."""
+    res = cli("train-check", "--axis", "threads=1,2", "--axis", "grad_accumulation=1,2", "--steps", "2", "--out", tmp_path / "ax")
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "ax" / "axes.json").read_text())
+    rows = {r["what"]: r for r in doc["cells"]}
+    assert rows["base repeated"]["bits_changed"] is False
+    acc = rows["grad_accumulation 1 -> 2"]["first_divergence"]
+    assert acc["step"] == 0 and acc["where"] in ("grad", "loss") and acc["parameter"]
+    assert "threads 1 -> 2" in rows  # measured either way; the figure goes in the report
+    for bad in (["--axis", "lr=1,2"], ["--axis", "threads=1"], ["--axis", "threads=1,x"], ["--axis", "threads"]):
+        res = cli("train-check", *bad, "--out", tmp_path / "bad")
+        assert res.exit_code == 2 and not (tmp_path / "bad").exists(), (bad, res.output)

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import UsageError
 from .shell import Backend, Model, SignKey, app, guarded
 
 
@@ -36,12 +37,24 @@ def train_check(
     script: Annotated[Optional[str], typer.Option("--script", metavar="PATH.py[:make]", help="Train your own setup instead of the built-in task: "
                                                   "a function returning model, optimizer, batches, loss_fn[, scheduler[, scaler]] "
                                                   "(docs/training.md); --model, --batch-size and --seq-len then do not apply.")] = None,
+    axis: Annotated[Optional[list[str]], typer.Option("--axis", help="name=v1,v2 as sweep's (repeatable): threads, grad_accumulation, "
+                                                      "dtype. Runs the base (first values) twice and each other value with only that "
+                                                      "axis changed; says which change the bits, at which step and parameter; axes.json.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print train_report.json instead of the verdict.")] = False,
 ) -> None:
     def body() -> int:
         from ..schema_io import dumps
         from ..training.check import parse_test_options
         from ..training.check import train_check as run_train_check
+
+        if axis:
+            from ..training.axes import axes_from_args
+
+            if script is not None or test_option:
+                raise UsageError("--axis runs the built-in task without test options; leave out --script and --test-option")
+            return emit_training(axes_from_args(model=model, steps=steps, seed=seed, batch_size=batch_size, seq_len=seq_len,
+                                                dtype=dtype, threads=threads, grad_accumulation=grad_accumulation, specs=axis,
+                                                out=out, force=force), as_json)
 
         outcome = run_train_check(model=model, steps=steps, seed=seed, out=out, threads=threads, repeats=repeats,
                                   fresh_process=fresh_process, batch_size=batch_size, seq_len=seq_len,

@@ -22,7 +22,8 @@ from ...config import Decoding, RunConfig
 from ...errors import BackendError, BackendUnavailableError, DetllmError, UsageError
 from ...hashing import sha256_file
 from ...models.gguf import FLOAT_TYPES
-from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options
+from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
+                    parse_options)
 from .build import cpu_features, lists_gpu, marker, version_lines
 from .model import gguf_identity, read_info, resolve_gguf
 from .options import DEFAULT_CTX, LlamaCppOptions, validate
@@ -176,7 +177,20 @@ class LlamaCppBackend(Backend):
             max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
             notes=("llama.cpp is not batch invariant: the prompts of a batch share each llama_decode call and "
                    "logprobs change with the batch composition (up to ~3e-4 seen on tiny)",),
+            capture="layers",  # one sequence, through detllm-dump (capture.py)
         )
+
+    def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, spec: CaptureSpec) -> Capture:
+        from .capture import capture_sequence
+
+        return capture_sequence(self, requests, decoding, seed=seed, n_logprobs=n_logprobs, spec=spec)
+
+    def dump_settings(self) -> dict[str, Any]:
+        """The server's settings as detllm-dump takes them, so it computes the sequence as slot 0 did."""
+        o = self.options
+        threads, threads_batch = self._log_threads(self.server())
+        return {"threads": threads, "threads_batch": threads_batch, "n_ctx": self.slots * self.ctx_per_slot,
+                "n_seq": self.slots, "batch": o.batch, "ubatch": o.ubatch, "flash_attn": o.flash_attn, "kv_type": o.kv_type}
 
     def context_limit(self) -> int | None:
         return self.ctx_per_slot  # each slot holds one sequence: prompt + generated tokens

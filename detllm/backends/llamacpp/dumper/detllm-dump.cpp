@@ -14,8 +14,11 @@
 //
 // DIR/tensors.bin: the captured tensors, float32, contiguous, ggml order (ne[0] fastest), back to back.
 // DIR/logits.bin:  the last row's logits at each step 0..S, float32 [S+1][n_vocab].
-// DIR/index.json:  {"format": "detllm-dump", "version": 1, ..., "tensors": [{"name", "op", "type",
-//                  "ne", "eval", "order", "offset", "nbytes", "src": [{"name", "op", "type", "ne", "src": [names]}]}]}
+// DIR/index.json:  {"format": "detllm-dump", "version": 1, ..., "evals": [[first position, tokens], ...],
+//                  "tensors": [{"name", "op", "type", "ne", "eval", "order", "offset", "nbytes",
+//                               "src": [{"name", "op", "type", "ne", "src": [names]}]}]}
+//                  "eval" indexes "evals": the prompt is decoded one ubatch per llama_decode (chunks of
+//                  -b split by -ub, as llama_decode splits one sequence), so each is one graph evaluation.
 // A tensor of a type that is not f32/f16/bf16/i32 is listed with "offset": null (no data).
 #include "llama.h"
 #include "ggml.h"
@@ -39,7 +42,8 @@ struct dumper {
     bool active = false;               // only during the captured step
     FILE * data = nullptr;
     uint64_t offset = 0;
-    int eval = -1;                     // graph evaluation (ubatch) within the step: each starts with inp_embd
+    int eval = 0;                      // graph evaluation (ubatch) of the captured step, set by main's loop
+    std::string evals;                 // "[first position, tokens]" of each evaluation of the captured step
     int order = 0;
     std::string index;                 // JSON entries, comma separated
     std::vector<uint8_t> buf;
@@ -94,7 +98,6 @@ bool on_eval(ggml_tensor * t, bool ask, void * user_data) {
         return ask ? false : true;  // declined nodes are not called back; true keeps computing
     }
     if (ask) {
-        if (strcmp(t->name, "inp_embd") == 0) d->eval++;  // a graph's first node (llama.cpp's build_inp_embd)
         // never an RMS_NORM: stopping after it would split the RMS_NORM+MUL pair the CPU backend
         // fuses into one kernel, and the captured step would compute other bits than a plain run
         return t->op != GGML_OP_RMS_NORM && matches(*d, t);
@@ -102,7 +105,7 @@ bool on_eval(ggml_tensor * t, bool ask, void * user_data) {
 
     std::string entry = "{\"name\": " + json_str(t->name) + ", \"op\": " + json_str(ggml_op_desc(t)) +
                         ", \"type\": " + json_str(ggml_type_name(t->type)) + ", \"ne\": " + ne_json(t) +
-                        ", \"eval\": " + std::to_string(std::max(d->eval, 0)) + ", \"order\": " + std::to_string(d->order++);
+                        ", \"eval\": " + std::to_string(d->eval) + ", \"order\": " + std::to_string(d->order++);
     if (convertible(t->type) && t->data != nullptr) {
         const size_t n_bytes = ggml_nbytes(t);
         const uint8_t * src = (const uint8_t *) t->data;
@@ -287,18 +290,27 @@ int main(int argc, char ** argv) {
         else input.push_back(forced.empty() ? argmax.back() : forced[s - 1]);
         if (s > 0) fed.push_back(input[0]);
         d.active = (s == step);
-        for (size_t i0 = 0; i0 < input.size(); i0 += (size_t) n_batch) {  // the prompt in chunks of -b, as llama-server does
-            const size_t n = std::min(input.size() - i0, (size_t) n_batch);
-            batch.n_tokens = (int32_t) n;
-            for (size_t i = 0; i < n; ++i) {
-                batch.token[i] = input[i0 + i];
-                batch.pos[i] = pos++;
-                batch.n_seq_id[i] = 1;
-                batch.seq_id[i][0] = 0;
-                batch.logits[i] = (i0 + i + 1 == input.size());
+        // the prompt in chunks of -b (as llama-server posts it), each in ubatches of -ub (as llama_decode
+        // splits one sequence's chunk): one llama_decode per ubatch, so each is one graph evaluation
+        for (size_t c0 = 0; c0 < input.size(); c0 += (size_t) n_batch) {
+            const size_t c1 = std::min(input.size(), c0 + (size_t) n_batch);
+            for (size_t u0 = c0; u0 < c1; u0 += (size_t) n_ubatch) {
+                const size_t n = std::min(c1 - u0, (size_t) n_ubatch);
+                batch.n_tokens = (int32_t) n;
+                if (d.active) {
+                    d.evals += (d.evals.empty() ? "[" : ", [") + std::to_string(pos) + ", " + std::to_string(n) + "]";
+                }
+                for (size_t i = 0; i < n; ++i) {
+                    batch.token[i] = input[u0 + i];
+                    batch.pos[i] = pos++;
+                    batch.n_seq_id[i] = 1;
+                    batch.seq_id[i][0] = 0;
+                    batch.logits[i] = (u0 + i + 1 == input.size());
+                }
+                const int rc = llama_decode(ctx, batch);
+                if (rc != 0) { fprintf(stderr, "detllm-dump: error: llama_decode failed at step %d (code %d)\n", s, rc); return 1; }
+                if (d.active) d.eval++;
             }
-            const int rc = llama_decode(ctx, batch);
-            if (rc != 0) { fprintf(stderr, "detllm-dump: error: llama_decode failed at step %d (code %d)\n", s, rc); return 1; }
         }
         const float * logits = llama_get_logits_ith(ctx, -1);
         if (fwrite(logits, sizeof(float), (size_t) n_vocab, logits_f) != (size_t) n_vocab) {
@@ -323,12 +335,12 @@ int main(int argc, char ** argv) {
     fprintf(f, "{\"format\": \"detllm-dump\", \"version\": 1, \"model\": %s, \"step\": %d, \"n_vocab\": %d,\n"
                " \"n_embd\": %d, \"n_layer\": %d, \"threads\": %d, \"threads_batch\": %d, \"n_ctx\": %d, \"n_seq_max\": %d,\n"
                " \"n_batch\": %d, \"n_ubatch\": %d, \"flash_attn\": %s, \"type_k\": %s, \"type_v\": %s,\n"
-               " \"prompt\": %s, \"fed\": %s, \"argmax\": %s, \"evals\": %d,\n \"tensors\": [\n  %s]}\n",
+               " \"prompt\": %s, \"fed\": %s, \"argmax\": %s, \"evals\": [%s],\n \"tensors\": [\n  %s]}\n",
             json_str(model_path.c_str()).c_str(), step, n_vocab, llama_model_n_embd(model), llama_model_n_layer(model),
             threads, threads_batch, n_ctx, n_seq, n_batch, n_ubatch,
             fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "\"on\"" : fa == LLAMA_FLASH_ATTN_TYPE_DISABLED ? "\"off\"" : "\"auto\"",
             json_str(ggml_type_name(type_k)).c_str(), json_str(ggml_type_name(type_v)).c_str(),
-            ids_json(prompt).c_str(), ids_json(fed).c_str(), ids_json(argmax).c_str(), std::max(d.eval, 0) + 1, d.index.c_str());
+            ids_json(prompt).c_str(), ids_json(fed).c_str(), ids_json(argmax).c_str(), d.evals.c_str(), d.index.c_str());
     fclose(f);
 
     llama_batch_free(batch);

@@ -1,0 +1,297 @@
+"""The `llamacpp` backend's capture (`detllm locate`): run detllm-dump (our libllama program, built
+next to llama-server by scripts/build_llamacpp.sh) on one recorded sequence, read the raw tensors
+it wrote at the chosen step, and name them in Hugging Face naming: layer boundaries by a shipped
+rule (`l_out-N` -> `model.layers.N`), other nodes through their weight operand and the `gguf`
+package's tensor name map, with GGUF's Q/K row permutation undone. One sequence only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ...errors import BackendError, BackendUnavailableError, UsageError
+from ..capture import Capture, CapturedTensor, CaptureSpec
+
+DUMPER = "detllm-dump"
+DUMP_FORMAT, DUMP_VERSION = "detllm-dump", 1
+LAYER_OUT = re.compile(r"^l_out-(\d+)$")  # llama.cpp's residual stream after decoder layer N
+LAYER_KINDS = ("embedding", "layer", "logits")  # what a "layers" capture keeps
+UNPERMUTED_ARCHS = ("llama",)  # convert_hf_to_gguf permutes q/k rows for these (llama.cpp's "normal" rope)
+REBUILD_HINT = "rebuild llama.cpp with scripts/build_llamacpp.sh: it builds detllm-dump next to llama-server"
+
+
+def find_dumper(server: Path) -> Path:
+    """detllm-dump in llama-server's folder (the build script puts both there)."""
+    dumper = server.parent / DUMPER
+    if not dumper.is_file():
+        raise BackendUnavailableError(f"{server.parent} has no {DUMPER}: this llama.cpp build cannot capture tensors",
+                                      hint=REBUILD_HINT)
+    return dumper
+
+
+@dataclass
+class Dump:
+    """What one detllm-dump run wrote: its index (index.json) and the tensors' float32 data."""
+
+    index: dict[str, Any]
+    records: list[dict[str, Any]]  # index["tensors"], each with "data" (numpy array, reversed ne) or None
+    logits: Any  # numpy float32 [step + 1, n_vocab]: the last row's logits at each step
+    argv: list[str] = field(default_factory=list)
+
+
+def run_dump(dumper: Path, gguf: Path, prompt: Sequence[int], forced: Sequence[int], step: int, settings: dict[str, Any],
+             patterns: Sequence[str] = (), timeout: float = 600.0) -> Dump:
+    """Run detllm-dump on one sequence and read what it wrote. `settings` mirror llama-server's:
+    threads, threads_batch, n_ctx, n_seq, batch, ubatch, flash_attn, kv_type (None: the default)."""
+    argv = [str(dumper), "-m", str(gguf), "--tokens", ",".join(str(int(t)) for t in prompt), "--step", str(step)]
+    if step:
+        argv += ["--forced", ",".join(str(int(t)) for t in forced[:step])]
+    for flag, key in (("-t", "threads"), ("-tb", "threads_batch"), ("-c", "n_ctx"), ("-np", "n_seq"), ("-b", "batch"),
+                      ("-ub", "ubatch"), ("-fa", "flash_attn"), ("-ctk", "kv_type"), ("-ctv", "kv_type")):
+        if settings.get(key) is not None:
+            argv += [flag, str(settings[key])]
+    for p in patterns:
+        argv += ["--match", p]
+    with tempfile.TemporaryDirectory(prefix="detllm-dump-") as out:
+        try:
+            proc = subprocess.run([*argv, "--out", out], capture_output=True, text=True, timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BackendError(f"{DUMPER} failed: {exc.__class__.__name__}: {exc}") from exc
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            raise BackendError(f"{DUMPER} failed (exit code {proc.returncode}): {tail}")
+        dump = read_dump(Path(out))
+    dump.argv = argv[1:]
+    return dump
+
+
+def read_dump(folder: Path) -> Dump:
+    """index.json, tensors.bin and logits.bin of a dump folder; BackendError for a malformed one."""
+    import numpy as np
+
+    try:
+        index = json.loads((folder / "index.json").read_text())
+        data = np.fromfile(folder / "tensors.bin", dtype=np.float32)
+        logits = np.fromfile(folder / "logits.bin", dtype=np.float32)
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"{DUMPER} wrote an unreadable dump: {exc}") from exc
+    if index.get("format") != DUMP_FORMAT or index.get("version") != DUMP_VERSION:
+        raise BackendError(f"{DUMPER} wrote format {index.get('format')!r} version {index.get('version')!r}, "
+                           f"expected {DUMP_FORMAT!r} version {DUMP_VERSION}", hint=REBUILD_HINT)
+    n_vocab, step = int(index["n_vocab"]), int(index["step"])
+    if logits.size != (step + 1) * n_vocab:
+        raise BackendError(f"{DUMPER} wrote {logits.size} logits, expected {(step + 1) * n_vocab}")
+    records = index["tensors"]
+    for rec in records:
+        ne = [int(n) for n in rec["ne"]]
+        rec["data"] = None
+        if rec.get("offset") is not None:
+            first, count = int(rec["offset"]) // 4, ne[0] * ne[1] * ne[2] * ne[3]
+            if first + count > data.size or int(rec["nbytes"]) != 4 * count:
+                raise BackendError(f"{DUMPER}: tensor {rec['name']!r} lies outside tensors.bin")
+            rec["data"] = data[first:first + count].reshape(ne[3], ne[2], ne[1], ne[0])
+    return Dump(index, records, logits.reshape(step + 1, n_vocab))
+
+
+# --- naming: graph nodes -> Hugging Face module paths ---
+
+
+class NameMap:
+    """GGUF weight base names (`blk.0.attn_q`) -> Hugging Face module paths, from the `gguf`
+    package's TensorNameMap for the file's architecture (weights only). Where several Hugging Face
+    names map to one GGUF name, one in `known` wins (the other side's modules), else the first
+    `model.`-rooted one (`lm_head` for the output)."""
+
+    def __init__(self, arch: str, n_layer: int, known: Sequence[str] = ()) -> None:
+        try:
+            import gguf
+        except ImportError as exc:
+            raise BackendUnavailableError("naming llama.cpp nodes needs the gguf package",
+                                          hint="pip install 'detllm[hf]' (or gguf)") from exc
+        enum = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), None)
+        self.hf: dict[str, str] = {}
+        if enum is None:
+            return
+        candidates: dict[str, list[str]] = {}
+        for hf, (_tensor, base) in gguf.TensorNameMap(enum, n_layer).mapping.items():
+            candidates.setdefault(base, []).append(hf)
+        known_set = set(known)
+        for base, names in candidates.items():
+            pick = next((n for n in names if n in known_set), None)
+            if pick is None:
+                pick = next((n for n in names if n == "lm_head" or n.startswith("model.layers." if base.startswith("blk.") else "model.")), None)
+            if pick is not None:
+                self.hf[base] = pick
+
+    def module(self, weight: str) -> str | None:
+        return self.hf.get(weight.removesuffix(".weight")) if weight.endswith(".weight") else None
+
+
+def _kind(base: str, op: str) -> str:
+    if base == "token_embd":
+        return "embedding"
+    if base == "output":
+        return "logits"
+    return "norm" if op == "MUL" and base.endswith("norm") else "gemm"
+
+
+def node_name(rec: dict[str, Any], names: NameMap) -> tuple[str, str, str | None] | None:
+    """(Hugging Face name, kind, GGUF weight base) of a dumped node, or None for a node no rule names:
+    l_out-N is the layer boundary; GET_ROWS/MUL_MAT/MUL name the module whose weight they read."""
+    m = LAYER_OUT.match(rec["name"])
+    if m:
+        return f"model.layers.{m.group(1)}", "layer", None
+    if rec["op"] not in ("GET_ROWS", "MUL_MAT", "MUL"):
+        return None
+    for src in rec["src"]:
+        module = names.module(src["name"])
+        if module is not None:
+            base = src["name"].removesuffix(".weight")
+            return module, _kind(base.split(".")[-1] if base.startswith("blk.") else base, rec["op"]), base
+    return None
+
+
+def unpermute(a: Any, n_head: int) -> Any:
+    """Undo GGUF's q/k row permutation on an output's last (feature) axis: GGUF's feature
+    (head h, pair i, j) is Hugging Face's (head h, half j, i) (models.gguf.permute_qk)."""
+    head_dim = a.shape[-1] // n_head
+    return a.reshape(*a.shape[:-1], n_head, head_dim // 2, 2).swapaxes(-1, -2).reshape(a.shape)
+
+
+def _rows(data: Any) -> Any:
+    """A node's data (reversed ne: [ne3, ne2, ne1, ne0]) as [rows, features] (ne1 the token axis),
+    keeping ne2/ne3 only where they are not 1."""
+    a = data
+    while a.ndim > 2 and a.shape[0] == 1:
+        a = a[0]
+    return a
+
+
+def tensors(dump: Dump, spec: CaptureSpec, arch: str, n_head: int, n_head_kv: int, known: Sequence[str] = ()) -> tuple[list[CapturedTensor], list[str]]:
+    """The dump's nodes that a rule names, as CapturedTensor records (ubatches of the prompt joined
+    along the token axis), in capture order; and notes on what was left out."""
+    import numpy as np
+
+    idx = dump.index
+    notes: list[str] = []
+    try:
+        names = NameMap(arch, int(idx["n_layer"]), known)
+    except BackendUnavailableError as exc:
+        names = NameMap("", 0)
+        notes.append(f"modules other than layer boundaries not named: {exc.message}")
+    evals = [list(range(int(first), int(first) + int(n))) for first, n in idx["evals"]]  # positions per evaluation
+    by_name: dict[tuple[int, str], dict[str, Any]] = {}  # (eval, node name) -> the latest record so named
+    groups: dict[str, dict[str, Any]] = {}
+    taken: set[tuple[str, int]] = set()
+    for rec in sorted(dump.records, key=lambda r: r["order"]):
+        by_name[(rec["eval"], rec["name"])] = rec
+        named = node_name(rec, names)
+        if named is None or rec["data"] is None:
+            continue
+        hf, kind, base = named
+        if (spec.level == "layers" and kind not in LAYER_KINDS) or (hf, rec["eval"]) in taken:
+            continue  # one node per module and evaluation: the first that reads its weight (llama.cpp
+            # also embeds the tokens a second time, for its multi-token-prediction input)
+        taken.add((hf, rec["eval"]))
+        positions = evals[rec["eval"]] if rec["eval"] < len(evals) else []
+        rows = _rows(rec["data"])
+        if rows.shape[-2] != len(positions):  # the last layer keeps only the rows that yield logits
+            positions = positions[len(positions) - rows.shape[-2]:] if rows.shape[-2] <= len(positions) else []
+        if base is not None and base.endswith(("attn_q", "attn_k")) and arch in UNPERMUTED_ARCHS:
+            rows = unpermute(rows, n_head if base.endswith("attn_q") else n_head_kv)
+        inputs = _inputs(rec, hf, kind, by_name, names)
+        g = groups.setdefault(hf, {"kind": kind, "order": rec["order"], "out": [], "inputs": [], "positions": [],
+                                   "in_shapes": [], "out_shapes": []})
+        g["out"].append(rows)
+        g["inputs"].append(inputs)
+        g["positions"] += positions
+        g["in_shapes"].append([tuple(reversed([int(n) for n in s["ne"]])) for s in rec["src"]])
+        g["out_shapes"].append(tuple(reversed([int(n) for n in rec["ne"]])))
+    out: list[CapturedTensor] = []
+    for hf, g in sorted(groups.items(), key=lambda kv: kv[1]["order"]):
+        join = (lambda parts: parts[0]) if len(g["out"]) == 1 else (lambda parts: np.concatenate(parts, axis=-2))
+        ins = [join([ins[k] for ins in g["inputs"]]) for k in range(min(len(i) for i in g["inputs"]))]
+        out.append(CapturedTensor(name=hf, kind=g["kind"], order=len(out), output=join(g["out"]), inputs=ins,
+                                  input_shapes=g["in_shapes"][0], output_shape=g["out_shapes"][0],
+                                  positions=list(g["positions"])))
+    if spec.level != "layers":
+        notes.append("llama.cpp modules are the graph nodes that read a weight (embedding, norms, q/k/v/o, gate/up/down, "
+                     "lm_head) plus the layer boundaries; no attention, activation or rotary internals")
+    return out, notes
+
+
+def _inputs(rec: dict[str, Any], hf: str, kind: str, by_name: dict, names: NameMap) -> list[Any]:
+    """The captured activations a node read (weights left out): a layer boundary's input is the previous
+    boundary (or the embedding), a norm's is what its RMS_NORM read, a matmul's its activation operand."""
+    ev = rec["eval"]
+    if kind == "layer":
+        n = int(hf.rsplit(".", 1)[1])
+        prev = by_name.get((ev, f"l_out-{n - 1}")) if n else (by_name.get((ev, "inp_embd")) or by_name.get((ev, "embd")))
+        return [_rows(prev["data"])] if prev is not None and prev["data"] is not None else []
+    found = []
+    for src in rec["src"]:
+        if names.module(src["name"]) is not None or src["name"].endswith(".weight"):
+            continue
+        wanted = src["src"][0] if src["op"] == "RMS_NORM" and src["src"] else src["name"]
+        got = by_name.get((ev, wanted))
+        if got is not None and got["data"] is not None:
+            found.append(_rows(got["data"]))
+    return found
+
+
+def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, seed: int, n_logprobs: int,
+                     spec: CaptureSpec) -> Capture:
+    """LlamaCppBackend.capture: the server re-runs the one request up to spec.step (the generations
+    locate checks against the trace), then detllm-dump computes the same sequence with the server's
+    settings, feeding the server's tokens, and writes the nodes of step spec.step."""
+    import numpy as np
+
+    if len(requests) != 1 or spec.row != 0:
+        raise UsageError(f"llama.cpp capture re-runs one sequence; this batch has {len(requests)} rows "
+                         "(batched llama.cpp runs are out of scope)",
+                         hint="locate a batch-1 llamacpp run, or capture a batch with hf or vllm")
+    if backend.device != "cpu":
+        raise BackendUnavailableError(f"llama.cpp capture computes on the CPU; this run used {backend.device!r}",
+                                      hint="locate a --device cpu llamacpp run")
+    dumper = find_dumper(backend.binary)
+    cut = dataclasses.replace(decoding, max_new_tokens=min(decoding.max_new_tokens, spec.step + 1))
+    gens = backend.generate(requests, cut, seed=seed, n_logprobs=n_logprobs, logprobs=n_logprobs > 0)
+    tokens = list(gens[0].token_ids)
+    if len(tokens) <= spec.step:
+        raise UsageError(f"the re-run stopped after {len(tokens)} tokens; step {spec.step} was not reached")
+    settings = backend.dump_settings()
+    dump = run_dump(dumper, backend.gguf, requests[0].input_ids, tokens[:spec.step], spec.step, settings)
+    meta, arch = backend.info.metadata, backend.info.architecture
+    n_head = int(meta.get(f"{arch}.attention.head_count") or 1)
+    n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv") or n_head)
+    level = "layers" if spec.level == "layers" else "modules"
+    found, notes = tensors(dump, dataclasses.replace(spec, level=level), arch, n_head, n_head_kv)
+    if level != "layers" and sum(int(t.output.nbytes) + sum(int(i.nbytes) for i in t.inputs) for t in found) > spec.max_bytes:
+        found = [dataclasses.replace(t, order=k) for k, t in enumerate(t for t in found if t.kind in LAYER_KINDS)]
+        level = "layers"
+        notes.append(f"past the {spec.max_bytes} byte bound: layer boundaries only")
+    # does the dumper's forward reproduce the server's? its logits against the server's logprobs
+    lse = [float(np.log(np.sum(np.exp(row.astype(np.float64) - row.max()))) + float(row.max())) for row in dump.logits]
+    drift = None
+    if gens[0].logprobs:
+        drift = max(abs((float(dump.logits[i][tok]) - lse[i]) - gens[0].logprobs[i]) for i, tok in enumerate(tokens[:spec.step + 1]))
+    greedy_same = [int(t) for t in dump.index["argmax"]] == tokens[:spec.step + 1]
+    notes += ["one sequence, re-run by llama-server (the generations) and by detllm-dump (the tensors) with the same "
+              "settings; batched llama.cpp runs are out of scope",
+              "RMS_NORM nodes are never captured (a cut there would undo the CPU backend's RMS_NORM+MUL fusion); "
+              "a norm module is its MUL with the norm weight"]
+    if arch not in UNPERMUTED_ARCHS:
+        notes.append(f"q/k outputs are in GGUF's row order: no un-permute rule for architecture {arch!r}")
+    engine = {"dumper": str(dumper), "dumper_argv": dump.argv, "evals": dump.index["evals"],
+              "dumper_argmax_equals_server_tokens": greedy_same, "dumper_logprob_max_abs_diff": drift}
+    return Capture(generations=gens, tensors=found, level=level, notes=notes, engine=engine)
+
+
+__all__ = ["DUMPER", "Dump", "NameMap", "capture_sequence", "find_dumper", "node_name", "read_dump", "run_dump", "tensors", "unpermute"]

@@ -209,3 +209,13 @@ def test_a_step_asked_for_on_equal_sides_locates_nothing(tmp_path):
     assert doc["step"]["what"] == "asked" and doc["captured_step"] == 1
     assert doc["status"] == "not_located" and doc["first_bitwise_op"] is None and doc["first_differing"] is None
     assert doc["layers"] and all(r["output_equal"] and r["inputs_equal"] for r in doc["layers"])
+
+
+def test_diagnose_layers_probe(tmp_path, cli):
+    folder = _check(tmp_path, diverge="prompt=1,pos=3,batch=4")
+    r = cli("diagnose", folder, "--probe", "layers", "--out", tmp_path / "dg")
+    assert r.exit_code == 0, r.output
+    doc = artifacts.read_json(tmp_path / "dg" / "diagnosis.json", "diagnosis")
+    assert doc["layers"]["status"] == "ran" and doc["layers"]["layer"] == "model.layers.0" and doc["layers"]["step"] == 3
+    assert "layers (detllm locate): first op whose inputs agree" in r.stdout
+    assert artifacts.read_json(tmp_path / "dg" / "layers" / "locate.json", "locate")["captured"]["level_requested"] == "layers"

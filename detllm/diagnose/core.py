@@ -118,7 +118,7 @@ def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Pat
     raise err(f"the check to diagnose stopped (exit {code}): {line.removeprefix('detllm: error: ')}")
 
 
-PROBE_KINDS = {"ladder", "needle", "fresh_process", "prefill"}
+PROBE_KINDS = {"ladder", "needle", "fresh_process", "prefill", "layers"}
 KNOWN_KNOBS = {"threads", "dtype", "attn_implementation", "batch_invariant", "kv_type", "flash_attn", "ubatch", "cache_prompt",
                "enforce_eager", "prefix_caching", "max_num_seqs", "concurrency"}
 
@@ -271,6 +271,13 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
             got = runner.run(Probe("prefill vs decode", "prefill/decode path", "prefill",
                                    "whether scoring the generated sequence as a prompt gives the logprobs seen while decoding", 1.0))
             prefill = {"status": got["status"], "reason": got.get("reason"), **got["evidence"]}
+        layers = None
+        if runner.left() and ((baseline["diverged"] and not only) or "layers" in only):  # where in the model: detllm locate
+            from .layers import layers_probe
+
+            if progress:
+                progress("layers probe (detllm locate --layers-only)")
+            layers = layers_probe(pool, base, source.get("path") if source.get("status") == "FAIL" else None, out)
     knobs = served.rank_cache_evidence(rank_knobs(runner.results, baseline), records, base, tier, server)
     cannot_text = recorded.not_switched(cannot)
     unreproduced = None
@@ -296,6 +303,7 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
         "knobs": knobs,
         "passing_settings": passing,
         "prefill_vs_decode": prefill,
+        "layers": layers,
         "isolated": isolated_by is not None,
         "conclusion": conclusion(knobs, passing, baseline["kinds"], confirmation) + cannot_text if baseline["diverged"]
         else unreproduced or f"Nothing to diagnose: the check passes at tier {tier} (every comparison agreed).",

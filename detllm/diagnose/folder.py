@@ -14,7 +14,7 @@ from ..errors import UsageError
 from .render import render_html, render_markdown, render_text
 
 DIAGNOSIS = "diagnosis.json"
-OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "diagnosis.html", "prompts.jsonl", "baseline", "probes", "logs")
+OWNED = (DIAGNOSIS, "diagnosis.txt", "diagnosis.md", "diagnosis.html", "prompts.jsonl", "baseline", "probes", "logs", "layers")
 
 
 @dataclass

@@ -54,6 +54,9 @@ def render_text(doc: dict[str, Any]) -> str:
     if pv and pv.get("available"):
         lines.append(f"prefill vs decode: max |d| {_num(pv['max_abs_logprob_diff'])} over {pv['positions']} positions, "
                      f"first differing position {_num(pv['first_differing_position'])} ({pv['method']})")
+    ly = doc.get("layers")
+    if ly:
+        lines.append(f"layers (detllm locate): {ly.get('line') or ly.get('reason', ly['status'])}")
     for s in doc["skipped_knobs"]:
         lines.append(f"not probed: {s['knob']} - {s['reason']}")
     for s in doc["not_run"]:
@@ -81,6 +84,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if pv and pv.get("available"):
         out += [f"Prefill vs decode: max |Δ| {_num(pv['max_abs_logprob_diff'])} over {pv['positions']} positions, first "
                 f"differing position {_num(pv['first_differing_position'])} ({pv['method']}).", ""]
+    ly = doc.get("layers")
+    if ly:
+        out += [f"Layers (`detllm locate --layers-only`): {ly.get('line') or ly.get('reason', ly['status'])}", ""]
     if doc["skipped_knobs"] or doc["not_run"]:
         out += [f"- not probed: {s['knob']} ({s['reason']})" for s in doc["skipped_knobs"]]
         out += [f"- not run: {s['name']} ({s['reason']})" for s in doc["not_run"]]
@@ -129,6 +135,9 @@ def render_html(doc: dict[str, Any]) -> str:
     if pv and pv.get("available"):
         body.append(f"<p>Prefill vs decode: max |Δ| {esc(_num(pv['max_abs_logprob_diff']))} over {esc(pv['positions'])} positions, "
                     f"first differing position {esc(_num(pv['first_differing_position']))} ({esc(pv['method'])}).</p>")
+    ly = doc.get("layers")
+    if ly:
+        body.append(f"<p>Layers (detllm locate --layers-only): {esc(ly.get('line') or ly.get('reason', ly['status']))}</p>")
     comps = base.get("comparisons") or []
     if comps:
         body += ["<h2>The failing check</h2>", "<table class='baseline'><tr><th>comparison</th><th>diverged</th><th>prompts</th>"

@@ -2,7 +2,7 @@
 
 Owns the child side of diagnose and sweep. The parent (diagnose/pool.py) writes one JSON job
 per line to stdin; the worker runs it (a `check` or `run` through the runner, a needle-in-a-
-batch trial set, a prefill-vs-decode scoring) and writes the result to the job's result file,
+batch trial set, a prefill-vs-decode scoring, a layers locate) and writes the result to the job's result file,
 then prints a marker line. A model stays loaded between jobs of one worker; a fresh worker is
 a fresh process (new thread pools, kernel choices, caches). Never imported by the parent.
 """
@@ -36,6 +36,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             from .prefill import run_prefill_probe
 
             body = run_prefill_probe(config, job)
+        elif job["kind"] == "layers":
+            from .layers import run_layers_probe
+
+            body = run_layers_probe(job)
         else:
             raise ValueError(f"unknown job kind {job['kind']!r}")
         body["ok"] = True

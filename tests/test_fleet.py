@@ -124,3 +124,26 @@ def test_fleet_out_must_be_a_fleet_folder(folders, cli):
     f = folders["one_off"]
     r = cli("diff", f"{f}::run_0", f"{f}::run_1", f"{f}::run_2", "--out", f)
     assert r.exit_code == 2 and "one of the folders being compared" in r.output
+
+
+def _replicas(sides, unstable):
+    from detllm.diff import Selection, load_sides
+    from detllm.fleet.verdict import Replica, prompt_keys
+
+    loaded = load_sides(*[Selection.parse(s) for s in sides])
+    return [Replica(index=i, name=s.label, source=str(a), side=s, keys=prompt_keys(s.records),
+                    own={"status": "FAIL" if i in unstable else "PASS", "category": "RUN_VARIANCE" if i in unstable else "PASS",
+                         "repeats_differ": i in unstable}) for i, (a, s) in enumerate(zip(sides, loaded))]
+
+
+def test_unstable_replicas_name_no_outlier(folders):
+    from detllm.fleet.verdict import fleet_verdict
+
+    f = folders["one_off"]
+    sides = [f"{f}::run_0", f"{f}::run_1", f"{f}::run_2"]  # replica 1 differs at prompt 1
+    doc = fleet_verdict(_replicas(sides, {0, 1}), command="diff")  # most replicas differ from their own repeats
+    validate(doc, "fleet")
+    assert doc["category"] == "UNSTABLE" and doc["outliers"] == [] and all(not p["outliers"] for p in doc["prompts"])
+    assert [r["unstable"] for r in doc["replicas"]] == [True, True, False]
+    doc = fleet_verdict(_replicas(sides, {1}), command="diff")  # one unstable replica among stable ones: still named
+    assert doc["category"] == "OUTLIER" and doc["outliers"] == [1] and doc["replicas"][1]["unstable"]

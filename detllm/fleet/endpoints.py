@@ -21,7 +21,7 @@ from ..errors import BackendError, DetllmError, UsageError
 from ..prompts import PromptSet
 from ..runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
-from .verdict import Replica, fleet_verdict, prompt_keys
+from .verdict import Replica, fleet_verdict, own_check, prompt_keys
 
 Progress = Callable[[int, int, int], None]
 
@@ -99,7 +99,7 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompt_set: Prom
         folder = out / REPLICA.format(i)
         rep = Replica(index=i, name=REPLICA.format(i), source=url, folder=folder.name if folder.exists() else None, error=err)
         if outcome is not None:
-            rep.own = {"status": outcome.report["status"], "category": outcome.report["category"]}
+            rep.own = own_check(outcome.report)
             (rep.side,) = load_sides(Selection(folder))
             rep.keys = prompt_keys(rep.side.records or [])
         replicas.append(rep)

@@ -18,9 +18,11 @@ from ..env import detllm_version
 from .identity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS, identity_groups
 
 # most fundamental first: the category a fleet report leads with (docs/fleet.md)
-CATEGORIES = ("IDENTITY_MISMATCH", "OUTLIER", "NO_MAJORITY", "ENDPOINT_ERROR", "AGREE_BUT_VARIANT", "AGREE")
+CATEGORIES = ("IDENTITY_MISMATCH", "UNSTABLE", "OUTLIER", "NO_MAJORITY", "ENDPOINT_ERROR", "AGREE_BUT_VARIANT", "AGREE")
 VERDICTS = {
     "IDENTITY_MISMATCH": "replicas differ in what they serve (model, build or server settings); see identity",
+    "UNSTABLE": "most replicas differ from their own repeats at this setting: differences between replicas are not "
+                "attributed to any of them (see each one's own check)",
     "OUTLIER": "the named replicas disagree with the majority",
     "NO_MAJORITY": "the replicas split with no majority: no outlier can be named; see the groups",
     "ENDPOINT_ERROR": "the replicas that answered agree, but some failed or timed out",
@@ -44,8 +46,18 @@ class Replica:
     side: Side | None = None  # None: the replica failed
     folder: str | None = None
     error: dict[str, Any] | None = None  # {"kind": unreachable|timeout|error, "exit_code", "message"}
-    own: dict[str, Any] | None = None  # its own check's {"status", "category"}, when it ran a check
+    own: dict[str, Any] | None = None  # its own check's {"status", "category", "repeats_differ"}, when it ran a check
     keys: dict[int, tuple[str, int]] = field(default_factory=dict)  # prompt_index -> (prompt_id, occurrence)
+
+
+def own_check(report: dict[str, Any]) -> dict[str, Any] | None:
+    """A check's own verdict, and whether its repeats at its base batch size differ (its comparisons of
+    kind "run"): None for anything but a check."""
+    if report.get("command") != "check":
+        return None
+    runs = [c for c in report.get("comparisons", []) if c.get("kind") == "run"]
+    return {"status": report.get("status"), "category": report.get("category"),
+            "repeats_differ": any(c["status"] != "PASS" for c in runs) if runs else None}
 
 
 def prompt_keys(records: list[dict[str, Any]]) -> dict[int, tuple[str, int]]:
@@ -139,13 +151,23 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
     sig = {r.index: tuple(next((g["label"] for g in p["groups"] if r.index in g["replicas"]), "-") for p in prompts) for r in ok}
     rgroups = _cluster([r.index for r in ok], lambda x, y: sig[x] == sig[y])
     rmajor = _majority(rgroups, len(ok))
+    # a replica whose own repeats differ at the compared setting: most such, and no difference between
+    # replicas can be told from run-to-run variation, so no outlier is named
+    unstable = [r.index for r in ok if r.own and r.own.get("repeats_differ")]
+    too_unstable = 2 * len(unstable) > len(ok)
+    if too_unstable:
+        for p in prompts:
+            p["outliers"] = []
     outliers = sorted({m for p in prompts for m in p["outliers"]})
-    split = [p["prompt_index"] if p["prompt_index"] is not None else p["prompt_id"] for p in prompts if len(p["groups"]) > 1 and not p["majority"]]
+    split = [p["prompt_index"] if p["prompt_index"] is not None else p["prompt_id"] for p in prompts
+             if len(p["groups"]) > 1 and not p["majority"]]
     ident = identity_groups({r.index: r.side for r in ok})
     errors = [r for r in replicas if r.error is not None]
     variant = [{"replica": r.index, **r.own} for r in ok if r.own and r.own.get("status") == "FAIL"]
     if ident["mismatched"] or (len(ident["groups"]) > 1 and len(ok) > 1):
         category = "IDENTITY_MISMATCH"
+    elif too_unstable and any(len(p["groups"]) > 1 for p in prompts):
+        category = "UNSTABLE"
     elif outliers:
         category = "OUTLIER"
     elif split:
@@ -164,7 +186,7 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
         grp = next((lab for lab, g in zip(_labels(len(rgroups)), rgroups) if r.index in g), None)
         rows.append({"index": r.index, "name": r.name, "source": r.source, "folder": r.folder,
                      "status": "ok" if r.side is not None else "error", "error": r.error, "group": grp,
-                     "outlier": r.index in outliers, "identity_mismatch": r.index in ident["mismatched"],
+                     "outlier": r.index in outliers, "identity_mismatch": r.index in ident["mismatched"], "unstable": r.index in unstable,
                      "own_check": r.own, "records": len(r.side.records or ()) if r.side is not None else 0,
                      "prompts_outside_majority": [p["prompt_index"] for p in prompts if r.index in p["outliers"]]})
     summaries = pairs.summaries()
@@ -227,4 +249,4 @@ def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: "_Pairs"
     return out
 
 
-__all__ = ["CATEGORIES", "Replica", "VERDICTS", "fleet_verdict", "prompt_keys"]
+__all__ = ["CATEGORIES", "Replica", "VERDICTS", "fleet_verdict", "own_check", "prompt_keys"]

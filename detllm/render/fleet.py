@@ -37,6 +37,8 @@ def _role(r: dict[str, Any]) -> str:
     parts = [f"group {r['group']}"]
     if r["identity_mismatch"]:
         parts.append("IDENTITY MISMATCH")
+    if r.get("unstable"):
+        parts.append("UNSTABLE (its own repeats differ)")
     if r["outlier"]:
         parts.append("OUTLIER on prompts " + ", ".join(str(p) for p in r["prompts_outside_majority"]))
     if r.get("own_check"):

@@ -212,19 +212,25 @@ def tensors(dump: Dump, spec: CaptureSpec, arch: str, n_head: int, n_head_kv: in
         g["out"].append(rows)
         g["inputs"].append(inputs)
         g["positions"] += positions
-        g["in_shapes"].append([tuple(reversed([int(n) for n in s["ne"]])) for s in rec["src"]])
-        g["out_shapes"].append(tuple(reversed([int(n) for n in rec["ne"]])))
+        g["in_shapes"].append([(1, *a.shape) for a in inputs])
+        g["out_shapes"].append((1, *rows.shape))
     out: list[CapturedTensor] = []
     for hf, g in sorted(groups.items(), key=lambda kv: kv[1]["order"]):
         join = (lambda parts: parts[0]) if len(g["out"]) == 1 else (lambda parts: np.concatenate(parts, axis=-2))
         ins = [join([ins[k] for ins in g["inputs"]]) for k in range(min(len(i) for i in g["inputs"]))]
         out.append(CapturedTensor(name=hf, kind=g["kind"], order=len(out), output=join(g["out"]), inputs=ins,
-                                  input_shapes=g["in_shapes"][0], output_shape=g["out_shapes"][0],
+                                  input_shapes=[_batch_shape([s[k] for s in g["in_shapes"]]) for k in range(len(ins))],
+                                  output_shape=_batch_shape(g["out_shapes"]),
                                   positions=list(g["positions"])))
     if spec.level != "layers":
         notes.append("llama.cpp modules are the graph nodes that read a weight (embedding, norms, q/k/v/o, gate/up/down, "
                      "lm_head) plus the layer boundaries; no attention, activation or rotary internals")
     return out, notes
+
+
+def _batch_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shapes of one module's evaluations ([1, tokens, ...] each) as one: tokens summed."""
+    return (1, sum(s[1] for s in shapes), *shapes[0][2:]) if shapes and len(shapes[0]) >= 3 else (shapes[0] if shapes else ())
 
 
 def _inputs(rec: dict[str, Any], hf: str, kind: str, by_name: dict, names: NameMap) -> list[Any]:
@@ -273,6 +279,10 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv") or n_head)
     level = "layers" if spec.level == "layers" else "modules"
     found, notes = tensors(dump, dataclasses.replace(spec, level=level), arch, n_head, n_head_kv)
+    if spec.reference and level != "layers":
+        eps = float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5)
+        notes += reference_errors(found, backend.gguf, arch, int(dump.index["n_layer"]), n_head, n_head_kv, eps,
+                                  [*requests[0].input_ids, *tokens[:spec.step]])
     if level != "layers" and sum(int(t.output.nbytes) + sum(int(i.nbytes) for i in t.inputs) for t in found) > spec.max_bytes:
         found = [dataclasses.replace(t, order=k) for k, t in enumerate(t for t in found if t.kind in LAYER_KINDS)]
         level = "layers"
@@ -294,4 +304,53 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     return Capture(generations=gens, tensors=found, level=level, notes=notes, engine=engine)
 
 
-__all__ = ["DUMPER", "Dump", "NameMap", "capture_sequence", "find_dumper", "node_name", "read_dump", "run_dump", "tensors", "unpermute"]
+def reference_errors(found: list[CapturedTensor], gguf_path: Path, arch: str, n_layer: int, n_head: int, n_head_kv: int,
+                     eps: float, token_ids: Sequence[int]) -> list[str]:
+    """Set ref_error on each module computed from one weight (embedding, norm, gemm, logits): max |output -
+    the same op in float64 on the captured inputs and the GGUF's weight| (locate's tolerance). Returns
+    notes on what was not evaluated. Layer boundaries are many ops: not evaluated."""
+    import numpy as np
+
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+    except ImportError:
+        return ["no float64 reference: the gguf package is missing"]
+    reader = GGUFReader(str(gguf_path))
+    tensors_by_name = {t.name: t for t in reader.tensors}
+    weights = {hf: base for base, hf in NameMap(arch, n_layer).hf.items()}
+    skipped: list[str] = []
+    for t in found:
+        base = weights.get(t.name)
+        w = tensors_by_name.get(f"{base}.weight") if base else None
+        if w is None:
+            continue
+        try:
+            W = np.asarray(dequantize(w.data, w.tensor_type), dtype=np.float64).reshape([int(n) for n in reversed(w.shape)])
+        except (NotImplementedError, ValueError, KeyError):
+            skipped.append(t.name)
+            continue
+        out = np.asarray(t.output, dtype=np.float64)
+        if t.kind == "embedding":
+            ids = [int(token_ids[p]) for p in (t.positions or range(len(token_ids)))]
+            ref = W[ids]
+        elif not t.inputs:
+            skipped.append(t.name)
+            continue
+        else:
+            x = np.asarray(t.inputs[0], dtype=np.float64)
+            if t.kind == "norm":
+                ref = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * W
+            else:
+                ref = x @ W.T
+                if base.endswith(("attn_q", "attn_k")) and arch in UNPERMUTED_ARCHS:
+                    ref = unpermute(ref, n_head if base.endswith("attn_q") else n_head_kv)
+            ref = ref[..., ref.shape[-2] - out.shape[-2]:, :] if ref.shape != out.shape and ref.ndim == out.ndim else ref
+        if ref.shape == out.shape:
+            t.ref_error = float(np.max(np.abs(out - ref))) if out.size else 0.0
+        else:
+            skipped.append(t.name)
+    return [f"no float64 reference for {', '.join(skipped)}"] if skipped else []
+
+
+__all__ = ["DUMPER", "Dump", "NameMap", "capture_sequence", "find_dumper", "reference_errors", "node_name", "read_dump", "run_dump", "tensors", "unpermute"]

@@ -1,0 +1,100 @@
+"""`detllm locate` on smollm2-135m (hf, in-process): test-only perturbations named, and what it costs.
+
+One clean run, then for each case a run with `--opt perturb=MODULE:output|weight:REL` (recorded in its
+config, so locate's re-run applies it on that side only), a check that the perturbation moved the
+logits, and `locate clean perturbed`. Prints per case: named or not, the op named, re-runs per side,
+peak captured bytes per side and wall time; then the totals. Optionally the batch-variance case
+(check --vary-batch 1,8 --tier 2, locate batch_1 vs batch_8) at the end.
+
+    .venv/bin/python benchmarks/bench_locate.py [--model smollm2-135m] [--cases 20] [--ops] [--reference]
+        [--batch] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import detllm
+from detllm.locate import locate
+from detllm.locate.sides import compared_tier, first_step, load, resolve
+
+PROMPT = ["The capital of France is"]
+
+
+def cases(layers: int, n: int) -> list[tuple[str, str]]:
+    """n (module, target) pairs spread over the layers: outputs and weights of each kind of module."""
+    kinds = [("input_layernorm", "output"), ("self_attn.o_proj", "output"), ("mlp.act_fn", "output"),
+             ("mlp.down_proj", "weight"), ("self_attn.v_proj", "weight"), ("mlp.up_proj", "output"),
+             ("post_attention_layernorm", "weight"), ("self_attn.q_proj", "weight"), ("mlp.gate_proj", "weight"),
+             ("self_attn", "output")]
+    out = [("model.embed_tokens", "output"), ("model.norm", "output")]
+    i = 0
+    while len(out) < n:
+        layer = (i * 7) % layers
+        kind, target = kinds[i % len(kinds)]
+        out.append((f"model.layers.{layer}.{kind}", target))
+        i += 1
+    return out[:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--cases", type=int, default=20)
+    ap.add_argument("--ops", action="store_true", help="descend into aten ops (a second re-run per side)")
+    ap.add_argument("--reference", action="store_true", help="evaluate each op in float64 too (the tolerance)")
+    ap.add_argument("--batch", action="store_true", help="also the batch-variance case (batch 1 vs 8)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_locate_"))
+    run = dict(backend="hf", model=args.model, max_new_tokens=2, tier=2, prompts=PROMPT)
+    t0 = time.perf_counter()
+    detllm.run(**run, out=tmp / "clean")
+    print(f"model {args.model}: clean run {time.perf_counter() - t0:.1f} s (includes the load)")
+    from detllm.backends.registry import create_backend
+    from detllm.config import RunConfig
+
+    layers = create_backend(RunConfig(backend="hf", model=args.model)).model.config.num_hidden_layers
+    rows = []
+    for n, (module, target) in enumerate(cases(layers, args.cases)):
+        spec = f"{module}:{target}:1e-3"
+        moved = tmp / f"p{n}"
+        detllm.run(**run, out=moved, options={"perturb": spec})
+        left, right = load(*resolve(str(tmp / "clean"), str(moved))[:2])
+        if first_step(left, right, tier=compared_tier(left, right)) is None:
+            print(f"{spec:<58} did not move the logits: skipped")
+            continue
+        t = time.perf_counter()
+        doc = locate(str(tmp / "clean"), str(moved), out=tmp / f"l{n}", ops=args.ops, reference=args.reference).doc
+        wall = time.perf_counter() - t
+        op = (doc["first_bitwise_op"] or {}).get("module", "-")
+        named = op == module or op.startswith(module + "/")
+        cost = doc["cost"]
+        rows.append({"spec": spec, "named": named, "op": op, "reruns": cost["reruns"], "peak_bytes": cost["peak_captured_bytes"],
+                     "seconds": wall})
+        print(f"{spec:<58} {'NAMED' if named else 'MISSED':<6} {op:<50} re-runs {cost['reruns']['left']}/{cost['reruns']['right']}"
+              f"  peak {max(cost['peak_captured_bytes'].values()) / 2**20:6.2f} MB  {wall:5.2f} s")
+    if rows:
+        print(f"\n{sum(r['named'] for r in rows)}/{len(rows)} named; re-runs per side max "
+              f"{max(max(r['reruns'].values()) for r in rows)}; peak captured max "
+              f"{max(max(r['peak_bytes'].values()) for r in rows) / 2**20:.2f} MB (bound 512 MB); wall per locate median "
+              f"{statistics.median(r['seconds'] for r in rows):.2f} s, max {max(r['seconds'] for r in rows):.2f} s "
+              f"(ops {'on' if args.ops else 'off'}, float64 reference {'on' if args.reference else 'off'})")
+    if args.batch:
+        folder = tmp / "batch"
+        detllm.check(backend="hf", model=args.model, max_new_tokens=2, tier=2, runs=2, vary_batch=(1, 8), out=folder)
+        t = time.perf_counter()
+        doc = locate(f"{folder}::batch_1", f"{folder}::batch_8", out=tmp / "lb", ops=args.ops, reference=args.reference).doc
+        print(f"\nbatch 1 vs 8: {doc['line']} ({time.perf_counter() - t:.1f} s, re-runs {doc['cost'].get('reruns')})")
+        rows.append({"batch": doc["line"], "cost": doc["cost"]})
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

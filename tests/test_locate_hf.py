@@ -1,0 +1,137 @@
+"""`detllm locate` end to end on real transformers (hf `tiny`, in-process, one model load): 21 test-only
+perturbations (module outputs and weights, recorded in the run's config so locate's re-run applies them
+on the perturbed side only), each first shown to move the logits, then named by locate; 20 identical
+repeats captured at a step locate nothing; real batch variance (batch 1 vs 8) is located to an op with
+its shapes, and with batch_invariant=true no op differs; model files changed since the run: exit 7."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import detllm
+from detllm.locate import locate
+from detllm.locate.sides import compared_tier, first_step, load, resolve
+
+pytestmark = pytest.mark.engine
+
+PROMPT = ["The capital of France is"]
+CASES = [  # (module, what is perturbed); 1e-3 of the RMS, one element (detllm.perturb); lm_head's weight 1e-1 (below, no
+    # logprob moves); a q_proj or k_proj output moved by one element (1e-3..1e-1) never reached the logits of tiny here
+    ("model.embed_tokens", "output"), ("model.layers.0.input_layernorm", "output"),
+    ("model.layers.0.self_attn.q_proj", "weight"), ("model.layers.0.self_attn.k_proj", "weight"),
+    ("model.layers.0.self_attn.v_proj", "output"), ("model.layers.0.self_attn.o_proj", "output"),
+    ("model.layers.0.mlp.act_fn", "output"), ("model.layers.1.post_attention_layernorm", "output"),
+    ("model.layers.1.mlp.up_proj", "output"), ("model.norm", "output"), ("model.layers.1.self_attn", "output"),
+    ("model.layers.0.mlp.gate_proj", "weight"), ("model.layers.0.mlp.down_proj", "weight"),
+    ("model.layers.1.self_attn.q_proj", "weight"), ("model.layers.1.self_attn.v_proj", "weight"),
+    ("model.layers.1.self_attn.o_proj", "weight"), ("model.layers.1.mlp.down_proj", "weight"), ("lm_head", "weight"),
+    ("model.layers.0.post_attention_layernorm", "weight"), ("model.layers.1.input_layernorm", "weight"),
+    ("model.layers.1.mlp.gate_proj", "output@1"),  # at the first decode step only
+]
+
+
+def _run(out, **options):
+    return detllm.run(backend="hf", model="tiny", max_new_tokens=2, tier=2, prompts=PROMPT, out=out, options=options)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    out = tmp_path_factory.mktemp("locate_hf") / "clean"
+    _run(out)
+    return out
+
+
+@pytest.mark.parametrize("module, what", CASES, ids=[f"{m}:{w}" for m, w in CASES])
+def test_perturbation_is_named(clean, tmp_path, module, what):
+    target, _, at = what.partition("@")
+    spec = f"{module}:{target}:{'1e-1' if module == 'lm_head' else '1e-3'}" + (f"@{at}" if at else "")
+    moved = tmp_path / "perturbed"
+    _run(moved, perturb=spec)
+    left, right = load(*resolve(str(clean), str(moved))[:2])
+    differs = first_step(left, right, tier=compared_tier(left, right))
+    assert differs is not None and differs.what in ("token", "logprob", "top_logprobs"), "the perturbation must move the logits"
+    assert differs.step == int(at) if at else differs.step >= 0
+    ops = CASES.index((module, what)) % 5 == 0  # every 5th case descends into aten ops too (a second re-run per side)
+    doc = locate(str(clean), str(moved), out=tmp_path / "loc", reference=False, ops=ops).doc
+    op = doc["first_bitwise_op"]
+    assert doc["status"] == "located", doc["line"]
+    assert op["module"] == module or op["module"].startswith(module + "/"), (spec, op["module"])
+    assert op["step"] <= differs.step and doc["right"]["options"]["perturb"] == spec  # earlier: cached K/V carried it and "perturb" not in doc["left"]["options"]
+    assert doc["cost"]["reruns"]["left"] <= 2 and doc["cost"]["reruns"]["right"] <= 2
+    assert doc["left"]["reproduced"] and doc["right"]["reproduced"]
+
+
+def test_perturbation_is_beyond_tolerance_with_float64_reference(clean, tmp_path):
+    moved = tmp_path / "perturbed"
+    _run(moved, perturb="model.layers.1.mlp.down_proj:weight:1e-3")
+    doc = locate(str(clean), str(moved), out=tmp_path / "loc", ops=False).doc
+    assert doc["first_bitwise_op"]["module"] == "model.layers.1.mlp.down_proj"
+    beyond = doc["first_beyond_tolerance_op"]
+    assert beyond is not None and beyond["module"] == "model.layers.1.mlp.down_proj"
+    assert beyond["max_abs_diff"] > beyond["tolerance"] > 0
+    assert all(r["output_equal"] for r in doc["layers"] if r["order"] < beyond_order(doc, beyond["module"]))
+
+
+def beyond_order(doc, module):
+    return next(r["order"] for r in doc["layers"] if r["module"] == module)
+
+
+def test_identical_repeats_locate_nothing(tmp_path):
+    folder = tmp_path / "repeats"
+    detllm.check(backend="hf", model="tiny", max_new_tokens=2, tier=2, runs=21, prompts=PROMPT, out=folder)
+    for k in range(1, 21):  # 20 control pairs, each captured at the prefill although nothing recorded differs
+        doc = locate(f"{folder}::run_0", f"{folder}::run_{k}", step=0, out=tmp_path / f"l{k}", ops=False, reference=False).doc
+        assert doc["status"] == "not_located" and doc["first_bitwise_op"] is None and doc["first_differing"] is None, doc["line"]
+        assert doc["layers"] and all(r["output_equal"] for r in doc["layers"])
+
+
+@pytest.fixture(scope="module")
+def batch_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("locate_batch") / "check"
+    detllm.check(backend="hf", model="tiny", max_new_tokens=2, tier=2, runs=2, vary_batch=(1, 8), out=out)
+    return out
+
+
+def test_real_batch_variance_is_located_to_an_op_with_shapes(batch_folder, cli):
+    r = cli("locate", f"{batch_folder}::batch_1", f"{batch_folder}::batch_8", "--no-reference")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((batch_folder / "locate.json").read_text())
+    assert doc["status"] == "located" and doc["step"]["step"] == 0, doc["line"]
+    op = doc["first_bitwise_op"]
+    assert op["output_shape"]["left"][0] == 1 and op["output_shape"]["right"][0] == 8  # the whole batch each engine saw
+    assert op["kind"] in ("gemm", "attention", "norm", "softmax", "activation", "rotary", "embedding", "other")
+    assert doc["growth"] and doc["growth"][-1]["kind"] == "logits"
+    assert "LOCATED" in r.stdout and op["module"] in r.stdout
+    detllm.verify(batch_folder)  # locate.json sealed with the folder
+
+
+def test_batch_invariant_mode_no_op_differs(tmp_path):
+    out = tmp_path / "inv"
+    detllm.check(backend="hf", model="tiny", max_new_tokens=2, tier=3, runs=2, vary_batch=(1, 8), out=out,
+                 options={"batch_invariant": "true"})
+    doc = locate(f"{out}::batch_1", f"{out}::batch_8", out=tmp_path / "l").doc
+    assert doc["status"] == "no_difference"
+    doc = locate(f"{out}::batch_1", f"{out}::batch_8", step=0, out=tmp_path / "l2", reference=False).doc
+    assert doc["status"] == "not_located" and doc["first_differing"] is None, doc["line"]
+
+
+def test_model_files_changed_since_the_run_exit_7(tmp_path, cli):
+    from detllm.models import local_folder, resolve_model
+
+    model = tmp_path / "model"
+    shutil.copytree(local_folder(resolve_model("tiny"), None), model)
+    out = tmp_path / "run"
+    detllm.run(backend="hf", model=str(model), max_new_tokens=1, tier=2, prompts=PROMPT, out=out)
+    detllm.run(backend="hf", model=str(model), max_new_tokens=1, tier=2, prompts=PROMPT, out=tmp_path / "moved",
+               options={"perturb": "model.layers.1.mlp.down_proj:weight:1e-3"})
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(4)  # the last float of the last tensor set to 0.0: same size, other weights
+    weights.write_bytes(bytes(data))
+    r = cli("locate", out, tmp_path / "moved", "--out", tmp_path / "l")
+    assert r.exit_code == 7, r.output
+    assert "weights" in r.stderr and r.stderr.startswith("detllm: error:") and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "l").exists()

@@ -211,3 +211,37 @@ def test_ubatches_of_the_prompt_join_in_position_order(dumper, gguf):
     assert by_b["model.layers.0"].positions == list(range(6)) and by_b["model.layers.0"].output.shape == (6, 128)
     assert by_b["model.layers.1"].positions == [5] == by_a["model.layers.1"].positions
     assert np.allclose(by_a["model.layers.0"].output, by_b["model.layers.0"].output, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, dumper):
+    """One prompt recorded by transformers (tiny, float32) and by llama-server (tiny F32, f32 KV, no flash attention)."""
+    import detllm
+
+    from .conftest import write_prompts
+
+    tmp = tmp_path_factory.mktemp("hf-vs-llamacpp")
+    prompts = write_prompts(tmp / "p.jsonl", [PROMPT])
+    hf = detllm.run(backend="hf", model="tiny", prompts=prompts, tier=2, max_new_tokens=2, out=tmp / "hf").out_dir
+    ll = detllm.run(backend="llamacpp", model="tiny", prompts=prompts, tier=2, max_new_tokens=2, out=tmp / "llamacpp",
+                    options={"kv_type": "f32", "flash_attn": "off"}).out_dir
+    return tmp, hf, ll
+
+
+def test_locate_hf_vs_llamacpp_names_the_first_layer(runs):
+    """End to end through `detllm locate`: layer boundaries only, the embeddings are bitwise equal
+    and model.layers.0 is the first layer whose output differs; at module level the first op whose
+    inputs agree and output differs is one of layer 0's q/k/v projections (ggml's f32 GEMM is not
+    torch's), within both sides' float64 error."""
+    from detllm.locate import locate
+
+    tmp, hf, ll = runs
+    doc = locate(str(hf), str(ll), out=tmp / "layers", layers_only=True).doc
+    assert doc["status"] == "not_located" and doc["left"]["reproduced"] and doc["right"]["reproduced"]
+    assert doc["first_differing"]["module"] == "model.layers.0"
+    rows = {r["module"]: r for r in doc["layers"]}
+    assert rows["model.embed_tokens"]["output_equal"] is True and rows["model.layers.0"]["output_equal"] is False
+    doc = locate(str(hf), str(ll), out=tmp / "modules").doc
+    first = doc["first_bitwise_op"]
+    assert doc["status"] == "located" and first["module"] in {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}, first
+    assert doc["first_beyond_tolerance_op"] is None

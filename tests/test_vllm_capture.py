@@ -123,6 +123,10 @@ def test_attention_reads_the_keys_and_values_earlier_steps_wrote(batch, clean):
     past_k, past_v = at[2].inputs[3:]
     assert past_k.shape == past_v.shape == (n + 1, 128)
     assert past_k[:n].tobytes() == at[0].inputs[1].tobytes() and past_v[n:].tobytes() == at[1].inputs[2].tobytes()
+    block = {t.name: t for t in caps[2].tensors}["model.layers.1.self_attn"]  # HF's attention module: transformers' cache layout
+    assert block.input_names == ["hidden_states", "past_keys", "past_values"] and block.cached_steps == [0] * n + [1]
+    assert block.inputs[1].shape == (2, n + 1, 64), "[kv_heads, positions, head_dim]"
+    assert block.inputs[1].transpose(1, 0, 2).reshape(n + 1, 128).tobytes() == past_k.tobytes()
 
 
 @pytest.mark.engine

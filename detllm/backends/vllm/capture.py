@@ -138,13 +138,10 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
         inputs = state.snapshots.pop(id(module), [])
         shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if _is_tensor(a)]
         whole = _first(output)
-        cached = state.cached.pop(id(module), [])
-        if cached:
-            import torch
-
-            written = state.written[id(module)]
-            inputs = [*inputs, torch.cat([k for _, k, _ in written]), torch.cat([v for _, _, v in written])]
-            shapes += [tuple(inputs[-2].shape), tuple(inputs[-1].shape)]
+        cached, past = _past(state, module)
+        if past:
+            inputs = [*inputs, *past]
+            shapes += [tuple(p.shape) for p in past]
         for piece in rule.pieces:
             out, ins = _piece_output(state, piece, output, inputs)
             ref = _ref_error(state, module, rule, piece, ins, out) if state.spec.reference else None
@@ -161,12 +158,32 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
     return hook
 
 
+def _past(state: _State, module: Any) -> tuple[list[int], list[Any]]:
+    """(the step that wrote each cached position, [past_keys, past_values]) an attention record reads:
+    vLLM's attention op as its own key/value layout [positions, kv_heads * head_dim]; the attention
+    block (whose op is its `attn` child) as transformers' cache holds them, [kv_heads, positions, head_dim]."""
+    import torch
+
+    op = getattr(module, "attn", None)
+    block = op is not None and hasattr(op, "attn_backend")
+    written = state.written.get(id(op if block else module), [])
+    if not written or (not block and id(module) not in state.cached):
+        return [], []
+    state.cached.pop(id(module), None)
+    steps = [step for step, k, _ in written for _ in range(k.shape[0])]
+    past = [torch.cat([kv[i] for kv in written]) for i in (1, 2)]
+    if block:
+        heads, dim = op.num_kv_heads, op.head_size
+        past = [p.reshape(p.shape[0], heads, dim).transpose(0, 1).contiguous() for p in past]
+    return steps, past
+
+
 def _input_names(piece: Piece, n: int) -> list[str]:
     """As transformers' modules are called: one positional input, HF's attention block by keyword."""
     if piece.name.endswith("/" + ATTENTION_OP):
         return ["query", "key", "value", "past_keys", "past_values"][:n]
     if piece.kind == "attention":
-        return ["hidden_states"][:n]
+        return ["hidden_states", "past_keys", "past_values"][:n]
     return [f"arg{i}" for i in range(n)]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -34,17 +35,28 @@ def _httpx():
     return httpx
 
 
-_TLS: list[Any] = []  # one TLS context per process: httpx builds one per client otherwise (~50 ms of CPU loading the CA bundle)
+_SHARED: dict[str, Any] = {}  # built once per process, not once per client (a fleet runs N endpoints on threads)
+_SHARED_LOCK = threading.Lock()
 
 
 def _tls() -> Any:
-    if not _TLS:
-        import ssl
+    """The TLS context every client uses: httpx builds one per client otherwise (~50 ms of CPU each,
+    loading the CA bundle). The same context httpx builds by default (SSL_CERT_FILE/SSL_CERT_DIR honoured)."""
+    with _SHARED_LOCK:
+        if "tls" not in _SHARED:
+            _SHARED["tls"] = _httpx().create_ssl_context(trust_env=True)
+        return _SHARED["tls"]
 
-        import certifi
 
-        _TLS.append(ssl.create_default_context(cafile=certifi.where()))  # what httpx's default verify=True builds
-    return _TLS[0]
+def _env_proxies() -> bool:
+    """Whether the environment names a proxy (HTTP_PROXY, ALL_PROXY...): only then does a client need
+    to read the environment (httpx reads all of it for each client it makes)."""
+    with _SHARED_LOCK:
+        if "proxies" not in _SHARED:
+            import urllib.request
+
+            _SHARED["proxies"] = bool(urllib.request.getproxies())
+        return _SHARED["proxies"]
 
 
 @dataclass
@@ -140,7 +152,7 @@ class Endpoint:
             # for each request it serves, n^2 work for n in flight (~1 s of CPU per 200 requests at 100)
             clients = [await stack.enter_async_context(httpx.AsyncClient(
                 headers=self._headers, timeout=self._timeout(httpx), limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                verify=_tls())) for _ in range(n + 1)]
+                verify=_tls(), trust_env=_env_proxies())) for _ in range(n + 1)]
             t0 = time.monotonic()
             tasks = [asyncio.create_task(self._send(c, path, b, root=False, what=f"request {i}", t0=t0))
                      for i, (c, b) in enumerate(zip(clients, bodies))]

@@ -160,6 +160,23 @@ def load_sides(*sels: Selection) -> tuple[Side, ...]:
     return tuple(sides)
 
 
+def folder_sides(diff_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(report, left summary, right summary) of a folder `diff --out` wrote; each side's folder resolved
+    (as recorded, or relative to the diff folder's parent) into the summary's "path"."""
+    rep = artifacts.read_json(diff_dir / artifacts.REPORT, "report")
+    out = []
+    for key in ("left", "right"):
+        s = dict(rep["summary"][key])
+        folder = Path(s["folder"])
+        if not artifacts.is_detllm_folder(folder) and artifacts.is_detllm_folder(diff_dir.parent / folder):
+            folder = diff_dir.parent / folder
+        if not artifacts.is_detllm_folder(folder):
+            raise ArtifactError(f"the diff's {key} side {s['folder']!r} is not a run folder here", hint="pass the run folders themselves")
+        s["path"] = folder
+        out.append(s)
+    return rep, out[0], out[1]
+
+
 # ------------------------------------------------------------------ the report
 
 

@@ -57,19 +57,10 @@ class DiffPlan:
 
 
 def sides(diff_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(report, left summary, right summary) of a diff folder; each side's folder resolved."""
-    rep = artifacts.read_json(diff_dir / artifacts.REPORT, "report")
-    out = []
-    for key in ("left", "right"):
-        s = dict(rep["summary"][key])
-        folder = Path(s["folder"])
-        if not artifacts.is_detllm_folder(folder) and artifacts.is_detllm_folder(diff_dir.parent / folder):
-            folder = diff_dir.parent / folder
-        if not artifacts.is_detllm_folder(folder):
-            raise ArtifactError(f"the diff's {key} side {s['folder']!r} is not a run folder here", hint="diagnose the run folders themselves")
-        s["path"] = folder
-        out.append(s)
-    return rep, out[0], out[1]
+    """(report, left summary, right summary) of a diff folder; each side's folder resolved (diff.folder_sides)."""
+    from ..diff import folder_sides
+
+    return folder_sides(diff_dir)
 
 
 def plan_diff(diff_dir: Path) -> DiffPlan:

@@ -13,7 +13,7 @@ from typing import Any
 from .. import artifacts
 from ..compare.causes import Side
 from ..compare.engine import align, parse_label
-from ..diff import Selection, load_sides
+from ..diff import Selection, folder_sides, load_sides
 from ..errors import UsageError
 
 
@@ -41,9 +41,7 @@ def resolve(a: str, b: str | None) -> tuple[Selection, Selection, str]:
                          hint="detllm locate A B (FOLDER::batch_1 FOLDER::batch_8), or detllm locate DIFF_FOLDER")
     artifacts.check_complete(folder)
     if artifacts.is_diff_folder(folder):
-        from ..diagnose.recorded import sides as diff_sides  # the diff folder's sides, each folder resolved
-
-        _, left, right = diff_sides(folder)
+        _, left, right = folder_sides(folder)  # the diff folder's sides, each folder resolved
         return (Selection(Path(left["path"]), left["run_index"], left["batch_size"]),
                 Selection(Path(right["path"]), right["run_index"], right["batch_size"]), "diff folder")
     if not artifacts.is_detllm_folder(folder):

@@ -130,6 +130,18 @@ def test_attention_reads_the_keys_and_values_earlier_steps_wrote(batch, clean):
 
 
 @pytest.mark.engine
+def test_layers_only_and_past_the_memory_bound_layer_boundaries_only(backend, batch, clean):
+    boundaries = ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    full = {t.name: t for t in clean[1][0].tensors}
+    for spec in (CaptureSpec(step=0, row=ROW, level="layers"), CaptureSpec(step=0, row=ROW, max_bytes=16 * 1024)):
+        cap = backend.capture(batch, GREEDY, seed=0, n_logprobs=5, spec=spec)
+        assert cap.level == "layers" and [t.name for t in cap.tensors] == boundaries
+        assert [t.order for t in cap.tensors] == [0, 1, 2, 3]
+        assert all(t.output.tobytes() == full[t.name].output.tobytes() for t in cap.tensors), "hooks change nothing"
+    assert any("bound of 16384 bytes" in n for n in cap.notes)
+
+
+@pytest.mark.engine
 def test_residual_stream_and_split_projections_match_transformers(backend, batch, clean):
     """vLLM's hidden + residual at each layer boundary is HF's decoder-layer output; the slices of
     qkv_proj and gate_up_proj are HF's q/k/v and gate/up, same shapes, float32-close."""

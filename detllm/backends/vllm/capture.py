@@ -49,6 +49,8 @@ class _State:
     span: Span | None = None  # the prompt's rows in the forward being run (any step)
     written: dict[int, list[tuple[int, Any, Any]]] = field(default_factory=dict)  # attention op -> (step, keys, values) it wrote
     cached: dict[int, list[int]] = field(default_factory=dict)  # attention op -> the step that wrote each cached position read
+    nbytes: int = 0  # bytes of the arrays kept
+    bounded: bool = False  # past spec.max_bytes: layer boundaries only
 
 
 def _root_pre_hook(state: _State, runner: Any) -> Callable:
@@ -145,7 +147,9 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
         for piece in rule.pieces:
             out, ins = _piece_output(state, piece, output, inputs)
             ref = _ref_error(state, module, rule, piece, ins, out) if state.spec.reference else None
-            state.tensors.append(CapturedTensor(
+            if state.bounded and piece.kind not in LAYER_KINDS:
+                continue
+            _keep(state, CapturedTensor(
                 name=piece.name, kind=piece.kind, order=len(state.tensors), output=_numpy(state, out),
                 inputs=[_numpy(state, i) for i in ins], input_shapes=shapes,
                 output_shape=tuple(whole.shape[:-1]) + ((piece.hi - piece.lo,) if piece.hi else tuple(whole.shape[-1:])),
@@ -176,6 +180,22 @@ def _past(state: _State, module: Any) -> tuple[list[int], list[Any]]:
         heads, dim = op.num_kv_heads, op.head_size
         past = [p.reshape(p.shape[0], heads, dim).transpose(0, 1).contiguous() for p in past]
     return steps, past
+
+
+def _keep(state: _State, t: CapturedTensor) -> None:
+    """Record `t` under the memory bound: past it, layer boundaries only from then on (and the
+    records kept so far thinned to them), so the capture never holds much more than the bound."""
+    size = t.output.nbytes + sum(i.nbytes for i in t.inputs)
+    if not state.bounded and state.nbytes + size > state.spec.max_bytes:
+        state.bounded = True
+        state.tensors = [x for x in state.tensors if x.kind in LAYER_KINDS]
+        state.nbytes = sum(x.output.nbytes + sum(i.nbytes for i in x.inputs) for x in state.tensors)
+        state.notes.add(f"captured tensors passed the bound of {state.spec.max_bytes} bytes at {t.name}: layer boundaries "
+                        f"only ({', '.join(LAYER_KINDS)}), every other module dropped")
+        if t.kind not in LAYER_KINDS:
+            return
+    state.tensors.append(t)
+    state.nbytes += size
 
 
 def _input_names(piece: Piece, n: int) -> list[str]:
@@ -344,7 +364,8 @@ def _bounded(state: _State, spec: CaptureSpec) -> tuple[list[CapturedTensor], st
         "not captured: HF's mlp.act_fn (silu(gate) alone): vLLM fuses it with the multiply by up ('mlp/silu_and_mul')",
         "not captured: rotary embedding as a module (vLLM applies it per layer; its rotated q/k are the inputs of 'self_attn/attention')",
         "self_attn/attention's past_keys/past_values are the keys/values the prompt's rows wrote at the earlier steps of "
-        "this re-run ([positions, kv_heads * head_dim], as computed, before the KV cache's own layout)",
+        "this re-run ([positions, kv_heads * head_dim], as computed, before the KV cache's own layout); self_attn's are "
+        "the same in transformers' cache layout [kv_heads, positions, head_dim]",
         "lm_head is the logits of the captured step's last token only (vLLM computes no logits for other positions)",
     ]
     tensors, level = state.tensors, "layers" if spec.level == "layers" else "modules"
@@ -353,11 +374,10 @@ def _bounded(state: _State, spec: CaptureSpec) -> tuple[list[CapturedTensor], st
     elif spec.level == "ops":
         notes.append("ops were asked for: vLLM is captured at module level (its fused kernels as 'module/op' records), "
                      "not aten op by op")
-    size = sum(t.output.nbytes + sum(i.nbytes for i in t.inputs) for t in tensors)
-    if size > spec.max_bytes:
-        tensors = [t for t in tensors if t.kind in LAYER_KINDS]
+    if state.bounded:
         level = "layers"
-        notes.append(f"captured tensors took {size} bytes, over the {spec.max_bytes}-byte bound: layer boundaries only")
+    if spec.backward:
+        notes.append("backward hooks: vLLM runs inference only, no gradients were captured")
     for i, t in enumerate(tensors):
         t.order = i
     return tensors, level, notes

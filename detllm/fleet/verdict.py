@@ -32,8 +32,9 @@ VERDICTS = {
 
 
 # an outlier whose recorded identity and settings equal the majority's: what is left is unrecorded
-UNEXPLAINED = ("nothing recorded explains it: the pairwise diff names no cause beyond the address; what differs is "
-               "not visible to a client (launch flags such as flash attention, hardware, or corrupted data)")
+UNEXPLAINED = ("nothing recorded explains it: the identities match and the pairwise diff names no cause that tells "
+               "replicas apart (see set_aside); what differs is not visible to a client (launch flags such as flash "
+               "attention, hardware, or corrupted data)")
 
 
 @dataclass
@@ -245,7 +246,8 @@ def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: "_Pairs"
         out.append({"group": lab, "replicas": g, "against": rmajor[0],
                     "causes": [{"code": c["code"], "title": TITLES.get(c["code"], "")} for c in causes[:3]],
                     "set_aside": [{"code": c["code"], "why": why[id(c)]} for c in rep["causes"] if why[id(c)] is not None],
-                    "note": None if causes else UNEXPLAINED})
+                    "note": None if causes else UNEXPLAINED, "magnitude": rep["magnitude"]["label"],
+                    "max_abs_logprob_diff": _pair_summary(pairs.replicas[rmajor[0]], pairs.replicas[g[0]], rep)["max_abs_logprob_diff"]})
     return out
 
 

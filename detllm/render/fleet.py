@@ -64,7 +64,9 @@ def _lines(doc: dict[str, Any]) -> list[str]:
             out.append(f"  replicas {_ids(d['replicas'])} vs {d['against']}: {d['field']} = {d['value']!r} (reference {d['reference']!r})")
     for e in doc["explanations"]:
         causes = ", ".join(c["code"] for c in e["causes"])
-        out.append(f"group {e['group']} vs replica {e['against']}: " + (f"pairwise diff causes {causes}" if causes else e.get("note") or "no cause named"))
+        size = f"{e['magnitude'].replace('_', ' ')}" + (f", max |dlogprob| {e['max_abs_logprob_diff']:.3g}" if e.get("max_abs_logprob_diff") else "")
+        out.append(f"group {e['group']} vs replica {e['against']} ({size}): "
+                   + (f"pairwise diff causes {causes}" if causes else e.get("note") or "no cause named"))
     for v in doc["variance"]:
         out.append(f"replica {v['replica']}'s own check: {v['status']} ({v['category']})")
     for e in doc["errors"]:

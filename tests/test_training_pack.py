@@ -181,3 +181,15 @@ def test_axes_say_which_setting_changes_the_bits(tmp_path, cli):
     for bad in (["--axis", "lr=1,2"], ["--axis", "threads=1"], ["--axis", "threads=1,x"], ["--axis", "threads"]):
         res = cli("train-check", *bad, "--out", tmp_path / "bad")
         assert res.exit_code == 2 and not (tmp_path / "bad").exists(), (bad, res.output)
+
+
+def test_parity_scores_a_checkpoints_trained_weights(packs, tmp_path):
+    """parity --checkpoint: the hf-trained weights (checked by digest) on both sides; the same kernel
+    gives the same bits on the prefill path, and the rollout differs from the untrained model's."""
+    from detllm.training.parity import parity
+
+    ckpt = packs[0].parent / "A.checkpoints" / "boundary_000008"
+    trained = parity(backend="hf", attn_implementation="eager", max_new_tokens=4, checkpoint=ckpt, out=tmp_path / "t").doc
+    assert trained["checkpoint"] == str(ckpt) and trained["paths"]["prefill"]["bitwise_equal"]
+    base = parity(backend="hf", attn_implementation="eager", max_new_tokens=4, out=tmp_path / "b").doc
+    assert [s["trainer"] for s in trained["sequences"]] != [s["trainer"] for s in base["sequences"]]

@@ -83,6 +83,8 @@ def parity(
     seed: Annotated[int, typer.Option(help="Seed of the rollout.")] = 0,
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value (repeatable).")] = None,
     atol: Annotated[float, typer.Option(help="Logprob tolerance (0 = bitwise).")] = 0.0,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="A train-check checkpoint folder (boundary_<b>): score its "
+                                                       "trained weights on both sides (checked by digest; a GGUF is built for llamacpp).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Parity folder (default: a new folder under artifacts/).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an earlier parity in --out.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print parity.json instead of the text.")] = False,
@@ -94,7 +96,7 @@ def parity(
 
         outcome = run_parity(backend=backend, model=model, prompts=prompts, max_new_tokens=max_new_tokens, dtype=dtype,
                              engine_dtype=engine_dtype, attn_implementation=attn_implementation, threads=threads, seed=seed,
-                             options=parse_options(opt or []), atol=atol, out=out, force=force)
+                             options=parse_options(opt or []), atol=atol, out=out, force=force, checkpoint=checkpoint)
         typer.echo(dumps(outcome.doc) if as_json else outcome.text + f"parity folder: {outcome.out_dir}")
         return outcome.exit_code
 

@@ -7,8 +7,10 @@ Owns the comparison, parity.json and its text; never imports an engine module.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,28 @@ def trainer_logprobs(model_path: Path, dtype: str, sequences: Sequence[tuple[lis
         torch.set_num_threads(saved)
 
 
+def trained_model(base: Path, checkpoint: Path, dest: Path, *, gguf: bool) -> tuple[Path, Path]:
+    """A train-check checkpoint's weights as a model folder: `base`'s config and tokenizer with the
+    checkpoint's parameters (loaded through checkpoint.load_checkpoint: every file checked by digest
+    first). Returns (HF folder, the folder an engine loads: the HF one, or one holding model.gguf)."""
+    from safetensors.torch import save_file
+
+    from ..models.gguf import build_tiny_gguf
+    from .checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(checkpoint)
+    hf = dest / "hf"
+    hf.mkdir(parents=True)
+    for item in base.iterdir():
+        if item.is_file() and item.suffix != ".safetensors" and item.name != ".complete":
+            shutil.copyfile(item, hf / item.name)
+    save_file({n: t.contiguous() for n, t in ckpt.params.items()}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    if not gguf:
+        return hf, hf
+    build_tiny_gguf(hf, dest / "gguf")
+    return hf, dest / "gguf"
+
+
 def _check(dtype: str, engine_dtype: str, max_new_tokens: int, atol: float, out: Path | None, force: bool) -> None:
     if dtype not in TRAIN_DTYPES:
         raise UsageError(f"--dtype (the training dtype) must be one of {', '.join(TRAIN_DTYPES)}, got {dtype!r}")
@@ -102,20 +126,22 @@ def _check(dtype: str, engine_dtype: str, max_new_tokens: int, atol: float, out:
 
 def parity(*, backend: str = "hf", model: str = "tiny", prompts: str | Path | None = None, max_new_tokens: int = 16,
            dtype: str = "float32", engine_dtype: str | None = None, threads: int | None = None, seed: int = 0,
-           options: tuple[tuple[str, str], ...] = (), attn_implementation: str = "sdpa", atol: float = 0.0, out: str | Path | None = None, force: bool = False,
+           options: tuple[tuple[str, str], ...] = (), attn_implementation: str = "sdpa", checkpoint: str | Path | None = None,
+           atol: float = 0.0, out: str | Path | None = None, force: bool = False,
            progress: Callable[[str], None] | None = None) -> ParityOutcome:
     """Roll each prompt out greedily on `backend`, then score prompt + rollout with the trainer
     and compare, token by token, with the engine's decode and prefill logprobs. Writes parity.json
     and parity.txt under `out` (a new folder under artifacts/ when None)."""
     from ..models import resolve_model
     from ..prompts import load_prompts
-    from .parity_render import render_text
 
     engine_dtype = engine_dtype or dtype
     out = Path(out) if out is not None else None
     _check(dtype, engine_dtype, max_new_tokens, atol, out, force)
     if attn_implementation not in ("sdpa", "eager"):
         raise UsageError(f"--attn-implementation must be sdpa or eager, got {attn_implementation!r}")
+    if checkpoint is not None and not (Path(checkpoint) / "checkpoint.json").is_file():
+        raise UsageError(f"--checkpoint {str(checkpoint)!r} is not a train-check checkpoint folder (no checkpoint.json)")
     cfg = RunConfig(backend=backend, model=model, dtype=engine_dtype, seed=seed, tier=2, threads=threads, options=options,
                     decoding=Decoding(max_new_tokens=max_new_tokens))
     cfg.validate()
@@ -124,8 +150,24 @@ def parity(*, backend: str = "hf", model: str = "tiny", prompts: str | Path | No
     if resolved.path is None:
         raise UsageError(f"parity needs the model's files on this machine for the trainer side; {model!r} is not a local "
                          "folder or built-in model", hint="pass a built-in model or a local HF folder")
+    tmp = Path(tempfile.mkdtemp(prefix="detllm-parity-"))
+    try:
+        trainer_path, engine_model = resolved.path, model
+        if checkpoint is not None:  # the trained weights, on both sides
+            trainer_path, engine_path = trained_model(resolved.path, Path(checkpoint), tmp, gguf=backend == "llamacpp")
+            engine_model = str(engine_path)
+        return _parity(dataclasses.replace(cfg, model=engine_model), texts, trainer_path, model=model, checkpoint=checkpoint, dtype=dtype, attn_implementation=attn_implementation,
+                       atol=atol, out=out, say=progress or (lambda _text: None))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: str, checkpoint: str | Path | None, dtype: str,
+            attn_implementation: str, atol: float, out: Path | None, say: Callable[[str], None]) -> ParityOutcome:
+    from .parity_render import render_text
+
+    backend, seed, threads, max_new_tokens, engine_dtype = cfg.backend, cfg.seed, cfg.threads, cfg.decoding.max_new_tokens, cfg.dtype
     t0 = time.monotonic()
-    say = progress or (lambda _text: None)
     say(f"rolling out {len(texts)} prompts on {backend}")
     with create_backend(cfg) as engine:
         caps = engine.capabilities()
@@ -141,7 +183,7 @@ def parity(*, backend: str = "hf", model: str = "tiny", prompts: str | Path | No
                 prefill.append(engine.score(ids, list(gen.token_ids)) if engine.can_score and gen.token_ids else None)
         engine_info = {"backend": backend, "dtype": engine_dtype, "score_method": method, "env": engine.env_info()}
     say("scoring the rollouts with the training model")
-    trainer = trainer_logprobs(resolved.path, dtype, seqs, threads=threads, attn_implementation=attn_implementation)
+    trainer = trainer_logprobs(trainer_path, dtype, seqs, threads=threads, attn_implementation=attn_implementation)
     paths = {}
     for name, got in (("decode", decode), ("prefill", prefill)):
         if all(g is None for g in got):
@@ -155,6 +197,7 @@ def parity(*, backend: str = "hf", model: str = "tiny", prompts: str | Path | No
 
     doc = artifacts.stamp("parity", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "model": model, "atol": atol, "seed": seed,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
         "trainer": {"dtype": dtype, "mode": "eval", "attn_implementation": attn_implementation, "framework": f"transformers forward, torch {torch.__version__}",
                     "threads": threads if threads is not None else torch.get_num_threads(),
                     "log_softmax": "float32 (logits upcast)", "batch": 1},

@@ -43,7 +43,10 @@ def tolerance(p: Pair) -> float | None:
     finite = np.abs(out.astype(np.float64))
     finite = finite[np.isfinite(finite)]
     scale = min(max([float(finite.max()) if finite.size else 0.0] + mags), float(np.finfo(dtype).max))
-    ulp = float(np.spacing(dtype.type(scale)))
+    with np.errstate(over="ignore"):  # the spacing at float32's largest value is infinite: use the one below it
+        ulp = float(np.spacing(dtype.type(scale)))
+    if not np.isfinite(ulp):
+        ulp = float(np.spacing(np.nextafter(dtype.type(scale), dtype.type(0))))
     return FACTOR * min(el, er) + ulp
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.engine
 PROMPTS = ["The capital of France is", "Once upon a time", "Numbers: 1 2 3"]
 
 
-def start_llama(binary: Path, extra: list[str], tries: int = 3):
+def start_llama(binary: Path, extra: list[str], tries: int = 3, ctx: int = 1024):
     """A llama-server on a free loopback port; a port taken between the probe and the bind is retried."""
     from detllm.backends.llamacpp import Server, free_port
     from detllm.errors import BackendError
@@ -35,7 +35,7 @@ def start_llama(binary: Path, extra: list[str], tries: int = 3):
     gguf = builtin_path("tiny", "gguf") / "model.gguf"
     for attempt in range(tries):
         port = free_port()
-        srv = Server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "2", "-c", "1024",
+        srv = Server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "2", "-c", str(ctx),
                       "--alias", "tiny", "--no-webui", "-t", "1", *extra], port, 60.0)
         try:
             srv.wait_ready(60.0)
@@ -157,6 +157,39 @@ def detllm_fleet_diff(sides):
     from detllm.fleet.nway import fleet_diff
 
     return fleet_diff(sides).report
+
+
+def _check(urls, out, *extra):
+    from typer.testing import CliRunner
+
+    from detllm.cli import app
+
+    args = ["check", "-b", "openai", "-m", "tiny", "--tier", "2", "--runs", "2", "--max-new-tokens", "6", "--opt", "cache_prompt=false",
+            "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--out", str(out), "--json", *extra]
+    for u in urls:
+        args += ["--base-url", u]
+    r = CliRunner().invoke(app, args)
+    return r.exit_code, json.loads(r.stdout)
+
+
+def test_fleet_check_of_agreeing_servers_passes(fleet, tmp_path):
+    servers, _, _ = fleet
+    code, doc = _check([s.url for s in servers[:3]], tmp_path / "ok")
+    assert (code, doc["status"], doc["category"]) == (0, "PASS", "AGREE")
+    assert [g["replicas"] for g in doc["groups"]] == [[0, 1, 2]] and doc["outliers"] == [] and not doc["errors"]
+
+
+def test_identity_mismatch_from_server_props(fleet, tmp_path):
+    servers, _, _ = fleet
+    other = start_llama(llama_server_or_fail(), [], ctx=512)  # half the context per slot: /props n_ctx differs
+    try:
+        code, doc = _check([servers[0].url, servers[1].url, other.url], tmp_path / "id")
+    finally:
+        other.stop()
+    assert code == 1 and doc["category"] == "IDENTITY_MISMATCH" and doc["identity"]["mismatched"] == [2]
+    fields = {d["field"]: (d["reference"], d["value"]) for d in doc["identity"]["differences"]}
+    assert fields["engine.props.n_ctx"] == (512, 256)
+    assert doc["replicas"][2]["identity_mismatch"] and not doc["replicas"][0]["identity_mismatch"]
 
 
 def test_servers_die_with_the_module(fleet):

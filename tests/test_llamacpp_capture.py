@@ -16,7 +16,7 @@ import pytest
 
 from detllm.backends.base import CaptureSpec, Request
 from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions
-from detllm.backends.llamacpp.capture import NameMap, find_dumper, read_dump, run_dump, unpermute
+from detllm.backends.llamacpp.capture import SKIP_NODES, NameMap, find_dumper, run_dump, unpermute
 from detllm.config import Decoding
 from detllm.errors import UsageError
 from detllm.models import builtin_path
@@ -105,6 +105,9 @@ def test_the_dumper_writes_the_asked_nodes_raw(dumper, gguf, tmp_path):
     assert dump.index["prompt"] == [0, 46, 31] and dump.index["evals"] == [[0, 3]]
     layers_only = run_dump(dumper, gguf, [0, 46, 31], [], 0, {"threads": 1}, patterns=[r"^l_out-\d+$"])
     assert sorted(r["name"] for r in layers_only.records) == ["l_out-0", "l_out-1"]
+    lean = run_dump(dumper, gguf, [0, 46, 31], [], 0, {"threads": 1}, skips=SKIP_NODES)  # what a modules capture asks
+    assert {"cache_k_l0 (view)", "Qcur-0 (view)"} <= names and not any("cache_" in r["name"] or "(view)" in r["name"] for r in lean.records)
+    assert {"embd", "attn_norm-0", "Qcur-0", "kqv_out-0", "ffn_inp-0", "ffn_swiglu-0", "l_out-1", "result_norm"} <= {r["name"] for r in lean.records}
 
 
 def test_capturing_changes_no_bits(dumper, gguf):
@@ -245,3 +248,19 @@ def test_locate_hf_vs_llamacpp_names_the_first_layer(runs):
     first = doc["first_bitwise_op"]
     assert doc["status"] == "located" and first["module"] in {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}, first
     assert doc["first_beyond_tolerance_op"] is None
+
+
+def test_a_build_without_the_dumper_captures_nothing(dumper, tmp_path):
+    """A llama.cpp bin folder of another build (no detllm-dump): capabilities say "none", so locate
+    refuses it up front (exit 4) rather than failing mid-way."""
+    from detllm.errors import BackendUnavailableError
+
+    import shutil
+
+    shutil.copy2(dumper.parent / "llama-server", tmp_path / "llama-server")  # a copy: the lookup resolves symlinks
+    other = LlamaCppBackend("tiny", LlamaCppOptions(bin=str(tmp_path / "llama-server")))
+    assert other.capabilities().capture == "none"
+    with pytest.raises(BackendUnavailableError, match="no detllm-dump") as exc:
+        find_dumper(tmp_path / "llama-server")
+    assert "scripts/build_llamacpp.sh" in exc.value.one_line()
+    assert LlamaCppBackend("tiny").capabilities().capture == "layers"

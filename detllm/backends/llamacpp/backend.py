@@ -25,6 +25,7 @@ from ...models.gguf import FLOAT_TYPES
 from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
                     parse_options)
 from .build import cpu_features, lists_gpu, marker, version_lines
+from .capture import DUMPER
 from .model import gguf_identity, read_info, resolve_gguf
 from .options import DEFAULT_CTX, LlamaCppOptions, validate
 from .server import Server, find_server, free_port
@@ -177,7 +178,7 @@ class LlamaCppBackend(Backend):
             max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
             notes=("llama.cpp is not batch invariant: the prompts of a batch share each llama_decode call and "
                    "logprobs change with the batch composition (up to ~3e-4 seen on tiny)",),
-            capture="layers",  # one sequence, through detllm-dump (capture.py)
+            capture="layers" if (self.binary.parent / DUMPER).is_file() else "none",  # one sequence, through detllm-dump (capture.py)
         )
 
     def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, spec: CaptureSpec) -> Capture:

@@ -24,6 +24,10 @@ DUMP_FORMAT, DUMP_VERSION = "detllm-dump", 1
 LAYER_OUT = re.compile(r"^l_out-(\d+)$")  # llama.cpp's residual stream after decoder layer N
 LAYER_KINDS = ("embedding", "layer", "logits")  # what a "layers" capture keeps
 UNPERMUTED_ARCHS = ("llama",)  # convert_hf_to_gguf permutes q/k rows for these (llama.cpp's "normal" rope)
+# what the dumper is asked for: a "layers" capture needs the embedding, the boundaries and the logits;
+# a "modules" one every activation, less the KV cache and the views/reshapes of nodes captured anyway
+LAYER_NODES = (r"^(inp_)?embd$", r"^l_out-\d+$", r"^result_output$")
+SKIP_NODES = (r"^cache_", r"\((view|permuted|reshaped|transposed|cont)\)")
 REBUILD_HINT = "rebuild llama.cpp with scripts/build_llamacpp.sh: it builds detllm-dump next to llama-server"
 
 
@@ -47,7 +51,7 @@ class Dump:
 
 
 def run_dump(dumper: Path, gguf: Path, prompt: Sequence[int], forced: Sequence[int], step: int, settings: dict[str, Any],
-             patterns: Sequence[str] = (), timeout: float = 600.0) -> Dump:
+             patterns: Sequence[str] = (), skips: Sequence[str] = (), timeout: float = 600.0) -> Dump:
     """Run detllm-dump on one sequence and read what it wrote. `settings` mirror llama-server's:
     threads, threads_batch, n_ctx, n_seq, batch, ubatch, flash_attn, kv_type (None: the default)."""
     argv = [str(dumper), "-m", str(gguf), "--tokens", ",".join(str(int(t)) for t in prompt), "--step", str(step)]
@@ -59,6 +63,8 @@ def run_dump(dumper: Path, gguf: Path, prompt: Sequence[int], forced: Sequence[i
             argv += [flag, str(settings[key])]
     for p in patterns:
         argv += ["--match", p]
+    for p in skips:
+        argv += ["--skip", p]
     with tempfile.TemporaryDirectory(prefix="detllm-dump-") as out:
         try:
             proc = subprocess.run([*argv, "--out", out], capture_output=True, text=True, timeout=timeout, check=False)
@@ -273,11 +279,13 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     if len(tokens) <= spec.step:
         raise UsageError(f"the re-run stopped after {len(tokens)} tokens; step {spec.step} was not reached")
     settings = backend.dump_settings()
-    dump = run_dump(dumper, backend.gguf, requests[0].input_ids, tokens[:spec.step], spec.step, settings)
+    layers = spec.level == "layers"
+    dump = run_dump(dumper, backend.gguf, requests[0].input_ids, tokens[:spec.step], spec.step, settings,
+                    patterns=LAYER_NODES if layers else (), skips=SKIP_NODES)
     meta, arch = backend.info.metadata, backend.info.architecture
     n_head = int(meta.get(f"{arch}.attention.head_count") or 1)
     n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv") or n_head)
-    level = "layers" if spec.level == "layers" else "modules"
+    level = "layers" if layers else "modules"
     found, notes = tensors(dump, dataclasses.replace(spec, level=level), arch, n_head, n_head_kv)
     if spec.reference and level != "layers":
         eps = float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5)

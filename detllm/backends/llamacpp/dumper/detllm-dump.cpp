@@ -2,7 +2,7 @@
 // at one decode step, through libllama's eval callback (llama_context_params.cb_eval).
 // Built by scripts/build_llamacpp.sh as an extra target of the same pinned llama.cpp build.
 //
-//   detllm-dump -m MODEL.gguf --tokens 1,2,3 --step S --out DIR [--forced 7,8] [--match REGEX]...
+//   detllm-dump -m MODEL.gguf --tokens 1,2,3 --step S --out DIR [--forced 7,8] [--match REGEX]... [--skip REGEX]...
 //               [-t N] [-tb N] [-c N] [-np N] [-b N] [-ub N] [-fa on|off|auto] [-ctk T] [-ctv T] [-v]
 //
 // Step 0 is the prompt's forward (it yields generated token 0); step k > 0 feeds generated token
@@ -39,6 +39,7 @@ namespace {
 
 struct dumper {
     std::vector<std::regex> patterns;  // empty: every node
+    std::vector<std::regex> skips;     // never these (e.g. KV-cache views)
     bool active = false;               // only during the captured step
     FILE * data = nullptr;
     uint64_t offset = 0;
@@ -71,6 +72,9 @@ std::string ne_json(const ggml_tensor * t) {
 }
 
 bool matches(const dumper & d, const ggml_tensor * t) {
+    for (const auto & s : d.skips) {
+        if (std::regex_search(t->name, s)) return false;
+    }
     if (d.patterns.empty()) return true;
     for (const auto & p : d.patterns) {
         if (std::regex_search(t->name, p)) return true;
@@ -216,6 +220,10 @@ int main(int argc, char ** argv) {
             const char * p = next();
             try { d.patterns.emplace_back(p); } catch (const std::regex_error &) { usage_error(std::string("bad --match regex '") + p + "'"); }
         }
+        else if (a == "--skip") {
+            const char * p = next();
+            try { d.skips.emplace_back(p); } catch (const std::regex_error &) { usage_error(std::string("bad --skip regex '") + p + "'"); }
+        }
         else if (a == "-t") threads = parse_int(a, next(), 1);
         else if (a == "-tb") threads_batch = parse_int(a, next(), 1);
         else if (a == "-c") n_ctx = parse_int(a, next(), 1);
@@ -233,7 +241,7 @@ int main(int argc, char ** argv) {
         else if (a == "-ctv") type_v = parse_type(a, next());
         else if (a == "-v") verbose = true;
         else if (a == "-h" || a == "--help") {
-            printf("usage: detllm-dump -m MODEL.gguf --tokens IDS --step S --out DIR [--forced IDS] [--match REGEX]...\n"
+            printf("usage: detllm-dump -m MODEL.gguf --tokens IDS --step S --out DIR [--forced IDS] [--match REGEX]... [--skip REGEX]...\n"
                    "                   [-t N] [-tb N] [-c N] [-np N] [-b N] [-ub N] [-fa on|off|auto] [-ctk T] [-ctv T] [-v]\n");
             return 0;
         }

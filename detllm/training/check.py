@@ -264,9 +264,10 @@ def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: 
     k = config["steps"]
     summary = (f"PASS: {len(results)} runs bitwise equal at every one of {k} steps (gradients, parameters, losses, RNG state, batches)"
                if first is None else f"FAIL: {_describe(first)}")
-    scope = (f"run 0 and {n_same} repeat(s) in this process, {n_fresh} in fresh processes (each imported torch, loaded the model "
-             f"and seeded anew); threads {config['threads'] or 'torch default'}; not varied: the machine, library versions, "
-             f"thread count, dtype")
+    fresh_text = (f", {n_fresh} in fresh processes (each imported torch, loaded the model and seeded anew)" if n_fresh
+                  else "; none in a fresh process, so what is fixed per process was not varied")
+    scope = (f"run 0 and {n_same} repeat(s) in this process{fresh_text}; threads {config['threads'] or 'torch default'}; "
+             f"not varied: the machine, library versions, thread count, dtype")
     return schema_io.stamp("train_report", {
         "detllm_version": detllm_version(), "created_at": schema_io.utc_now(), "command": "train-check", "verdict": verdict,
         "model": config["model"]["id"], "steps": k, "seed": config["seed"], "runs": runs, "comparisons": comparisons,
@@ -290,7 +291,7 @@ def render_text(report: dict[str, Any], out: Path, ckdir: Path) -> str:
     for r in report["runs"]:
         lines.append(f"  run {r['run']} ({r['process']}, seed {r['seed']}): head {r['head'][:16]}…  {r['seconds']:.2f} s")
     for c in report["comparisons"]:
-        if c["first_divergence"] is not None:
+        if c["first_divergence"] is not None and c["first_divergence"] != report["first_divergence"]:
             lines.append(f"  run {c['run']}: {_describe(c['first_divergence'])}")
     if report["test_options"]:
         lines.append(f"test options (test-only, recorded in {TRAIN_CONFIG}): {report['test_options']}")

@@ -143,9 +143,10 @@ def _run(req: RunRequest, make_task: Callable[[dict[str, Any], Path], Task]) -> 
             rec, h, last_params = step.record, step.h, step.record["params_sha256"]
             writer.write(rec)
             result.records.append(rec)
-            if req.keep_tensors and budget > 0:
+            size = 2 * sum(v.numel() * v.element_size() for _, v in named_params(task.model)) if req.keep_tensors else 0
+            if req.keep_tensors and size <= budget:  # the steps that fit in KEEP_LIMIT, from the first
                 result.kept[t] = _tensors(task, None)
-                budget -= sum(v.numel() * v.element_size() * 2 for _, v in named_params(task.model))
+                budget -= size
             if result.divergent is None and t in ref and step_differs(ref[t], rec):
                 names = set(differing_parameters(ref[t], rec, "grad_sha256")) | set(differing_parameters(ref[t], rec, "value_sha256"))
                 result.divergent, result.divergent_step = _tensors(task, names), t

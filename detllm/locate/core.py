@@ -148,12 +148,14 @@ def _conclude(doc, caps, pairs, only_l, only_r, verdict, step: int, bound: int) 
     if verdict.back_to is not None:
         doc["not_captured"].append(f"cached K/V differ from step {verdict.back_to}, but each side was already re-run twice")
     doc["not_captured"] += [f"only on the left side: {n}" for n in only_l[:20]] + [f"only on the right side: {n}" for n in only_r[:20]]
-    doc["status"], doc["line"] = _line(verdict, step, prompt, first)
+    doc["status"], doc["line"] = _line(verdict, step, prompt, first, asked=doc["step"]["what"] == "asked")
 
 
-def _line(verdict, step: int, prompt: int, first) -> tuple[str, str]:
+def _line(verdict, step: int, prompt: int, first, *, asked: bool = False) -> tuple[str, str]:
     b, t = verdict.first_bitwise, verdict.first_beyond
     if b is None:
+        if first is None and asked:
+            return "not_located", f"prompt {prompt}, step {step} (asked): every captured output agrees bitwise: no op differs"
         if first is None:
             return "not_located", (f"prompt {prompt}, step {step}: every captured output agrees bitwise; the difference is "
                                    "in what was not captured (see not_captured)")

@@ -72,8 +72,9 @@ def render_text(doc: dict[str, Any]) -> str:
     lines = [f"{head}  {doc['line']}"] + _sides(doc)
     st = doc["step"]
     if st is not None:
-        lines.append(f"step: prompt {st['prompt']}, step {st['step']}: {st['what']} differs "
-                     f"(left {_short(st['left'])}, right {_short(st['right'])}); captured at step {_g(doc['captured_step'])}")
+        what = ("asked with --step, whatever was recorded" if st["what"] == "asked" else
+                f"{st['what']} differs (left {_short(st['left'])}, right {_short(st['right'])})")
+        lines.append(f"step: prompt {st['prompt']}, step {st['step']}: {what}; captured at step {_g(doc['captured_step'])}")
     lines.append(f"first_bitwise_op: {op_line(doc['first_bitwise_op'])}")
     lines.append(f"first_beyond_tolerance_op: {op_line(doc['first_beyond_tolerance_op'])}")
     if doc["growth"]:

@@ -27,7 +27,7 @@ def train_check(
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 32,
     grad_accumulation: Annotated[int, typer.Option(help="Micro-batches per step (divides --batch-size).")] = 1,
     dtype: Annotated[str, typer.Option(help="Training dtype: float32, bfloat16, float16, float64.")] = "float32",
-    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps (and at the last).")] = 1,
+    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps (and at the last); 0: only before the first and after the last.")] = 1,
     checkpoints: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (default: OUT.checkpoints beside the pack).")] = None,
     test_option: Annotated[Optional[list[str]], typer.Option("--test-option", help="TEST ONLY, recorded in the pack: change run 1 on purpose, "
                                                              "repeat_seed=SEED or grad_add=STEP:PARAMETER:VALUE.")] = None,
@@ -58,7 +58,7 @@ def train_check(
 
         outcome = run_train_check(model=model, steps=steps, seed=seed, out=out, threads=threads, repeats=repeats,
                                   fresh_process=fresh_process, batch_size=batch_size, seq_len=seq_len,
-                                  grad_accumulation=grad_accumulation, dtype=dtype, checkpoint_every=checkpoint_every,
+                                  grad_accumulation=grad_accumulation, dtype=dtype, checkpoint_every=checkpoint_every or None,
                                   checkpoints=checkpoints, test_options=parse_test_options(test_option), force=force, sign_key=sign_key,
                                   script=script)
         typer.echo(dumps({"out_dir": str(outcome.out_dir), **outcome.report}) if as_json else outcome.text().rstrip("\n"))

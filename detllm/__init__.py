@@ -20,20 +20,25 @@ _EXPORTS = {
     "create_pack": ".pack",
     "replay": ".replay",
     "Outcome": ".runner",
+    "fleet_check": ".fleet.endpoints", "fleet_diff": ".fleet.nway",
+    "train_check": ".training.check",
 }
 
-__all__ = ["Decoding", "DetllmError", "Outcome", "RunConfig", "Verification", "check", "create_pack", "diff", "make_config",
-           "replay", "run", "verify"]
+__all__ = ["Decoding", "DetllmError", "Outcome", "RunConfig", "Verification", "check", "create_pack", "diff", "fleet_check", "fleet_diff",
+           "make_config", "replay", "run", "train_check", "verify"]
 
 if TYPE_CHECKING:
     from .api import check, make_config, run
     from .config import Decoding, RunConfig
     from .diff import diff
     from .errors import DetllmError
+    from .fleet.endpoints import fleet_check
+    from .fleet.nway import fleet_diff
     from .verify import Verification, verify
     from .pack import create_pack
     from .replay import replay
     from .runner import Outcome
+    from .training.check import train_check
 
 
 def __getattr__(name: str) -> Any:

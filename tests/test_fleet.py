@@ -59,7 +59,7 @@ def test_outlier_is_the_repeat_that_differs(folders, tmp_path, cli):
 
 def test_all_different_names_no_outlier(folders):
     f = folders["all_diff"]
-    doc = fleet_diff([f"{f}::run_{i}" for i in range(4)]).report
+    doc = detllm.fleet_diff([f"{f}::run_{i}" for i in range(4)]).report  # the public API
     validate(doc, "fleet")
     assert doc["category"] == "NO_MAJORITY" and doc["outliers"] == [] and doc["majority"] is None
     p0 = doc["prompts"][0]

@@ -11,7 +11,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from ..artifacts import check_output_file, default_out_dir
+from ..artifacts import check_output_file
 from ..errors import UsageError
 from .shell import Backend, JUnit, Model, ProgressBar, SignKey, app, emit, guarded, write_html
 
@@ -114,7 +114,7 @@ def fleet_check(command, cfg, urls, prompts, prompt, prompt_file, out, progress,
     check_output_file(html, "--html")
     prompt_set = resolve_prompts(prompts, texts=prompt or (), jsonl_file=prompt_file)
     with ProgressBar(progress) as bar:
-        outcome = run_fleet(cfg, urls, prompt_set=prompt_set, out=out or default_out_dir("fleet"), progress=bar,
+        outcome = run_fleet(cfg, urls, prompt_set=prompt_set, out=out, progress=bar,
                             redact=redact, redact_env_vars=redact_vars)
     return emit_fleet(outcome, as_json=as_json, junit=junit, html=html)
 

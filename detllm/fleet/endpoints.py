@@ -18,7 +18,8 @@ from ..config import RunConfig
 from ..diff import Selection, load_sides
 from ..env import Redaction
 from ..errors import BackendError, DetllmError, UsageError
-from ..prompts import PromptSet
+from ..artifacts import default_out_dir
+from ..prompts import PromptSet, resolve_prompts
 from ..runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
 from .verdict import Replica, fleet_verdict, own_check, prompt_keys
@@ -68,10 +69,13 @@ class _Totals:
         return update
 
 
-def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompt_set: PromptSet, out: Path, atol: float | None = None,
+def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = None, prompt_set: PromptSet | None = None,
+                out: str | Path | None = None, atol: float | None = None,
                 tier: int | None = None, progress: Progress | None = None, redact: bool = False, redact_env_vars: Sequence[str] | None = None) -> FleetOutcome:
-    """Check each endpoint (config with its own base_url) at once, then the N-way verdict. `redact`
-    and `redact_env_vars` as in api.check (each replica's env.json)."""
+    """Check each endpoint (config with its own base_url) at once, then the N-way verdict. `prompts`
+    as in detllm.check (a list of strings or a prompt file; `prompt_set` an already resolved one);
+    `out` the fleet folder (default: a new folder under artifacts/). `redact` and `redact_env_vars`
+    as in detllm.check (each replica's env.json)."""
     names = tuple(redact_env_vars or ())
     redaction = Redaction(all_vars=bool(redact), names=names) if redact or names else None
     if config.backend != "openai":
@@ -80,7 +84,8 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompt_set: Prom
     configs = [dataclasses.replace(config, options=tuple(sorted({**dict(config.options), "base_url": u}.items()))) for u in urls]
     for cfg in configs:
         cfg.validate(command="check")
-    out = Path(out)
+    prompt_set = prompt_set or resolve_prompts(prompts)
+    out = Path(out) if out is not None else default_out_dir("fleet")
     check_fleet_out(out)
     prepare_fleet_out(out)
     totals = _Totals(len(urls), progress)

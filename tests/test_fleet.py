@@ -147,3 +147,16 @@ def test_unstable_replicas_name_no_outlier(folders):
     assert [r["unstable"] for r in doc["replicas"]] == [True, True, False]
     doc = fleet_verdict(_replicas(sides, {1}), command="diff")  # one unstable replica among stable ones: still named
     assert doc["category"] == "OUTLIER" and doc["outliers"] == [1] and doc["replicas"][1]["unstable"]
+
+
+def test_a_replica_without_a_prompt_is_outside_its_majority(tmp_path):
+    sides = []
+    for name, texts in (("a", PROMPTS), ("b", PROMPTS), ("c", [PROMPTS[0], PROMPTS[2]])):
+        detllm.run(backend="fake", model="tiny", prompts=texts, max_new_tokens=4, out=tmp_path / name)
+        sides.append(tmp_path / name)
+    doc = detllm.fleet_diff(sides).report
+    assert doc["category"] == "OUTLIER" and doc["outliers"] == [2]
+    p1 = doc["prompts"][1]
+    assert p1["missing"] == [2] and p1["outliers"] == [2] and [g["replicas"] for g in p1["groups"]] == [[0, 1]]
+    assert [p["outliers"] for p in (doc["prompts"][0], doc["prompts"][2])] == [[], []]  # aligned by prompt, not position
+    assert doc["explanations"][0]["causes"][0]["code"] == "PROMPT_MISMATCH"

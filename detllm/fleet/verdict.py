@@ -141,13 +141,14 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
     for key in order:
         present = [r.index for r in ok if key in r.keys.values()]
         groups = _cluster(present, lambda x, y, key=key: key not in pairs.differ(x, y))
-        major = _majority(groups, len(present))
+        missing = [r.index for r in ok if r.index not in present]
+        major = _majority(groups, len(ok))  # a replica without the prompt counts against every group
         index = next(i for i, k in ok[0].keys.items() if k == key) if key in ok[0].keys.values() else None
         prompts.append({"prompt_id": key[0], "occurrence": key[1], "prompt_index": index,
                         "groups": [{"label": lab, "replicas": g} for lab, g in zip(_labels(len(groups)), groups)],
                         "majority": "A" if major else None,
-                        "outliers": [m for g in groups[1:] for m in g] if major else [],
-                        "missing": [r.index for r in ok if r.index not in present]})
+                        "outliers": sorted([m for g in groups[1:] for m in g] + missing) if major else [],
+                        "missing": missing})
     # replicas with the same group at every prompt hold identical traces: one replica group
     sig = {r.index: tuple(next((g["label"] for g in p["groups"] if r.index in g["replicas"]), "-") for p in prompts) for r in ok}
     rgroups = _cluster([r.index for r in ok], lambda x, y: sig[x] == sig[y])
@@ -161,13 +162,13 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
             p["outliers"] = []
     outliers = sorted({m for p in prompts for m in p["outliers"]})
     split = [p["prompt_index"] if p["prompt_index"] is not None else p["prompt_id"] for p in prompts
-             if len(p["groups"]) > 1 and not p["majority"]]
+             if len(p["groups"]) + bool(p["missing"]) > 1 and not p["majority"]]
     ident = identity_groups({r.index: r.side for r in ok})
     errors = [r for r in replicas if r.error is not None]
     variant = [{"replica": r.index, **r.own} for r in ok if r.own and r.own.get("status") == "FAIL"]
     if ident["mismatched"] or (len(ident["groups"]) > 1 and len(ok) > 1):
         category = "IDENTITY_MISMATCH"
-    elif too_unstable and any(len(p["groups"]) > 1 for p in prompts):
+    elif too_unstable and any(len(p["groups"]) + bool(p["missing"]) > 1 for p in prompts):
         category = "UNSTABLE"
     elif outliers:
         category = "OUTLIER"

@@ -18,7 +18,7 @@ from ...taps import LAYER_KINDS
 from ..capture import Capture, CapturedTensor, CaptureSpec
 from .names import ATTENTION_OP, Piece, Rule, rules
 from .rows import Span, runner_of, spans
-from .weights import HFWeights, module_weight
+from .weights import HFWeights
 
 
 @dataclass
@@ -45,7 +45,6 @@ class _State:
     steps: list[dict[str, Any]] = field(default_factory=list)  # the engine's schedule, one entry per forward
     notes: set[str] = field(default_factory=set)
     weights: HFWeights | None = None  # the model's files: linear weights vLLM's CPU build packed away
-    fused: dict[int, Any] = field(default_factory=dict)  # id(module) -> its weight, read once
     span: Span | None = None  # the prompt's rows in the forward being run (any step)
     written: dict[int, list[tuple[int, Any, Any]]] = field(default_factory=dict)  # attention op -> (step, keys, values) it wrote
     cached: dict[int, list[int]] = field(default_factory=dict)  # attention op -> the step that wrote each cached position read
@@ -239,10 +238,16 @@ def _numpy(state: _State, t: Any) -> Any:
     return t.numpy()
 
 
-def _weight_of(state: _State, module: Any, rule: Rule) -> Any | None:
-    if id(module) not in state.fused:
-        state.fused[id(module)] = module_weight(module, [p.name for p in rule.pieces], state.weights) if state.weights else None
-    return state.fused[id(module)]
+def _weight_of(state: _State, module: Any, piece: Piece) -> Any | None:
+    """The weight rows `piece` computes with, as the engine holds them (its dtype): the module's
+    own where vLLM kept it, else the HF tensor of that name from the model's files."""
+    import torch
+
+    own = getattr(module, "weight", None)
+    if isinstance(own, torch.Tensor) and own.numel():
+        return own.detach()[piece.lo:piece.hi] if piece.hi else own.detach()
+    found = state.weights.get(piece.name + ".weight") if state.weights else None
+    return found.to(own.dtype) if found is not None and isinstance(own, torch.Tensor) else found
 
 
 def _ref_error(state: _State, module: Any, rule: Rule, piece: Piece, inputs: list[Any], out: Any) -> float | None:
@@ -254,12 +259,12 @@ def _ref_error(state: _State, module: Any, rule: Rule, piece: Piece, inputs: lis
     x, cls = inputs[0], type(module).__name__
     try:
         if piece.kind == "embedding" and not x.is_floating_point():
-            ref = module.weight.detach().double()[x.long()]
-        elif piece.part == "linear" and (w := _weight_of(state, module, rule)) is not None:
-            w, bias = w.detach().double(), getattr(module, "bias", None)
-            if piece.hi:
-                w, bias = w[piece.lo:piece.hi], (bias[piece.lo:piece.hi] if bias is not None else None)
-            ref = x.double() @ w.T + (bias.detach().double() if bias is not None else 0)
+            ref = module.weight.detach()[x.long()].double()
+        elif piece.part == "linear" and (w := _weight_of(state, module, piece)) is not None and w.is_floating_point():
+            bias = getattr(module, "bias", None)
+            if piece.hi and bias is not None:
+                bias = bias[piece.lo:piece.hi]
+            ref = x.double() @ w.double().T + (bias.detach().double() if bias is not None else 0)
         elif piece.part == "norm" and cls == "RMSNorm" and getattr(module, "has_weight", True):
             x = x.double()
             ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon) * module.weight.detach().double()

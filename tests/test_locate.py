@@ -219,3 +219,23 @@ def test_diagnose_layers_probe(tmp_path, cli):
     assert doc["layers"]["status"] == "ran" and doc["layers"]["layer"] == "model.layers.0" and doc["layers"]["step"] == 3
     assert "layers (detllm locate): first op whose inputs agree" in r.stdout
     assert artifacts.read_json(tmp_path / "dg" / "layers" / "locate.json", "locate")["captured"]["level_requested"] == "layers"
+
+
+def test_a_served_run_has_no_internals_exit_4(tmp_path, cli):
+    folder = _check(tmp_path)
+    cfg = json.loads((folder / "run_config.json").read_text())
+    cfg["config"]["backend"] = "openai"  # as a run against a served endpoint records it
+    (folder / "run_config.json").write_text(json.dumps(cfg))
+    r = cli("locate", f"{folder}::batch_1", f"{folder}::batch_4")
+    assert r.exit_code == 4, r.output
+    assert "has no internals locate can capture" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (folder / "locate.json").exists()
+
+
+def test_a_fresh_process_side_is_re_run_here_and_says_so(tmp_path):
+    folder = tmp_path / "f"
+    detllm.check(backend="fake", options={"diverge": "prompt=0,pos=1,fresh=1,what=logprob"}, runs=2, fresh_process=1, tier=2,
+                 max_new_tokens=4, out=folder)
+    doc = locate(f"{folder}::run_0", f"{folder}::run_1").doc
+    assert doc["status"] == "not_reproduced"  # the difference lives in the fresh process only
+    assert doc["right"]["reproduced"] is False and any("fresh process" in n for n in doc["right"]["notes"])

@@ -92,7 +92,7 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
             for r2, k2 in zip(sides, ("left", "right")):
                 doc[k2]["reruns"] = r2.runs
             return None
-        doc[key].update(reruns=r.runs, level=cap.level, notes=list(cap.notes), reproduced=differs is None)
+        doc[key].update(reruns=r.runs, level=cap.level, notes=r.notes + list(cap.notes), reproduced=differs is None)
         if differs is not None:
             doc[key]["not_reproduced"] = differs
             doc.update(status="not_reproduced", line=f"not reproduced here: the {key} side's re-run differs from its "

@@ -80,6 +80,8 @@ def prepare(side: Side, prompt_index: int) -> Rerun:
                 raise UsageError(f"{side.label}: prompt {i} was recorded at batch position {rec['batch_position']}, the "
                                  f"batch plan puts it at {pos}: this trace's batches cannot be rebuilt")
             rerun.recorded[pos] = rec
+            if rec.get("fresh_process"):
+                rerun.notes = ["recorded in a fresh process (check --fresh-process); re-run in this one"]
     rerun.requests = batch_requests(prompts, batch, [ids.get(i, ()) for i in range(count)], [()] * len(FILLERS))
     return rerun
 

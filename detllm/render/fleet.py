@@ -112,16 +112,26 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _cell_class(cell: str) -> str:
+    if cell == "ERR" or cell.endswith("*"):
+        return "cell-FAIL"
+    return "cell-PASS" if cell == "A" else "cell-INFO"  # B, C... at a prompt with no majority
+
+
 def render_html(doc: dict[str, Any]) -> str:
+    """One self-contained page (render/html.page): the verdict, the matrix, the findings."""
     heads, rows = matrix(doc)
-    colour = {"PASS": "pass", "FAIL": "fail"}.get(doc["status"], "")
-    body = [f"<h1 class='{colour}'>{esc(doc['status'])} {esc(doc['category'])}</h1>", f"<p>{esc(_head(doc))}</p>",
+    body = [f"<h1>detllm fleet ({esc(doc['command'])}) <span class='verdict {esc(doc['status'])}'>{esc(doc['status'])}</span> "
+            f"{esc(doc['category'])}</h1>", f"<p>{esc(_head(doc))}</p>",
             "<table><thead><tr><th>replica</th>" + "".join(f"<th>{esc(h)}</th>" for h in heads) + "<th>role</th></tr></thead><tbody>"]
     for r, cells in rows:
-        tds = "".join(f"<td class='{'fail' if c.endswith('*') or c == 'ERR' else ''}'>{esc(c)}</td>" for c in cells)
-        body.append(f"<tr><td>{r['index']} {esc(r['name'])}<br><small>{esc(r['source'])}</small></td>{tds}<td>{esc(_role(r))}</td></tr>")
-    body.append("</tbody></table><ul>" + "".join(f"<li>{esc(line.strip())}</li>" for line in _lines(doc)) + "</ul>")
-    return page(f"detllm fleet: {doc['status']} {doc['category']}", body, "td.fail{color:#b00;font-weight:bold}")
+        tds = "".join(f"<td class='{_cell_class(c)}'>{esc(c)}</td>" for c in cells)
+        body.append(f"<tr><td>{r['index']} {esc(r['name'])}<br><small class='muted'>{esc(r['source'])}</small></td>{tds}"
+                    f"<td>{esc(_role(r))}</td></tr>")
+    body.append("</tbody></table><p class='muted'>Cells: the replica's group at that prompt (A the largest); * outside the "
+                "prompt's majority; - no record; ERR the replica failed.</p>")
+    body.append("<h2>Findings</h2><ul>" + "".join(f"<li>{esc(line.strip())}</li>" for line in _lines(doc)) + "</ul>")
+    return page(f"detllm fleet: {doc['status']} {doc['category']}", body)
 
 
 def render_junit(doc: dict[str, Any]) -> str:

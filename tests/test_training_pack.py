@@ -189,7 +189,11 @@ def test_parity_scores_a_checkpoints_trained_weights(packs, tmp_path):
     from detllm.training.parity import parity
 
     ckpt = packs[0].parent / "A.checkpoints" / "boundary_000008"
+    from detllm.models import builtin_path
+    from detllm.training.parity import trainer_logprobs
+
     trained = parity(backend="hf", attn_implementation="eager", max_new_tokens=4, checkpoint=ckpt, out=tmp_path / "t").doc
     assert trained["checkpoint"] == str(ckpt) and trained["paths"]["prefill"]["bitwise_equal"]
-    base = parity(backend="hf", attn_implementation="eager", max_new_tokens=4, out=tmp_path / "b").doc
-    assert [s["trainer"] for s in trained["sequences"]] != [s["trainer"] for s in base["sequences"]]
+    seqs = [(s["prompt_ids"], s["token_ids"]) for s in trained["sequences"]]
+    untrained = trainer_logprobs(builtin_path("tiny"), "float32", seqs, attn_implementation="eager")
+    assert [s["trainer"] for s in trained["sequences"]] != untrained

@@ -184,6 +184,9 @@ def verify_training(seal: Seal, *, checkpoints: str | Path | None = None, weight
     verdict = rederive_report(folder) if (folder / TRAIN_REPORT).is_file() else ""
     notes = list(chain.lines())
     where = checkpoints_dir(folder, checkpoints)
+    if (folder / PACKED_CHECKPOINTS).exists() and not (folder / CHECKPOINTS_INDEX).is_file():
+        raise IntegrityError(f"{PACKED_CHECKPOINTS}/ is in the pack but no {CHECKPOINTS_INDEX} names its files",
+                             hint="files outside the manifest are accepted only as checkpoints the sealed index names")
     if (folder / CHECKPOINTS_INDEX).is_file():
         notes += check_checkpoints(folder, where, chain) if where is not None else ["checkpoints: not found beside the pack; not checked"]
     return TrainingVerification(result.path, result.files, sum(r.steps + 1 for r in chain.runs), chain.runs[0].head,

@@ -68,8 +68,9 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     sides = [reruns.prepare(left, step.prompt_index), reruns.prepare(right, step.right_prompt_index)]
     t0 = time.perf_counter()
     try:
+        seen: dict = {}
         for r in sides:
-            reruns.start(r)  # model files checked (exit 7) and engines loaded before anything is written
+            reruns.start(r, seen)  # model files checked (exit 7) and engines loaded before anything is written
         _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
     finally:
         for r in sides:

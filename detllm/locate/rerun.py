@@ -86,16 +86,23 @@ def prepare(side: Side, prompt_index: int) -> Rerun:
     return rerun
 
 
-def start(rerun: Rerun) -> None:
-    """Check the model files against the recorded ones (ModelChangedError, exit 7: before and after
-    the engine loads, as replay does), make the backend, tokenize the fillers."""
+def start(rerun: Rerun, seen: dict[tuple, Any] | None = None) -> None:
+    """Check the model files against the recorded ones (ModelChangedError, exit 7), make the backend,
+    tokenize the fillers. The files are hashed before any engine loads them where they are local (hf,
+    vllm), once per model for both sides (`seen`); else the loaded engine's identity is checked, as
+    replay does."""
     recorded = rerun.side.run_config["model"]
-    before = local_identity(rerun.config)
+    key = (rerun.config.backend, rerun.config.model, rerun.config.revision)
+    seen = {} if seen is None else seen
+    if key not in seen:
+        seen[key] = local_identity(rerun.config)
+    before = seen[key]
     if before is not None:
         check_model(recorded, before, allow=False)
     backend = create_backend(rerun.config)
     try:
-        check_model(recorded, backend.model_identity().to_json(), allow=False)
+        if before is None:
+            check_model(recorded, backend.model_identity().to_json(), allow=False)
         rerun.offers = backend.capabilities().capture
         if rerun.offers == "none":
             raise BackendUnavailableError(f"{rerun.side.label}: backend {rerun.config.backend!r} as configured captures nothing")

@@ -270,17 +270,15 @@ def test_locate_hf_against_vllm_aligns_every_module_by_hf_name(runs, cli):
     assert list(rows) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
     assert rows["model.embed_tokens"]["output_equal"] and all(r["shapes_match"] for r in rows.values())
     assert doc["first_differing"]["module"] == "model.layers.0"
-    # one level down, through the same alignment locate uses: HF modules pair with vLLM's split and fused ones
-    from detllm.backends.hf import HFBackend
-    from detllm.locate.align import pair_up
-
-    caps = []
-    for b in (HFBackend("tiny"), VLLMBackend("tiny", device="auto")):
-        reqs = [Request(i, tuple(b.tokenize(t)), t) for i, t in enumerate(PROMPTS)]
-        caps.append(b.capture(reqs, GREEDY, seed=0, n_logprobs=5, spec=CaptureSpec(step=0, row=ROW, level="modules")))
-    pairs, hf_only, vllm_only = pair_up(caps[0].tensors, caps[1].tensors)
-    assert all(p.shapes_match for p in pairs) and len(pairs) == 27
-    assert sorted(vllm_only) == [f"model.layers.{i}.{op}" for i in range(2) for op in ("mlp/silu_and_mul", "self_attn/attention")]
-    assert {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"} <= set(hf_only)
-    first = next(p for p in pairs if p.output_equal is False)
-    assert pairs[0].output_equal and first.left.name.startswith("model.layers.0.")
+    # one level down: every HF module pairs with vLLM's split, fused or deferred counterpart
+    res = cli("locate", runs / "vllm", runs / "hf", "--out", runs / "loc-modules")
+    assert res.exit_code == 0, res.output
+    doc = json.loads((runs / "loc-modules" / "locate.json").read_text())
+    assert doc["left"]["reproduced"] and doc["right"]["reproduced"], doc["line"]
+    assert doc["captured"]["level"]["left"] == "modules" and doc["captured"]["tensors"] == 27
+    assert sorted(doc["captured"]["only_left"]) == [f"model.layers.{i}.{op}" for i in range(2)
+                                                    for op in ("mlp/silu_and_mul", "self_attn/attention")]
+    assert {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"} <= set(doc["captured"]["only_right"])
+    rows = doc["layers"]
+    assert all(r["shapes_match"] for r in rows) and rows[0]["module"] == "model.embed_tokens" and rows[0]["output_equal"]
+    assert doc["first_differing"]["module"].startswith("model.layers.0.")

@@ -9,6 +9,7 @@ loop.py, the comparison verdict.py, the formats docs/training.md.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,8 +227,6 @@ def _execute(config: dict[str, Any], model_path: Path, out: Path, ckdir: Path, r
 
 
 def _relative(path: Path, start: Path) -> str:
-    import os
-
     return os.path.relpath(path.resolve(), start.resolve())
 
 

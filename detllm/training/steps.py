@@ -69,11 +69,6 @@ def digests_with_figures(named: list[tuple[str, Any]]) -> tuple[dict[str, bytes]
     return {name: torch_tensor_digest(name, t) for name, t in named}, figures([t for _, t in named])
 
 
-def value_digests(params: list[tuple[str, Any]]) -> tuple[bytes, dict[str, bytes]]:
-    per, _ = digests_with_figures(params)
-    return tensors_digest(per.items()), per
-
-
 def genesis_record(task: Task, config: dict[str, Any], *, run: int, seed: int) -> tuple[dict[str, Any], bytes]:
     """The train_genesis record of θ_init (the model as it is now) and h_genesis."""
     params = named_params(task.model)
@@ -133,4 +128,4 @@ def train_step(task: Task, data: Any, t: int, *, capture: bool = True, rng_state
     return StepResult(record, h)
 
 
-__all__ = ["StepResult", "Tamper", "figures", "genesis_record", "named_params", "train_step", "value_digests"]
+__all__ = ["StepResult", "Tamper", "digests_with_figures", "figures", "genesis_record", "named_params", "train_step"]

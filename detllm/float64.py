@@ -1,5 +1,5 @@
 """The float64 re-evaluation behind a tap's tolerance: a module (a float64 copy, the transformers
-cache it reads stood in by its float64 K/V) or an aten op run again on the same inputs in float64,
+cache it reads stood in by its float64 K/V) or a torch op run again on the same inputs in float64,
 every down-cast inside made float64 too. What is compared with what, and the hooks, are
 `detllm.taps`'. torch is imported lazily.
 """
@@ -118,6 +118,6 @@ def module_output(module: Any, args: tuple, kwargs: dict, snap: dict) -> Any:
 
 
 def op_output(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The first tensor the aten op `func` returns on its inputs in float64 (dtype arguments too)."""
+    """The first tensor the torch function `func` returns on its inputs in float64 (dtype arguments too)."""
     args64, kwargs64 = upcast(to64(tuple(args), {}), {k: to64(v, {}) for k, v in kwargs.items()})
     return first_tensor(func(*args64, **kwargs64))

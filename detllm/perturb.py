@@ -140,6 +140,15 @@ class Applied:
         return None
 
 
+def _quiet(fn, *args):
+    """Run a hook with torch function modes off: a tap's op capture sees the module's output, not
+    the arithmetic of the perturbation made on it."""
+    import torch
+
+    with torch._C.DisableTorchFunction():
+        return fn(*args)
+
+
 @contextmanager
 def applied(model: Any, spec: Perturbation | None) -> Iterator[Applied | None]:
     """Apply `spec` to `model` for the block (None: nothing); the weight element or the hook is taken
@@ -153,7 +162,7 @@ def applied(model: Any, spec: Perturbation | None) -> Iterator[Applied | None]:
     state = Applied(spec)
     if spec.target == "output":
         # a closure, not the bound method: a deepcopy of the module (taps' float64 copy) shares it
-        handle = module.register_forward_hook(lambda m, a, o: state.hook(m, a, o))
+        handle = module.register_forward_hook(lambda m, a, o: _quiet(state.hook, m, a, o))
         try:
             yield state
         finally:

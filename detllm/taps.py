@@ -1,4 +1,4 @@
-"""Hooks on a torch module tree: capture each module's (and, optionally, each aten op's) inputs and
+"""Hooks on a torch module tree: capture each module's (and, optionally, each torch op's) inputs and
 outputs, forward and backward, under Hugging Face module names, with a float64 re-evaluation of each
 as the tolerance. Used by the torch backends' capture (locate) and by the training loop. The
 test-only perturbation of one module lives in `detllm.perturb`; which part of a batched tensor is
@@ -15,21 +15,26 @@ from typing import Any, Iterator
 from .float64 import cache_of, cache_snapshot, first_tensor, module_output, op_output
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
-_SKIP_OPS = {"clone", "detach", "alias", "_unsafe_view", "lift_fresh", "empty", "empty_like", "zeros", "zeros_like",
-             "ones", "ones_like", "full", "full_like", "arange", "scalar_tensor", "_local_scalar_dense", "copy_",
-             "empty_strided", "new_empty", "new_zeros", "new_ones", "fill_", "zero_", "detach_"}
+# torch functions that only view, reshape, allocate or ask: no computation of their own to capture
+_SKIP_OPS = {"get", "getitem", "setitem", "bool", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "len", "index", "int",
+             "float_", "_set_grad_enabled", "contiguous", "view", "view_as", "reshape", "reshape_as", "transpose",
+             "permute", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "narrow", "select", "t",
+             "numel", "size", "dim", "tensor", "as_tensor", "arange", "new_ones", "new_zeros", "new_empty", "new_full",
+             "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like", "full_like", "clone", "detach",
+             "dropout", "chunk", "split", "unbind", "repeat_interleave", "stride", "data_ptr", "is_floating_point"}
 _OP_KINDS = {"mm": "gemm", "addmm": "gemm", "bmm": "gemm", "baddbmm": "gemm", "matmul": "gemm", "linear": "gemm",
-             "_softmax": "softmax", "softmax": "softmax", "_log_softmax": "softmax", "silu": "activation",
+             "einsum": "gemm", "softmax": "softmax", "_softmax": "softmax", "log_softmax": "softmax", "silu": "activation",
              "gelu": "activation", "relu": "activation", "tanh": "activation", "sigmoid": "activation",
-             "embedding": "embedding", "rsqrt": "norm", "native_layer_norm": "norm", "_fused_rms_norm": "norm",
-             "cos": "rotary", "sin": "rotary", "all_reduce": "all_reduce"}
+             "embedding": "embedding", "rsqrt": "norm", "layer_norm": "norm", "rms_norm": "norm", "cos": "rotary",
+             "sin": "rotary", "scaled_dot_product_attention": "attention", "all_reduce": "all_reduce"}
+_ARITH = {"add", "sub", "mul", "matmul", "truediv", "floordiv", "pow", "mod", "and", "or", "neg"}
 
 
 @dataclass
 class Tapped:
     """One module's (or op's) captured tensors. Field names match backends.capture.CapturedTensor's."""
 
-    name: str  # "model.layers.1.mlp.down_proj"; an op adds "/aten.mm#2"; a parameter's gradient is its parameter name
+    name: str  # "model.layers.1.mlp.down_proj"; an op adds "/torch.linear#0"; a parameter's gradient is its parameter name
     kind: str  # one of backends.capture.CAPTURE_KINDS
     order: int  # completion order within the tap (a module after its children)
     output: Any  # numpy array, cut to the window; bfloat16 widened to float32 (exact), see dtype
@@ -116,7 +121,7 @@ def module_kind(name: str, module: Any, output_name: str = "lm_head") -> str:
         return "embedding"
     if low.endswith("rmsnorm") or low.endswith("layernorm") or isinstance(module, torch.nn.LayerNorm):
         return "norm"
-    if isinstance(module, torch.nn.Linear) or cls in ("Conv1D", "ColumnParallelLinear", "RowParallelLinear"):
+    if isinstance(module, torch.nn.Linear) or cls.endswith("Linear") or cls == "Conv1D":  # BlockLinear, vLLM's *Linear
         return "logits" if name.split(".")[-1] == output_name else "gemm"
     if "rotary" in low:
         return "rotary"
@@ -135,11 +140,22 @@ def _is_stack_member(name: str) -> bool:
     return name.split(".")[-1].isdigit()
 
 
+def op_name(func: Any) -> str:
+    """A torch function's plain name: Tensor.__add__ and torch.add are "add", __iadd__ is "add_"."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        if core[:1] in ("i", "r") and core[1:] in _ARITH:
+            core = core[1:] + ("_" if core[0] == "i" else "")
+        return {"truediv": "div", "float": "float_"}.get(core, core)
+    return name
+
+
 def op_kind(op: str, module_kind_: str) -> str:
-    """Kind of an aten op: its own where it has one; an add straight inside a decoder layer is the residual."""
+    """Kind of an op: its own where it has one; an add straight inside a decoder layer is the residual."""
     if op in _OP_KINDS:
         return _OP_KINDS[op]
-    if op == "add" and module_kind_ == "layer":
+    if op in ("add", "add_") and module_kind_ == "layer":
         return "residual"
     return "other"
 
@@ -170,6 +186,7 @@ class _Tapper:
         self.snaps: dict[int, dict] = {}  # id(module) -> cache snapshot taken as it was entered
         self.op_counts: Counter = Counter()
         self.busy = False  # inside a float64 re-evaluation: record nothing
+        self.whole: list[str] = []  # ops whose row or positions could not be told apart: kept whole
         self.order = 0
 
     # -- forward -------------------------------------------------------------------------------
@@ -264,7 +281,7 @@ class _Tapper:
                 rec.ref_error = None
                 self.result.skipped_ref["its float64 re-evaluation is not finite"] += 1
         except Exception as exc:  # a module that cannot run in float64 or outside its engine: noted, not fatal
-            self.result.skipped_ref[f"its float64 copy failed ({type(exc).__name__})"] += 1
+            self.result.skipped_ref[f"its float64 copy failed ({type(exc).__name__}: {str(exc)[:80]})"] += 1
         finally:
             self.busy = False
 
@@ -274,14 +291,13 @@ class _Tapper:
 
         if self.busy or self.layers_only or self.result.bounded:
             return
-        op = func.overloadpacket.__name__
+        op = op_name(func)
         tensor = first_tensor(out)
-        if (op in _SKIP_OPS or getattr(func, "is_view", False) or tensor is None or not tensor.is_floating_point()
-                or not tensor.numel()):
+        if op in _SKIP_OPS or tensor is None or not tensor.is_floating_point() or not tensor.numel():
             return
         owner = self.stack[-1] if self.stack else self.model
         path = self.names.get(owner, "")
-        key = f"{path}/aten.{op}"
+        key = f"{path}/torch.{op}"
         name = f"{key}#{self.op_counts[key]}"
         self.op_counts[key] += 1
         ins = [a for a in args if isinstance(a, torch.Tensor) and id(a) not in self.weights]
@@ -292,7 +308,7 @@ class _Tapper:
         if rec is None:
             return
         if not clean:
-            self.result.notes.append(f"{name}: an axis as long as a padded width is also a feature size; kept whole")
+            self.whole.append(name)
         if self.reference:
             self._op_reference(func, args, kwargs, tensor, cut, rec)
 
@@ -328,14 +344,32 @@ class _Tapper:
             rec.phase = "param_grad"
 
 
-def _dispatch_mode(tapper: _Tapper):
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _quietly(fn):
+    """`fn` with torch function modes off: a hook's own tensor work (copies, the float64 copy's
+    forward) is never taken for the model's ops."""
+    def run(*args, **kwargs):
+        import torch
 
-    class _Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+    return run
+
+
+def _function_mode(tapper: _Tapper):
+    """Ops seen at the torch function level (F.linear, Tensor.__add__, softmax...). Not a
+    TorchDispatchMode: under one, aten.linear on a strided input took another kernel on CPU (torch
+    2.13; the logits moved by 1e-5), and a capture must compute what the run computed, bit for bit."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _Ops(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            name = op_name(func)
+            inplace = name.endswith("_") and not tapper.busy and args and isinstance(args[0], torch.Tensor)
+            before = args[0].detach().clone() if inplace else None  # what an in-place op read
             out = func(*args, **kwargs)
-            tapper.on_op(func, args, kwargs, out)
+            tapper.on_op(func, (before,) + tuple(args[1:]) if inplace else args, kwargs, out)
             return out
 
     return _Ops()
@@ -346,8 +380,8 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
         skip: tuple[str, ...] = ("",)) -> Iterator[Tap]:
-    """Capture while the block runs: every named submodule's inputs and output (forward), each aten
-    op's output (ops, forward only), module and parameter gradients (backward), cut to `window` (or
+    """Capture while the block runs: every named submodule's inputs and output (forward), each torch
+    function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter gradients (backward), cut to `window` (or
     batch `row`). `reference`: each module and op re-evaluated in float64 on its own inputs
     (Tapped.ref_error). Past `max_bytes`, layer boundaries only (noted). The hooks are gone after."""
     window = window or Window(row=row)
@@ -356,18 +390,21 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     with ExitStack() as stack:
         for module in tapper.names:
             if forward:
-                stack.callback(module.register_forward_pre_hook(tapper.pre, with_kwargs=True).remove)
-                stack.callback(module.register_forward_hook(tapper.post, with_kwargs=True).remove)
+                stack.callback(module.register_forward_pre_hook(_quietly(tapper.pre), with_kwargs=True).remove)
+                stack.callback(module.register_forward_hook(_quietly(tapper.post), with_kwargs=True).remove)
             if backward:
-                stack.callback(module.register_full_backward_hook(tapper.on_grad).remove)
+                stack.callback(module.register_full_backward_hook(_quietly(tapper.on_grad)).remove)
         if backward and params:
             for pname, p in model.named_parameters():
                 if p.requires_grad:
                     owner = model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model
                     kind = tapper.kinds.get(owner, "other")
-                    stack.callback(p.register_hook(lambda g, n=pname, k=kind: tapper.on_param_grad(n, k, g)).remove)
+                    stack.callback(p.register_hook(_quietly(lambda g, n=pname, k=kind: tapper.on_param_grad(n, k, g))).remove)
         if ops and forward:
-            stack.enter_context(_dispatch_mode(tapper))
+            stack.enter_context(_function_mode(tapper))
         yield tapper.result
+    if tapper.whole:
+        tapper.result.notes.append(f"{len(tapper.whole)} op(s) kept whole, not cut to the row's real positions (no axis "
+                                   f"of the batch, or a padded width equal to a feature size), e.g. {', '.join(tapper.whole[:3])}")
     for why, count in sorted(tapper.result.skipped_ref.items()):
         tapper.result.notes.append(f"float64 reference not evaluated for {count} module(s)/op(s): {why}")

@@ -81,8 +81,11 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
     level = spec.level
     if tap is not None and (tap.bounded or spec.level == "layers"):
         level = "layers"
+    if spec.level == "ops" and backend.options.batch_invariant:
+        notes.append("batch_invariant runs attention one sequence at a time: how many attention ops a step has depends "
+                     "on the batch, so compare attention at the module level")
     if spec.level != "ops":
-        notes.append("aten ops not captured (level 'ops' asks for them)")
+        notes.append("ops (torch functions) not captured (level 'ops' asks for them)")
     return Capture(generations=gens, tensors=tensors, level=level, notes=notes, engine=_facts(backend, torch))
 
 

@@ -77,6 +77,14 @@ def _module_classes(torch):
             super().__init__()
             self.inner, self.state = inner, state
 
+        @property
+        def weight(self):  # the Linear's own (a perturbation or a tap finds it where a Linear keeps it)
+            return self.inner.weight
+
+        @property
+        def bias(self):
+            return self.inner.bias
+
         def forward(self, x):
             real = self.state.real
             if real is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(real.shape):
@@ -125,7 +133,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, 
             q = query[row, :, q_from:].reshape(kv_heads, groups * lq, dim)  # head h uses key head h // groups
             w = torch.bmm(q, k.transpose(1, 2)).mul_(scaling)
             if lq > 1:  # causal: query i sits at key position lk - lq + i
-                causal = torch.full((lq, lk), torch.finfo(w.dtype).min, device=w.device).triu(lk - lq + 1)
+                causal = torch.full((lq, lk), torch.finfo(w.dtype).min, device=w.device,  # float32 as ever; float64 in
+                                    dtype=torch.promote_types(w.dtype, torch.float32)).triu(lk - lq + 1)  # taps' reference
                 w = (w.view(kv_heads, groups, lq, lk) + causal).view(kv_heads, groups * lq, lk)
             w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
             o = torch.bmm(w, v).view(heads, lq, dim)

@@ -151,7 +151,7 @@ def test_weights_name_hugging_face_modules_through_the_gguf_map():
 def test_capture_reproduces_the_server_and_names_modules(captures, request_):
     for step, cap in captures.items():
         assert cap.engine["dumper_argmax_equals_server_tokens"], step
-        assert cap.engine["dumper_logprob_max_abs_diff"] < 1e-5, cap.engine
+        assert cap.engine["dumper_topk_gap_max_abs_diff"] < 2e-6, cap.engine  # float32 rounding of the server's softmax
         assert len(cap.generations) == 1 and len(cap.generations[0].token_ids) == min(step + 1, 8)
         names = [t.name for t in cap.tensors]
         assert names[:3] == ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.q_proj"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,7 @@ class GGUFInfo:
     metadata: dict[str, Any]  # key -> decoded value (arrays as lists)
     raw: dict[str, bytes]  # key -> type tag + value bytes exactly as in the file
     tensor_types: dict[str, int]  # tensor name -> ggml type id
+    tensor_layout: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # name -> (ne, file offset of its data)
 
     @property
     def architecture(self) -> str:
@@ -276,14 +277,16 @@ def read_gguf(path: Path) -> GGUFInfo:
                     vtype = cur.take("<I")
                     metadata[key] = cur.value(vtype)
                     raw[key] = cur.data[start : cur.pos]
-                tensors = {}
+                tensors, layout = {}, {}
                 for _ in range(n_tensors):
                     name = cur.string()
                     n_dims = cur.take("<I")
-                    cur.pos += 8 * n_dims
+                    ne = tuple(cur.take("<Q") for _ in range(n_dims))
                     tensors[name] = cur.take("<I")
-                    cur.pos += 8  # data offset
-                return GGUFInfo(metadata, raw, tensors)
+                    layout[name] = (ne, cur.take("<Q"))  # offset from the data section's start
+                align = int(metadata.get("general.alignment", 32))
+                data_start = -(-(24 + cur.pos) // align) * align
+                return GGUFInfo(metadata, raw, tensors, {k: (ne, data_start + off) for k, (ne, off) in layout.items()})
             except struct.error:
                 if len(cur.data) < size:
                     raise ValueError(f"{path}: truncated GGUF header") from None

@@ -289,17 +289,19 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     found, notes = tensors(dump, dataclasses.replace(spec, level=level), arch, n_head, n_head_kv)
     if spec.reference and level != "layers":
         eps = float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5)
-        notes += reference_errors(found, backend.gguf, arch, int(dump.index["n_layer"]), n_head, n_head_kv, eps,
+        notes += reference_errors(found, backend.gguf, backend.info, n_head, n_head_kv, eps,
                                   [*requests[0].input_ids, *tokens[:spec.step]])
     if level != "layers" and sum(int(t.output.nbytes) + sum(int(i.nbytes) for i in t.inputs) for t in found) > spec.max_bytes:
         found = [dataclasses.replace(t, order=k) for k, t in enumerate(t for t in found if t.kind in LAYER_KINDS)]
         level = "layers"
         notes.append(f"past the {spec.max_bytes} byte bound: layer boundaries only")
-    # does the dumper's forward reproduce the server's? its logits against the server's logprobs
-    lse = [float(np.log(np.sum(np.exp(row.astype(np.float64) - row.max()))) + float(row.max())) for row in dump.logits]
+    # does the dumper's forward reproduce the server's? The server's top-k logprobs share one float32
+    # softmax sum (summed in an order we cannot replay; on a 49k vocabulary it is off by ~2e-4), so
+    # compare the gaps to the best entry, where the sum cancels: logprob_j - logprob_0 = logit_j - logit_0
     drift = None
-    if gens[0].logprobs:
-        drift = max(abs((float(dump.logits[i][tok]) - lse[i]) - gens[0].logprobs[i]) for i, tok in enumerate(tokens[:spec.step + 1]))
+    if gens[0].top_logprobs:
+        drift = max((abs((lp - top[0][1]) - float(dump.logits[i][tok] - dump.logits[i][top[0][0]]))
+                     for i, top in enumerate(gens[0].top_logprobs[:spec.step + 1]) for tok, lp in top), default=None)
     greedy_same = [int(t) for t in dump.index["argmax"]] == tokens[:spec.step + 1]
     notes += ["one sequence, re-run by llama-server (the generations) and by detllm-dump (the tensors) with the same "
               "settings; batched llama.cpp runs are out of scope",
@@ -308,11 +310,31 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     if arch not in UNPERMUTED_ARCHS:
         notes.append(f"q/k outputs are in GGUF's row order: no un-permute rule for architecture {arch!r}")
     engine = {"dumper": str(dumper), "dumper_argv": dump.argv, "evals": dump.index["evals"],
-              "dumper_argmax_equals_server_tokens": greedy_same, "dumper_logprob_max_abs_diff": drift}
+              "dumper_argmax_equals_server_tokens": greedy_same, "dumper_topk_gap_max_abs_diff": drift}
     return Capture(generations=gens, tensors=found, level=level, notes=notes, engine=engine)
 
 
-def reference_errors(found: list[CapturedTensor], gguf_path: Path, arch: str, n_layer: int, n_head: int, n_head_kv: int,
+def weight(gguf_path: Path, info: Any, name: str) -> Any:
+    """One GGUF tensor as a float64 array [ne[-1], ..., ne[0]] (numpy's order), dequantised by the gguf
+    package where stored quantised; None when the file has no such tensor."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if name not in info.tensor_layout:
+        return None
+    ne, offset = info.tensor_layout[name]
+    qtype = GGMLQuantizationType(info.tensor_types[name])
+    block, size = GGML_QUANT_SIZES[qtype]
+    count = 1
+    for n in ne:
+        count *= int(n)
+    raw = np.memmap(gguf_path, dtype=np.uint8, mode="r", offset=offset, shape=(count // block * size,))
+    rows = raw.reshape(-1, int(ne[0]) // block * size)
+    return np.asarray(dequantize(rows, qtype), dtype=np.float64).reshape([int(n) for n in reversed(ne)])
+
+
+def reference_errors(found: list[CapturedTensor], gguf_path: Path, info: Any, n_head: int, n_head_kv: int,
                      eps: float, token_ids: Sequence[int]) -> list[str]:
     """Set ref_error on each module computed from one weight (embedding, norm, gemm, logits): max |output -
     the same op in float64 on the captured inputs and the GGUF's weight| (locate's tolerance). Returns
@@ -320,22 +342,22 @@ def reference_errors(found: list[CapturedTensor], gguf_path: Path, arch: str, n_
     import numpy as np
 
     try:
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
+        import gguf  # noqa: F401  (dequantisation)
     except ImportError:
         return ["no float64 reference: the gguf package is missing"]
-    reader = GGUFReader(str(gguf_path))
-    tensors_by_name = {t.name: t for t in reader.tensors}
+    arch = info.architecture
+    n_layer = int(info.metadata.get(f"{arch}.block_count") or 0)
     weights = {hf: base for base, hf in NameMap(arch, n_layer).hf.items()}
     skipped: list[str] = []
     for t in found:
         base = weights.get(t.name)
-        w = tensors_by_name.get(f"{base}.weight") if base else None
-        if w is None:
+        if base is None:
             continue
         try:
-            W = np.asarray(dequantize(w.data, w.tensor_type), dtype=np.float64).reshape([int(n) for n in reversed(w.shape)])
-        except (NotImplementedError, ValueError, KeyError):
+            W = weight(gguf_path, info, f"{base}.weight")
+        except (NotImplementedError, ValueError, KeyError, OSError):
+            W = None
+        if W is None:
             skipped.append(t.name)
             continue
         out = np.asarray(t.output, dtype=np.float64)
@@ -361,4 +383,4 @@ def reference_errors(found: list[CapturedTensor], gguf_path: Path, arch: str, n_
     return [f"no float64 reference for {', '.join(skipped)}"] if skipped else []
 
 
-__all__ = ["DUMPER", "Dump", "NameMap", "capture_sequence", "find_dumper", "reference_errors", "node_name", "read_dump", "run_dump", "tensors", "unpermute"]
+__all__ = ["DUMPER", "Dump", "NameMap", "capture_sequence", "find_dumper", "reference_errors", "weight", "node_name", "read_dump", "run_dump", "tensors", "unpermute"]

@@ -60,10 +60,18 @@ def test_cli_exit_code_and_verdict(tmp_path):
     assert res.output.startswith("PASS: 2 runs bitwise equal at every one of 2 steps")
 
 
-def test_cli_refuses_bad_input_in_one_line(tmp_path):
-    res = CliRunner().invoke(app, ["train-check", "--steps", "0", "--out", str(tmp_path / "p")])
-    assert res.exit_code == 2 and not (tmp_path / "p").exists()
-    assert res.output.count("\n") == 1 and "detllm: error: --steps 0" in res.output
+@pytest.mark.parametrize("args,says", [
+    (["--steps", "0"], "--steps 0"),
+    (["--seed", str(2**53)], "--seed"),
+    (["--repeats", "0", "--fresh-process", "0"], "at least one repeat"),
+    (["--batch-size", "3", "--grad-accumulation", "2"], "must divide the batch size"),
+    (["--test-option", "grad_add=1:model.no_such.weight:1e-10"], "has no parameter 'model.no_such.weight'"),
+    (["--test-option", "grad_add=1:x"], "is not repeat_seed=SEED or grad_add"),
+])
+def test_cli_refuses_bad_input_in_one_line(tmp_path, args, says):
+    res = CliRunner().invoke(app, ["train-check", *args, "--out", str(tmp_path / "p")])
+    assert res.exit_code == 2 and not (tmp_path / "p").exists() and not (tmp_path / "p.checkpoints").exists()
+    assert res.output.count("\n") == 1 and res.output.startswith("detllm: error: ") and says in res.output
 
 
 def test_another_seed_fails_naming_the_seed(tmp_path):

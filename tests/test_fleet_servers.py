@@ -159,13 +159,13 @@ def detllm_fleet_diff(sides):
     return fleet_diff(sides).report
 
 
-def _check(urls, out, *extra):
+def _check(urls, out, *extra, cache=("--opt", "cache_prompt=false")):
     from typer.testing import CliRunner
 
     from detllm.cli import app
 
-    args = ["check", "-b", "openai", "-m", "tiny", "--tier", "2", "--runs", "2", "--max-new-tokens", "6", "--opt", "cache_prompt=false",
-            "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--out", str(out), "--json", *extra]
+    args = ["check", "-b", "openai", "-m", "tiny", "--tier", "2", "--runs", "2", "--max-new-tokens", "6", *cache,
+            "--prompt", PROMPTS[0] + f" {out.name}", "--prompt", PROMPTS[1] + f" {out.name}", "--out", str(out), "--json", *extra]
     for u in urls:
         args += ["--base-url", u]
     r = CliRunner().invoke(app, args)
@@ -177,6 +177,14 @@ def test_fleet_check_of_agreeing_servers_passes(fleet, tmp_path):
     code, doc = _check([s.url for s in servers[:3]], tmp_path / "ok")
     assert (code, doc["status"], doc["category"]) == (0, "PASS", "AGREE")
     assert [g["replicas"] for g in doc["groups"]] == [[0, 1, 2]] and doc["outliers"] == [] and not doc["errors"]
+
+
+def test_replicas_that_agree_but_move_with_their_cache(fleet, tmp_path):
+    servers, _, _ = fleet
+    code, doc = _check([s.url for s in servers[:2]], tmp_path / "cache", cache=("--cache-probe",))  # cold, warm, after a prefix
+    assert code == 1 and doc["category"] == "AGREE_BUT_VARIANT" and doc["outliers"] == []
+    assert [g["replicas"] for g in doc["groups"]] == [[0, 1]]  # the cold answers agree across replicas
+    assert {v["category"] for v in doc["variance"]} == {"CACHE_VARIANCE"}  # each one's warm answers move
 
 
 def test_identity_mismatch_from_server_props(fleet, tmp_path):

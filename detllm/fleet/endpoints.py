@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..cacheprobe import probe_config, wants_probe
 from ..config import RunConfig
 from ..diff import Selection, load_sides
 from ..env import Redaction
@@ -81,6 +82,8 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
     if config.backend != "openai":
         raise UsageError(f"several --base-url are endpoints of --backend openai, not {config.backend!r}")
     urls = check_urls(base_urls)
+    if wants_probe(config):  # --cache-probe: each replica probes its own cache, with check's run plan (api.check)
+        config = probe_config(config)
     configs = [dataclasses.replace(config, options=tuple(sorted({**dict(config.options), "base_url": u}.items()))) for u in urls]
     for cfg in configs:
         cfg.validate(command="check")

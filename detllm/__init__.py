@@ -22,10 +22,11 @@ _EXPORTS = {
     "Outcome": ".runner",
     "fleet_check": ".fleet.endpoints", "fleet_diff": ".fleet.nway",
     "train_check": ".training.check",
+    "parity": ".training.parity", "train_diff": ".training.diffing",
 }
 
 __all__ = ["Decoding", "DetllmError", "Outcome", "RunConfig", "Verification", "check", "create_pack", "diff", "fleet_check", "fleet_diff",
-           "make_config", "replay", "run", "train_check", "verify"]
+           "make_config", "parity", "replay", "run", "train_check", "train_diff", "verify"]
 
 if TYPE_CHECKING:
     from .api import check, make_config, run
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from .replay import replay
     from .runner import Outcome
     from .training.check import train_check
+    from .training.diffing import train_diff
+    from .training.parity import parity
 
 
 def __getattr__(name: str) -> Any:

@@ -206,3 +206,6 @@ def render_diff(doc: dict[str, Any]) -> str:
             loss = "-" if g["abs_loss_diff"] is None else f"{g['abs_loss_diff']:.3g}"
             lines.append(f"    {g['step']}: {g['values_differing']}/{g['parameters']}, {loss}, {g['max_abs_value_l2_diff']:.3g}")
     return "\n".join(lines) + "\n"
+
+
+train_diff = diff_packs  # the Python API's name (detllm.train_diff): the CLI's `diff A B` of two training packs

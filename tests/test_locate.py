@@ -239,3 +239,27 @@ def test_a_fresh_process_side_is_re_run_here_and_says_so(tmp_path):
     doc = locate(f"{folder}::run_0", f"{folder}::run_1").doc
     assert doc["status"] == "not_reproduced"  # the difference lives in the fresh process only
     assert doc["right"]["reproduced"] is False and any("fresh process" in n for n in doc["right"]["notes"])
+
+
+def test_layer_boundaries_without_inputs_take_the_previous_boundary_as_input():
+    """One engine's layer boundaries against another's (llama.cpp's l_out-N carry no inputs): the first layer
+    whose previous boundary agrees and whose own output differs is named."""
+    import numpy as np
+
+    from detllm.backends.base import CapturedTensor
+    from detllm.locate.align import pair_up
+    from detllm.locate.rule import judge
+
+    def side(moved: bool):
+        h = np.arange(12, dtype=np.float32).reshape(3, 4)
+        out = [CapturedTensor("model.embed_tokens", "embedding", 0, h)]
+        for i in range(3):
+            h = h * 2 + (np.float32(1e-3) if moved and i >= 1 else 0)
+            out.append(CapturedTensor(f"model.layers.{i}", "layer", i + 1, h.copy()))
+        return out
+
+    pairs, _, _ = pair_up(side(False), side(True))
+    verdict = judge(pairs)
+    assert verdict.first_bitwise.left.name == "model.layers.1"
+    assert [p.inputs_inferred for p in pairs] == [False, True, True, True]
+    assert [p.inputs_equal for p in pairs] == [None, True, True, False]

@@ -25,6 +25,7 @@ class Pair:
     metrics: dict[str, Any]
     trimmed: bool = False  # padding positions were sliced off to align the prompt's positions
     kv_step: int | None = None  # the step that wrote the first cached position that differs (None: unknown or none)
+    inputs_inferred: bool = False  # a layer boundary's input taken from the boundary before it (not captured)
 
 
 def trailing(a: Any, b: Any) -> tuple[Any, Any, bool] | None:
@@ -135,5 +136,21 @@ def pair_up(left: list[CapturedTensor], right: list[CapturedTensor]) -> tuple[li
             continue
         x, y, trimmed = t2
         pairs.append(Pair(t, other, True, bitwise_equal(x, y), inputs_equal, kv_equal, measure(x, y), trimmed, kv_step))
+    _boundary_inputs(pairs)
     names = {t.name for t in left}
     return pairs, left_only, [t.name for t in sorted(right, key=lambda t: t.order) if t.name not in names]
+
+
+BOUNDARIES = ("embedding", "layer")
+
+
+def _boundary_inputs(pairs: list[Pair]) -> None:
+    """A layer boundary captured without its inputs (llama.cpp's l_out-N, one engine's boundaries against
+    another's) takes as its input the boundary before it: a decoder layer's input is the previous
+    layer's output (or the embedding's). Marked `inputs_inferred`."""
+    previous: Pair | None = None
+    for p in pairs:
+        if p.left.kind == "layer" and p.inputs_equal is None and previous is not None and previous.output_equal is not None:
+            p.inputs_equal, p.inputs_inferred = previous.output_equal, True
+        if p.left.kind in BOUNDARIES:
+            previous = p

@@ -107,6 +107,7 @@ def row_json(p: Pair) -> dict[str, Any]:
     """One row of the per-layer table."""
     row = {"module": p.left.name, "kind": p.left.kind, "order": p.left.order, "output_equal": p.output_equal,
            "inputs_equal": p.inputs_equal, "shapes_match": p.shapes_match, "padding_trimmed": p.trimmed,
+           "inputs_inferred": p.inputs_inferred,
            "output_shape": {"left": list(p.left.output_shape), "right": list(p.right.output_shape)}}
     if p.kv_equal is not None:
         row["cached_kv_equal"] = p.kv_equal

@@ -137,13 +137,15 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
         for k in (r.keys[i] for i in sorted(r.keys)):
             if k not in order:
                 order.append(k)
+    held = {r.index: set(r.keys.values()) for r in ok}
+    first_index = {k: i for i, k in sorted(ok[0].keys.items(), reverse=True)} if ok else {}  # the reference's prompt_index
     prompts = []
     for key in order:
-        present = [r.index for r in ok if key in r.keys.values()]
+        present = [r.index for r in ok if key in held[r.index]]
         groups = _cluster(present, lambda x, y, key=key: key not in pairs.differ(x, y))
         missing = [r.index for r in ok if r.index not in present]
         major = _majority(groups, len(ok))  # a replica without the prompt counts against every group
-        index = next(i for i, k in ok[0].keys.items() if k == key) if key in ok[0].keys.values() else None
+        index = first_index.get(key)
         prompts.append({"prompt_id": key[0], "occurrence": key[1], "prompt_index": index,
                         "groups": [{"label": lab, "replicas": g} for lab, g in zip(_labels(len(groups)), groups)],
                         "majority": "A" if major else None,

@@ -115,7 +115,7 @@ def show(title: str, rows: list[dict]) -> None:
     keys = ["endpoints", "in_flight_each", "in_flight", "verdict", "wall_s", "cpu_s", "peak_rss_mib"]
     print("  " + "  ".join(f"{k:>14}" for k in keys))
     for r in rows:
-        print("  " + "  ".join(f"{str(r.get(k)):>14}" for k in keys))
+        print("  " + "  ".join(f"{r.get(k)!s:>14}" for k in keys))
 
 
 def stub_figures(args, tmp: Path) -> None:

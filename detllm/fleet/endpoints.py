@@ -10,16 +10,17 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
+from ..artifacts import default_out_dir
 from ..cacheprobe import probe_config, wants_probe
 from ..config import RunConfig
 from ..diff import Selection, load_sides
 from ..env import Redaction
 from ..errors import BackendError, DetllmError, UsageError
-from ..artifacts import default_out_dir
 from ..prompts import PromptSet, resolve_prompts
 from ..runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet

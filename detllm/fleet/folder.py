@@ -67,4 +67,4 @@ def write_fleet(out: Path, report: dict[str, Any]) -> None:
     artifacts.atomic_write_text(out / "fleet.md", render_markdown(report))
 
 
-__all__ = ["FLEET", "FleetOutcome", "REPLICA", "check_fleet_out", "is_fleet_folder", "prepare_fleet_out", "write_fleet"]
+__all__ = ["FLEET", "REPLICA", "FleetOutcome", "check_fleet_out", "is_fleet_folder", "prepare_fleet_out", "write_fleet"]

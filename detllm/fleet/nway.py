@@ -6,8 +6,8 @@ is compared by its engine (verdict.py); with --out the fleet report is written t
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..config import check_atol
 from ..diff import Selection, load_sides

@@ -15,7 +15,8 @@ from ..compare.causes import Side
 from ..compare.causes.codes import TITLES
 from ..diff import diff_report
 from ..env import detllm_version
-from .identity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS, identity_groups
+from .identity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS
+from .identity import identity_groups
 
 # most fundamental first: the category a fleet report leads with (docs/fleet.md)
 CATEGORIES = ("IDENTITY_MISMATCH", "UNSTABLE", "OUTLIER", "NO_MAJORITY", "ENDPOINT_ERROR", "AGREE_BUT_VARIANT", "AGREE")
@@ -236,7 +237,7 @@ def _set_aside(cause: dict[str, Any]) -> str | None:
     return None
 
 
-def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: "_Pairs") -> list[dict[str, Any]]:
+def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: _Pairs) -> list[dict[str, Any]]:
     """What the pairwise diff's causes say about each minority group against the majority (its first
     members): the ranked cause codes, as `detllm diff MAJORITY GROUP` would rank them."""
     if not rmajor:
@@ -254,4 +255,4 @@ def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: "_Pairs"
     return out
 
 
-__all__ = ["CATEGORIES", "Replica", "VERDICTS", "fleet_verdict", "own_check", "prompt_keys"]
+__all__ = ["CATEGORIES", "VERDICTS", "Replica", "fleet_verdict", "own_check", "prompt_keys"]

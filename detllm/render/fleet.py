@@ -121,8 +121,9 @@ def _cell_class(cell: str) -> str:
 def render_html(doc: dict[str, Any]) -> str:
     """One self-contained page (render/html.page): the verdict, the matrix, the findings."""
     heads, rows = matrix(doc)
-    body = [f"<h1>detllm fleet ({esc(doc['command'])}) <span class='verdict {esc(doc['status'])}'>{esc(doc['status'])}</span> "
-            f"{esc(doc['category'])}</h1>", f"<p>{esc(_head(doc))}</p>",
+    title = (f"<h1>detllm fleet ({esc(doc['command'])}) <span class='verdict {esc(doc['status'])}'>{esc(doc['status'])}</span> "
+             f"{esc(doc['category'])}</h1>")
+    body = [title, f"<p>{esc(_head(doc))}</p>",
             "<table><thead><tr><th>replica</th>" + "".join(f"<th>{esc(h)}</th>" for h in heads) + "<th>role</th></tr></thead><tbody>"]
     for r, cells in rows:
         tds = "".join(f"<td class='{_cell_class(c)}'>{esc(c)}</td>" for c in cells)

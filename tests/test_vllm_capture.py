@@ -198,14 +198,19 @@ def test_perturb_spec_is_checked_before_an_engine_starts():
 
 
 @pytest.mark.engine
-def test_perturbing_what_vllm_fuses_or_lacks_is_a_usage_error(backend, batch):
+def test_perturbing_what_vllm_fuses_or_lacks_is_a_usage_error(backend, batch, clean, cli, tmp_path):
     for spec, words in (("model.layers.0.mlp.act_fn:output:1e-3", "fuses act_fn"),
                         ("model.layers.0.self_attn.q_prj:output:1e-3", "did you mean 'model.layers.0.self_attn.q_proj'"),
-                        ("model.layers.0.mlp/silu_and_mul:output:1e-3", "vLLM-only op")):
+                        ("model.layers.0.mlp/silu_and_mul:output:1e-3", "vLLM-only op"),
+                        ("model.layers.0.self_attn.q_proj:weight:1e-30", "below the rounding")):
         b = VLLMBackend("tiny", device="auto", options=VLLMOptions(perturb=spec))
         with pytest.raises(UsageError) as err:
             b.generate(batch, GREEDY, seed=0, n_logprobs=5, logprobs=True)
         assert words in err.value.one_line(), err.value.one_line()
+    res = cli("run", "--backend", "vllm", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "2",
+              "--opt", "perturb=model.layers.0.mlp.act_fn:output:1e-3", "--out", tmp_path / "run")
+    assert res.exit_code == 2 and "fuses act_fn" in res.output and not (tmp_path / "run").exists(), "refused before writing"
+    assert backend.generate(batch, GREEDY, seed=0, n_logprobs=5, logprobs=True) == clean[0], "the refused probes left nothing"
 
 
 @pytest.mark.engine

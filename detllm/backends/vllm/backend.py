@@ -25,7 +25,7 @@ from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Genera
                     request_seed)
 from .engine import attention_names, current_llm, first_line, release_engine, start_engine, worker_ranks
 from .installed import INSTALL_CPU, INSTALL_CUDA, batch_invariance_support, build_platform, installed_vllm
-from .perturbing import perturbed
+from .perturbing import check_target, perturbed
 from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, threads_bind, validate
 
 
@@ -124,7 +124,10 @@ class VLLMBackend(Backend):
             # the files' content is in the key: a folder edited in place restarts the engine
             content = content_key(self.resolved.path) if self.resolved.path else None
             key = (source, content, self.revision, self.dtype, self.platform, astuple(dataclasses.replace(opts, perturb="")), self.max_logprobs, self.threads_bind)
-            self._llm = start_engine(key, self._engine_env(), kwargs)
+            llm = start_engine(key, self._engine_env(), kwargs)
+            if self.perturbation is not None:
+                check_target(llm, self.perturbation)  # a target vLLM lacks: refused before a run writes
+            self._llm = llm
         return self._llm
 
     def _tokenizer(self) -> Any:

@@ -29,9 +29,9 @@ def _target(model: Any, spec: Perturbation) -> tuple[Any, Rule | None, Piece]:
     if found is None:
         names = [p.name for r in table for p in r.pieces if "/" not in p.name]
         close = difflib.get_close_matches(spec.module, names, n=3, cutoff=0.6)
-        hint = (f"did you mean {', '.join(repr(c) for c in close)}?" if close else "") + \
-            " (HF names; vLLM fuses act_fn with the multiply by up, and applies rotary inside attention)"
-        raise UsageError(f"perturb: vLLM computes no module {spec.module!r} separately", hint=hint.strip())
+        hint = (f"did you mean {', '.join(repr(c) for c in close)}? " if close else "") + \
+            "Names are HF's; vLLM fuses act_fn with the multiply by up and applies rotary inside attention"
+        raise UsageError(f"perturb: vLLM computes no module {spec.module!r} separately", hint=hint)
     rule, piece = found
     if "/" in piece.name:
         raise UsageError(f"perturb: {spec.module!r} is a vLLM-only op; name a Hugging Face module")
@@ -83,6 +83,16 @@ class _Output:
         else:
             new = perturb_output(first, self.spec.rel, points)
         return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+def check_target(llm: Any, spec: Perturbation) -> None:
+    """UsageError now, when `spec` names nothing vLLM can perturb (at engine start, before a run writes)."""
+    def probe(model: Any) -> None:
+        module, rule, piece = _target(model, spec)
+        if spec.target == "weight":
+            _weight(module, rule, piece, spec, HFWeights(llm.llm_engine.vllm_config.model_config.model)).remove()
+
+    llm.apply_model(probe)
 
 
 @contextmanager
@@ -154,4 +164,4 @@ def _weight(module: Any, rule: Rule | None, piece: Piece, spec: Perturbation, we
     return _WeightHandle(module, flat if kept else None, index, old, gemm)
 
 
-__all__ = ["perturbed"]
+__all__ = ["check_target", "perturbed"]

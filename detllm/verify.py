@@ -16,23 +16,28 @@ from .rederive import Ahead, rederive_verdict
 __all__ = ["Verification", "verify", "verify_folder"]
 
 
-def verify(path: str | Path, *, pubkey: str | Path | None = None) -> Verification:
+def verify(path: str | Path, *, pubkey: str | Path | None = None, weights: str | Path | None = None) -> Verification:
     """Check a run folder or .tar.gz pack against its manifest, chain, schemas and (optionally)
     signature, then its verdict against its trace. Raises IntegrityError (exit 6) naming the first
     changed file or trace line, ArtifactError (exit 5) when it is not a pack or a file breaks its schema."""
     with open_run_path(Path(path)) as folder:
-        result = verify_folder(folder, pubkey=pubkey)
+        result = verify_folder(folder, pubkey=pubkey, weights=weights)
     result.path = Path(path)
     return result
 
 
-def verify_folder(folder: Path, *, pubkey: str | Path | None = None) -> Verification:
-    """verify() of an unpacked folder."""
+def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: str | Path | None = None) -> Verification:
+    """verify() of an unpacked folder. `weights` (a training pack only): a safetensors file checked
+    against the final commitment."""
     seal = open_seal(Path(folder), pubkey)
     from .training.pack import is_training_pack, verify_training
 
     if is_training_pack(seal.folder):  # a training pack: its chain and report instead of a trace's (docs/training.md)
-        return verify_training(seal)
+        return verify_training(seal, weights=weights)
+    if weights is not None:
+        from .errors import UsageError
+
+        raise UsageError("--weights applies to a training pack (detllm train-check): a run pack commits no weights")
     # the verdict is re-derived on the other core while the bytes are checked; its answer is read
     # only once the bytes check out, so a changed file is still the first problem named
     ahead = Ahead.start(seal.folder) if seal.manifest["trace"] is not None else None

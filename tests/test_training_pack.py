@@ -197,3 +197,18 @@ def test_parity_scores_a_checkpoints_trained_weights(packs, tmp_path):
     seqs = [(s["prompt_ids"], s["token_ids"]) for s in trained["sequences"]]
     untrained = trainer_logprobs(builtin_path("tiny"), "float32", seqs, attn_implementation="eager")
     assert [s["trainer"] for s in trained["sequences"]] != untrained
+
+
+def test_verify_weights_against_the_final_commitment(packs, tmp_path, cli):
+    """Weights edited after training: every logged loss still matches, verify --weights fails."""
+    from safetensors.torch import load_file, save_file
+
+    final = packs[0].parent / "A.checkpoints" / "boundary_000008" / "model.safetensors"
+    res = cli("verify", packs[0], "--weights", final)
+    assert res.exit_code == 0 and "weights: matched: model.safetensors is θ_7" in res.output
+    tensors = load_file(str(final))
+    tensors["lm_head.weight"][0, 0] += 1e-6
+    save_file(tensors, str(tmp_path / "edited.safetensors"))
+    res = cli("verify", packs[0], "--weights", tmp_path / "edited.safetensors")
+    assert res.exit_code == 6 and "is not the final commitment's H(θ_7)" in res.output and "lm_head.weight" in res.output
+    assert cli("verify", packs[0], "--weights", tmp_path / "missing.safetensors").exit_code == 2

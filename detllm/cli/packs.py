@@ -20,6 +20,8 @@ from .shell import ProgressBar, SignKey, app, emit, guarded
 def verify(
     pack: Annotated[Path, typer.Argument(help="A sealed run folder or .tar.gz pack.")],
     pubkey: Annotated[Optional[Path], typer.Option("--pubkey", help="Ed25519 public key (PEM or ssh-ed25519): manifest.sig must verify.")] = None,
+    weights: Annotated[Optional[Path], typer.Option("--weights", help="Training packs: a safetensors file that must be the weights the "
+                                                    "final commitment names (read without torch).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     def body() -> int:
@@ -27,7 +29,11 @@ def verify(
         from ..verify import verify as verify_pack
 
         refuse_seed_layout(pack)
-        res = verify_pack(pack, pubkey=pubkey)
+        if weights is not None and not weights.is_file():
+            from ..errors import UsageError
+
+            raise UsageError(f"--weights {str(weights)!r} is not a file")
+        res = verify_pack(pack, pubkey=pubkey, weights=weights)
         typer.echo(json.dumps(res.to_json(), indent=2) if as_json else "\n".join(res.lines()))
         return 0
 

@@ -111,6 +111,8 @@ def kld_document(a: str | Path, b: str | Path | None = None) -> dict[str, Any]:
 def _diff_sides(path: Path) -> tuple[Any, Any]:
     from .diff import Selection
 
+    if not path.exists():
+        raise UsageError(f"{str(path)!r} does not exist", hint="pass two run folders, or a diff folder")
     if not path.is_dir() or not artifacts.is_diff_folder(path):
         raise UsageError("--format kld compares two runs' traces: pass two run folders, or a diff folder",
                          hint="detllm report --format kld LEFT_RUN RIGHT_RUN")

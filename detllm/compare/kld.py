@@ -10,8 +10,8 @@ records only; the text block is render/kld.py.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError

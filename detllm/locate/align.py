@@ -120,14 +120,27 @@ def _inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool | None, bool | N
     return equal, kv, wrote
 
 
-def pair_up(left: list[CapturedTensor], right: list[CapturedTensor]) -> tuple[list[Pair], list[str], list[str]]:
-    """Pairs by name in the left side's execution order; names captured on one side only."""
+def whole(t: CapturedTensor, rows: int) -> bool:
+    """A tensor of a batch of `rows` > 1 the capture kept whole (not cut to the prompt's row: an op with no
+    batch axis, e.g. a blocked GEMM over 64 rows of several sequences): no row of it can be compared."""
+    import numpy as np
+
+    return rows > 1 and bool(t.output_shape) and tuple(np.shape(t.output)) == tuple(t.output_shape) and t.output_shape[0] != 1
+
+
+def pair_up(left: list[CapturedTensor], right: list[CapturedTensor], rows: tuple[int, int] = (1, 1)
+            ) -> tuple[list[Pair], list[str], list[str]]:
+    """Pairs by name in the left side's execution order; names captured on one side only. `rows`: each
+    side's batch size (a tensor kept whole on a side of several rows is not compared)."""
     by_name = {t.name: t for t in right}
     pairs, left_only = [], []
     for t in sorted(left, key=lambda t: t.order):
         other = by_name.get(t.name)
         if other is None:
             left_only.append(t.name)
+            continue
+        if whole(t, rows[0]) or whole(other, rows[1]):
+            pairs.append(Pair(t, other, False, None, None, None, {"kept_whole": True}))
             continue
         t2 = trailing(t.output, other.output)
         inputs_equal, kv_equal, kv_step = _inputs(t, other)

@@ -112,7 +112,7 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
         caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound, reference=reference)
         if caps is None:
             return
-        pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors)
+        pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors, _rows(sides))
         verdict = judge(pairs)
         if verdict.back_to is not None and verdict.back_to < step and all(r.runs < 2 for r in sides):
             doc["not_captured"].append(f"step {step}: {verdict.first_differing.left.name} read cached K/V that differ "
@@ -120,15 +120,20 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
             step = verdict.back_to
             continue
         break
-    if (ops and not layers_only and verdict.first_bitwise is not None and all(r.runs < 2 and r.offers == "ops" for r in sides)
+    asked = doc["step"]["what"] == "asked"  # a control: "no op differs" is claimed of the ops too
+    if (ops and not layers_only and (verdict.first_bitwise is not None or asked) and all(r.runs < 2 and r.offers == "ops" for r in sides)
             and "layers" not in {c.level for c in caps}):
         deeper = _capture_both(doc, sides, step, tier=tier, level="ops", bound=bound, reference=reference, strict=False)
         if deeper is not None:
-            p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors)
+            p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors, _rows(sides))
             v2 = judge(p2)
-            if v2.first_bitwise is not None:
+            if v2.first_bitwise is not None or asked:
                 caps, pairs, only_l, only_r, verdict = deeper, p2, l2, r2, v2
     _conclude(doc, caps, pairs, only_l, only_r, verdict, step, bound)
+
+
+def _rows(sides: list[reruns.Rerun]) -> tuple[int, int]:
+    return len(sides[0].requests), len(sides[1].requests)
 
 
 def _conclude(doc, caps, pairs, only_l, only_r, verdict, step: int, bound: int) -> None:
@@ -148,6 +153,10 @@ def _conclude(doc, caps, pairs, only_l, only_r, verdict, step: int, bound: int) 
         doc["not_captured"].append(f"past the bound of {bound / 2**20:g} MB (both sides together), layer boundaries only were compared")
     if verdict.back_to is not None:
         doc["not_captured"].append(f"cached K/V differ from step {verdict.back_to}, but each side was already re-run twice")
+    kept = [p.left.name for p in pairs if p.metrics.get("kept_whole")]
+    if kept:
+        doc["not_captured"].append(f"{len(kept)} op(s) kept whole on a side of several rows (no row of the prompt to cut, "
+                                   f"e.g. {', '.join(kept[:3])}): not compared")
     doc["not_captured"] += [f"only on the left side: {n}" for n in only_l[:20]] + [f"only on the right side: {n}" for n in only_r[:20]]
     doc["status"], doc["line"] = _line(verdict, step, prompt, first, asked=doc["step"]["what"] == "asked")
 

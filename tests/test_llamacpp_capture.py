@@ -16,7 +16,8 @@ import pytest
 
 from detllm.backends.base import CaptureSpec, Request
 from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions
-from detllm.backends.llamacpp.capture import SKIP_NODES, NameMap, find_dumper, run_dump, unpermute
+from detllm.backends.llamacpp.capture import SKIP_NODES, SKIP_OPS, find_dumper, run_dump
+from detllm.backends.llamacpp.names import NameMap, unpermute
 from detllm.config import Decoding
 from detllm.errors import UsageError
 from detllm.models import builtin_path
@@ -105,8 +106,10 @@ def test_the_dumper_writes_the_asked_nodes_raw(dumper, gguf, tmp_path):
     assert dump.index["prompt"] == [0, 46, 31] and dump.index["evals"] == [[0, 3]]
     layers_only = run_dump(dumper, gguf, [0, 46, 31], [], 0, {"threads": 1}, patterns=[r"^l_out-\d+$"])
     assert sorted(r["name"] for r in layers_only.records) == ["l_out-0", "l_out-1"]
-    lean = run_dump(dumper, gguf, [0, 46, 31], [], 0, {"threads": 1}, skips=SKIP_NODES)  # what a modules capture asks
-    assert {"cache_k_l0 (view)", "Qcur-0 (view)"} <= names and not any("cache_" in r["name"] or "(view)" in r["name"] for r in lean.records)
+    lean = run_dump(dumper, gguf, [0, 46, 31], [], 0, {"threads": 1}, skips=SKIP_NODES, skip_ops=SKIP_OPS)  # a modules capture
+    assert {"cache_k_l0 (view)", "Qcur-0 (view)"} <= names and any(r["op"] == "SET_ROWS" for r in dump.records)
+    assert not any(r["op"] == "SET_ROWS" or "(view)" in r["name"] and not r["name"].startswith("cache_") for r in lean.records)
+    assert {r["op"] for r in lean.records if r["name"].startswith("cache_")} == {"VIEW"}, "the cache as attention reads it"
     assert {"embd", "attn_norm-0", "Qcur-0", "kqv_out-0", "ffn_inp-0", "ffn_swiglu-0", "l_out-1", "result_norm"} <= {r["name"] for r in lean.records}
 
 
@@ -187,6 +190,8 @@ def test_hf_and_llamacpp_layers_line_up(captures, hf_layers, capsys):
     for step, cap in captures.items():
         hf = hf_layers[step]
         for t in cap.tensors:
+            if "/" in t.name:  # llama.cpp's attention op: no HF module computes it alone
+                continue
             ours = hf[t.name]
             if t.positions is not None and step == 0:
                 ours = ours[t.positions]
@@ -232,16 +237,16 @@ def runs(tmp_path_factory, dumper):
 
 
 def test_locate_hf_vs_llamacpp_names_the_first_layer(runs):
-    """End to end through `detllm locate`: layer boundaries only, the embeddings are bitwise equal
-    and model.layers.0 is the first layer whose output differs; at module level the first op whose
+    """End to end through `detllm locate`: layer boundaries only, the embeddings (layer 0's input) are
+    bitwise equal and model.layers.0 is the first layer whose output differs; at module level the first op whose
     inputs agree and output differs is one of layer 0's q/k/v projections (ggml's f32 GEMM is not
     torch's), within both sides' float64 error."""
     from detllm.locate import locate
 
     tmp, hf, ll = runs
     doc = locate(str(hf), str(ll), out=tmp / "layers", layers_only=True).doc
-    assert doc["status"] == "not_located" and doc["left"]["reproduced"] and doc["right"]["reproduced"]
-    assert doc["first_differing"]["module"] == "model.layers.0"
+    assert doc["left"]["reproduced"] and doc["right"]["reproduced"]
+    assert doc["status"] == "located" and doc["first_bitwise_op"]["module"] == "model.layers.0", doc["line"]
     rows = {r["module"]: r for r in doc["layers"]}
     assert rows["model.embed_tokens"]["output_equal"] is True and rows["model.layers.0"]["output_equal"] is False
     doc = locate(str(hf), str(ll), out=tmp / "modules").doc
@@ -264,3 +269,38 @@ def test_a_build_without_the_dumper_captures_nothing(dumper, tmp_path):
         find_dumper(tmp_path / "llama-server")
     assert "scripts/build_llamacpp.sh" in exc.value.one_line()
     assert LlamaCppBackend("tiny").capabilities().capture == "layers"
+
+
+def test_attention_reads_the_cached_keys_and_values(captures, backend, request_):
+    """Each layer's attention op: inputs roped query/key and value, and at a decode step the K/V cache
+    rows of the earlier positions, equal (f32 cache) to the keys and values those steps wrote, each
+    with the step that wrote it; its float64 re-evaluation on those inputs is close."""
+    pre, dec = ({t.name: t for t in captures[s].tensors} for s in (0, STEP))
+    n = len(request_.input_ids)
+    for layer in (0, 1):
+        a0, a3 = pre[f"model.layers.{layer}.self_attn/attention"], dec[f"model.layers.{layer}.self_attn/attention"]
+        assert a0.input_names == ["query", "key", "value"] and a0.kind == "attention"
+        assert a3.input_names == ["query", "key", "value", "past_keys", "past_values"]
+        assert a3.cached_steps == [0] * n + list(range(1, STEP)) and a3.positions == [n + STEP - 1]
+        assert np.array_equal(a3.inputs[3][:n], a0.inputs[1]) and np.array_equal(a3.inputs[4][:n], a0.inputs[2])
+        assert np.array_equal(a3.output, dec[f"model.layers.{layer}.self_attn.o_proj"].inputs[0])
+        assert a0.ref_error < 1e-4 and a3.ref_error < 1e-4, (a0.ref_error, a3.ref_error)
+    k0 = pre["model.layers.0.self_attn/attention"].inputs[1]  # roped and un-permuted: position 0 is unrotated
+    assert np.allclose(k0[0], pre["model.layers.0.self_attn.k_proj"].output[0], atol=1e-5)
+
+
+def test_locate_llamacpp_flash_attention_on_vs_off_names_the_attention(tmp_path):
+    """A real difference between two llama.cpp runs: flash attention on vs off (f32 KV cache). The
+    query, key and value agree bitwise, the attention output does not, beyond both sides' float64 error."""
+    import detllm
+    from detllm.locate import locate
+
+    from .conftest import write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", [PROMPT])
+    sides = [detllm.run(backend="llamacpp", model="tiny", prompts=prompts, tier=2, max_new_tokens=2, out=tmp_path / fa,
+                        options={"kv_type": "f32", "flash_attn": fa}).out_dir for fa in ("off", "on")]
+    doc = locate(str(sides[0]), str(sides[1]), out=tmp_path / "locate").doc
+    assert doc["status"] == "located", doc["line"]
+    for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
+        assert doc[key]["module"] == "model.layers.0.self_attn/attention" and doc[key]["kind"] == "attention", doc[key]

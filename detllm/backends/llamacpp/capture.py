@@ -1,15 +1,13 @@
 """The `llamacpp` backend's capture (`detllm locate`): run detllm-dump (our libllama program, built
 next to llama-server by scripts/build_llamacpp.sh) on one recorded sequence, read the raw tensors
-it wrote at the chosen step, and name them in Hugging Face naming: layer boundaries by a shipped
-rule (`l_out-N` -> `model.layers.N`), other nodes through their weight operand and the `gguf`
-package's tensor name map, with GGUF's Q/K row permutation undone. One sequence only.
+it wrote at the chosen step, name them in Hugging Face naming (names.py), add each layer's attention
+op with its cached K/V, and evaluate each op in float64 (the tolerance). One sequence only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -18,16 +16,18 @@ from typing import Any, Sequence
 
 from ...errors import BackendError, BackendUnavailableError, UsageError
 from ..capture import Capture, CapturedTensor, CaptureSpec
+from .names import UNPERMUTED_ARCHS, NameMap, node_name, unpermute
 
 DUMPER = "detllm-dump"
 DUMP_FORMAT, DUMP_VERSION = "detllm-dump", 1
-LAYER_OUT = re.compile(r"^l_out-(\d+)$")  # llama.cpp's residual stream after decoder layer N
 LAYER_KINDS = ("embedding", "layer", "logits")  # what a "layers" capture keeps
-UNPERMUTED_ARCHS = ("llama",)  # convert_hf_to_gguf permutes q/k rows for these (llama.cpp's "normal" rope)
 # what the dumper is asked for: a "layers" capture needs the embedding, the boundaries and the logits;
-# a "modules" one every activation, less the KV cache and the views/reshapes of nodes captured anyway
+# a "modules" one every activation, less the views/reshapes of nodes captured anyway and the cache
+# writes (SET_ROWS: the whole KV cache); the cache views attention reads are kept (past K/V)
 LAYER_NODES = (r"^(inp_)?embd$", r"^l_out-\d+$", r"^result_output$")
-SKIP_NODES = (r"^cache_", r"\((view|permuted|reshaped|transposed|cont)\)")
+SKIP_NODES = (r"^(?!cache_).*\(view\)", r"\((permuted|reshaped|transposed|cont)\)")
+SKIP_OPS = ("SET_ROWS",)
+KV_INPUTS = ["query", "key", "value", "past_keys", "past_values"]
 REBUILD_HINT = "rebuild llama.cpp with scripts/build_llamacpp.sh: it builds detllm-dump next to llama-server"
 
 
@@ -51,7 +51,8 @@ class Dump:
 
 
 def run_dump(dumper: Path, gguf: Path, prompt: Sequence[int], forced: Sequence[int], step: int, settings: dict[str, Any],
-             patterns: Sequence[str] = (), skips: Sequence[str] = (), timeout: float = 600.0) -> Dump:
+             patterns: Sequence[str] = (), skips: Sequence[str] = (), skip_ops: Sequence[str] = (),
+             timeout: float = 600.0) -> Dump:
     """Run detllm-dump on one sequence and read what it wrote. `settings` mirror llama-server's:
     threads, threads_batch, n_ctx, n_seq, batch, ubatch, flash_attn, kv_type (None: the default)."""
     argv = [str(dumper), "-m", str(gguf), "--tokens", ",".join(str(int(t)) for t in prompt), "--step", str(step)]
@@ -65,6 +66,8 @@ def run_dump(dumper: Path, gguf: Path, prompt: Sequence[int], forced: Sequence[i
         argv += ["--match", p]
     for p in skips:
         argv += ["--skip", p]
+    for op in skip_ops:
+        argv += ["--skip-op", op]
     with tempfile.TemporaryDirectory(prefix="detllm-dump-") as out:
         try:
             proc = subprocess.run([*argv, "--out", out], capture_output=True, text=True, timeout=timeout, check=False)
@@ -104,71 +107,6 @@ def read_dump(folder: Path) -> Dump:
                 raise BackendError(f"{DUMPER}: tensor {rec['name']!r} lies outside tensors.bin")
             rec["data"] = data[first:first + count].reshape(ne[3], ne[2], ne[1], ne[0])
     return Dump(index, records, logits.reshape(step + 1, n_vocab))
-
-
-# --- naming: graph nodes -> Hugging Face module paths ---
-
-
-class NameMap:
-    """GGUF weight base names (`blk.0.attn_q`) -> Hugging Face module paths, from the `gguf`
-    package's TensorNameMap for the file's architecture (weights only). Where several Hugging Face
-    names map to one GGUF name, one in `known` wins (the other side's modules), else the first
-    `model.`-rooted one (`lm_head` for the output)."""
-
-    def __init__(self, arch: str, n_layer: int, known: Sequence[str] = ()) -> None:
-        try:
-            import gguf
-        except ImportError as exc:
-            raise BackendUnavailableError("naming llama.cpp nodes needs the gguf package",
-                                          hint="pip install 'detllm[hf]' (or gguf)") from exc
-        enum = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), None)
-        self.hf: dict[str, str] = {}
-        if enum is None:
-            return
-        candidates: dict[str, list[str]] = {}
-        for hf, (_tensor, base) in gguf.TensorNameMap(enum, n_layer).mapping.items():
-            candidates.setdefault(base, []).append(hf)
-        known_set = set(known)
-        for base, names in candidates.items():
-            pick = next((n for n in names if n in known_set), None)
-            if pick is None:
-                pick = next((n for n in names if n == "lm_head" or n.startswith("model.layers." if base.startswith("blk.") else "model.")), None)
-            if pick is not None:
-                self.hf[base] = pick
-
-    def module(self, weight: str) -> str | None:
-        return self.hf.get(weight.removesuffix(".weight")) if weight.endswith(".weight") else None
-
-
-def _kind(base: str, op: str) -> str:
-    if base == "token_embd":
-        return "embedding"
-    if base == "output":
-        return "logits"
-    return "norm" if op == "MUL" and base.endswith("norm") else "gemm"
-
-
-def node_name(rec: dict[str, Any], names: NameMap) -> tuple[str, str, str | None] | None:
-    """(Hugging Face name, kind, GGUF weight base) of a dumped node, or None for a node no rule names:
-    l_out-N is the layer boundary; GET_ROWS/MUL_MAT/MUL name the module whose weight they read."""
-    m = LAYER_OUT.match(rec["name"])
-    if m:
-        return f"model.layers.{m.group(1)}", "layer", None
-    if rec["op"] not in ("GET_ROWS", "MUL_MAT", "MUL"):
-        return None
-    for src in rec["src"]:
-        module = names.module(src["name"])
-        if module is not None:
-            base = src["name"].removesuffix(".weight")
-            return module, _kind(base.split(".")[-1] if base.startswith("blk.") else base, rec["op"]), base
-    return None
-
-
-def unpermute(a: Any, n_head: int) -> Any:
-    """Undo GGUF's q/k row permutation on an output's last (feature) axis: GGUF's feature
-    (head h, pair i, j) is Hugging Face's (head h, half j, i) (models.gguf.permute_qk)."""
-    head_dim = a.shape[-1] // n_head
-    return a.reshape(*a.shape[:-1], n_head, head_dim // 2, 2).swapaxes(-1, -2).reshape(a.shape)
 
 
 def _rows(data: Any) -> Any:
@@ -220,18 +158,72 @@ def tensors(dump: Dump, spec: CaptureSpec, arch: str, n_head: int, n_head_kv: in
         g["positions"] += positions
         g["in_shapes"].append([(1, *a.shape) for a in inputs])
         g["out_shapes"].append((1, *rows.shape))
+        if base is not None and base.endswith("attn_output") and len(evals) == 1 and inputs:
+            _attention(groups, rec, hf, inputs[0], by_name, fa=any(r["op"] == "FLASH_ATTN_EXT" for r in dump.records),
+                       positions=positions, prompt_len=len(idx["prompt"]),
+                       heads=(n_head, n_head_kv), unperm=arch in UNPERMUTED_ARCHS, reference=spec.reference)
     out: list[CapturedTensor] = []
     for hf, g in sorted(groups.items(), key=lambda kv: kv[1]["order"]):
         join = (lambda parts: parts[0]) if len(g["out"]) == 1 else (lambda parts: np.concatenate(parts, axis=-2))
         ins = [join([ins[k] for ins in g["inputs"]]) for k in range(min(len(i) for i in g["inputs"]))]
         out.append(CapturedTensor(name=hf, kind=g["kind"], order=len(out), output=join(g["out"]), inputs=ins,
                                   input_shapes=[_batch_shape([s[k] for s in g["in_shapes"]]) for k in range(len(ins))],
-                                  output_shape=_batch_shape(g["out_shapes"]),
-                                  positions=list(g["positions"])))
+                                  output_shape=_batch_shape(g["out_shapes"]), positions=list(g["positions"]),
+                                  input_names=g.get("names", []), cached_steps=g.get("cached", []), ref_error=g.get("ref")))
     if spec.level != "layers":
         notes.append("llama.cpp modules are the graph nodes that read a weight (embedding, norms, q/k/v/o, gate/up/down, "
-                     "lm_head) plus the layer boundaries; no attention, activation or rotary internals")
+                     "lm_head), the layer boundaries and each layer's attention op (self_attn/attention: its output is "
+                     "o_proj's input; inputs roped query/key, value and the cached K/V); no softmax, activation or rotary "
+                     "internals")
+        if len(evals) > 1:
+            notes.append(f"attention ops not captured: the step ran in {len(evals)} ubatches")
     return out, notes
+
+
+def _attention(groups: dict, o_proj: dict[str, Any], o_name: str, out: Any, by_name: dict, *, fa: bool,
+               positions: list[int], prompt_len: int, heads: tuple[int, int], unperm: bool, reference: bool) -> None:
+    """The attention op of o_proj's layer as one more record, `model.layers.N.self_attn/attention`:
+    output = o_proj's input; inputs = the roped query and key, the value, and at a decode step the
+    cached keys/values of the positions before this one (the cache view it read: cell i holds
+    position i of the one sequence; the V cache is stored transposed without flash attention). Roped
+    q/k are un-permuted like the projections (`unperm`), which puts rope's pairs where HF has them.
+    `reference`: ref_error against a float64 causal softmax(q k^T / sqrt(d)) v on those inputs."""
+    ev, layer, first = o_proj["eval"], o_name.split(".")[2], positions[0] if positions else 0
+    get = {k: by_name.get((ev, n)) for k, n in (("q", f"Qcur-{layer}"), ("k", f"Kcur-{layer}"), ("v", f"Vcur-{layer}"),
+                                                ("kc", f"cache_k_l{layer} (view)"), ("vc", f"cache_v_l{layer} (view)"))}
+    if any(r is None or r["data"] is None for r in get.values()) or get["q"]["op"] != "ROPE" or get["k"]["op"] != "ROPE":
+        return
+
+    def flat(a: Any, n_heads: int | None) -> Any:  # [..., heads, head_dim] -> [..., heads * head_dim]
+        a = a.reshape(*a.shape[:-2], a.shape[-2] * a.shape[-1])
+        return unpermute(a, n_heads) if n_heads else a
+
+    q, k, v = (get[x]["data"][0] for x in "qkv")  # [tokens, heads, head_dim]
+    kc = get["kc"]["data"][0]  # [cells, heads, head_dim]
+    vc = get["vc"]["data"][0] if fa else get["vc"]["data"][0].transpose(2, 1, 0)
+    n_q, n_kv = heads
+    inputs = [flat(q, n_q if unperm else None), flat(k, n_kv if unperm else None), flat(v, None)]
+    if first:
+        inputs += [flat(kc[:first], n_kv if unperm else None), flat(vc[:first], None)]
+    ref = None
+    if reference:  # float64 softmax(q k^T / sqrt(d)) v over the cached and current positions, causal
+        import numpy as np
+
+        d = q.shape[-1]
+        keys = np.concatenate([kc[:first], k]).astype(np.float64)
+        vals = np.concatenate([vc[:first], v]).astype(np.float64)
+        kv_head = np.arange(n_q) // (n_q // n_kv)
+        scores = np.einsum("thd,nhd->htn", q.astype(np.float64), keys[:, kv_head]) / np.sqrt(d)
+        key_pos = np.array(list(range(first)) + list(positions))
+        scores[:, np.array(positions)[:, None] < key_pos[None, :]] = -np.inf
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        expect = np.einsum("htn,nhd->thd", w, vals[:, kv_head]).reshape(out.shape)
+        ref = float(np.max(np.abs(out.astype(np.float64) - expect))) if out.size else 0.0
+    groups[o_name.rsplit(".", 1)[0] + "/attention"] = {"ref": ref,
+        "kind": "attention", "order": o_proj["order"] - 0.5, "out": [out], "inputs": [inputs], "positions": list(positions),
+        "in_shapes": [[(1, *a.shape) for a in inputs]], "out_shapes": [(1, *out.shape)], "names": KV_INPUTS[:len(inputs)],
+        "cached": [0 if p < prompt_len else p - prompt_len + 1 for p in range(first)]}
 
 
 def _batch_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -281,7 +273,7 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     settings = backend.dump_settings()
     layers = spec.level == "layers"
     dump = run_dump(dumper, backend.gguf, requests[0].input_ids, tokens[:spec.step], spec.step, settings,
-                    patterns=LAYER_NODES if layers else (), skips=SKIP_NODES)
+                    patterns=LAYER_NODES if layers else (), skips=SKIP_NODES, skip_ops=SKIP_OPS)
     meta, arch = backend.info.metadata, backend.info.architecture
     n_head = int(meta.get(f"{arch}.attention.head_count") or 1)
     n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv") or n_head)
@@ -383,4 +375,4 @@ def reference_errors(found: list[CapturedTensor], gguf_path: Path, info: Any, n_
     return [f"no float64 reference for {', '.join(skipped)}"] if skipped else []
 
 
-__all__ = ["DUMPER", "Dump", "NameMap", "capture_sequence", "find_dumper", "reference_errors", "weight", "node_name", "read_dump", "run_dump", "tensors", "unpermute"]
+__all__ = ["DUMPER", "Dump", "NameMap", "SKIP_NODES", "SKIP_OPS", "capture_sequence", "find_dumper", "reference_errors", "weight", "node_name", "read_dump", "run_dump", "tensors", "unpermute"]

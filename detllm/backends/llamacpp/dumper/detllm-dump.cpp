@@ -3,6 +3,7 @@
 // Built by scripts/build_llamacpp.sh as an extra target of the same pinned llama.cpp build.
 //
 //   detllm-dump -m MODEL.gguf --tokens 1,2,3 --step S --out DIR [--forced 7,8] [--match REGEX]... [--skip REGEX]...
+//               [--skip-op OP]...
 //               [-t N] [-tb N] [-c N] [-np N] [-b N] [-ub N] [-fa on|off|auto] [-ctk T] [-ctv T] [-v]
 //
 // Step 0 is the prompt's forward (it yields generated token 0); step k > 0 feeds generated token
@@ -39,7 +40,8 @@ namespace {
 
 struct dumper {
     std::vector<std::regex> patterns;  // empty: every node
-    std::vector<std::regex> skips;     // never these (e.g. KV-cache views)
+    std::vector<std::regex> skips;     // never these names (e.g. reshapes of captured nodes)
+    std::vector<std::string> skip_ops; // never these ops (e.g. SET_ROWS: the whole KV cache)
     bool active = false;               // only during the captured step
     FILE * data = nullptr;
     uint64_t offset = 0;
@@ -74,6 +76,9 @@ std::string ne_json(const ggml_tensor * t) {
 bool matches(const dumper & d, const ggml_tensor * t) {
     for (const auto & s : d.skips) {
         if (std::regex_search(t->name, s)) return false;
+    }
+    for (const auto & op : d.skip_ops) {
+        if (op == ggml_op_desc(t)) return false;
     }
     if (d.patterns.empty()) return true;
     for (const auto & p : d.patterns) {
@@ -220,6 +225,7 @@ int main(int argc, char ** argv) {
             const char * p = next();
             try { d.patterns.emplace_back(p); } catch (const std::regex_error &) { usage_error(std::string("bad --match regex '") + p + "'"); }
         }
+        else if (a == "--skip-op") d.skip_ops.emplace_back(next());
         else if (a == "--skip") {
             const char * p = next();
             try { d.skips.emplace_back(p); } catch (const std::regex_error &) { usage_error(std::string("bad --skip regex '") + p + "'"); }
@@ -241,7 +247,7 @@ int main(int argc, char ** argv) {
         else if (a == "-ctv") type_v = parse_type(a, next());
         else if (a == "-v") verbose = true;
         else if (a == "-h" || a == "--help") {
-            printf("usage: detllm-dump -m MODEL.gguf --tokens IDS --step S --out DIR [--forced IDS] [--match REGEX]... [--skip REGEX]...\n"
+            printf("usage: detllm-dump -m MODEL.gguf --tokens IDS --step S --out DIR [--forced IDS] [--match REGEX]... [--skip REGEX]... [--skip-op OP]...\n"
                    "                   [-t N] [-tb N] [-c N] [-np N] [-b N] [-ub N] [-fa on|off|auto] [-ctk T] [-ctv T] [-v]\n");
             return 0;
         }

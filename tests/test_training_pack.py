@@ -146,6 +146,7 @@ def test_diff_of_two_seeds_names_step_0_and_a_parameter(packs, tmp_path, cli):
     assert d["max_abs_diff"] is not None and d["max_abs_diff"] > 0  # re-run from both sides' checkpoints at boundary 0
     assert doc["config_differs"] == ["checkpoint_every", "seed"] and [g["step"] for g in doc["growth"]] == list(range(8))
     assert "first divergent step: step 0 (seed), first parameter lm_head.weight" in res.output
+    assert doc["at_divergence"]["first_op"]["found"] is None and "batches of step 0 differ" in doc["at_divergence"]["first_op"]["why"]
     same = cli("diff", packs[0], packs[0])
     assert same.exit_code == 0 and "bitwise equal at every step" in same.output
     assert cli("diff", *packs, "--atol", "0.1").exit_code == 2
@@ -212,3 +213,26 @@ def test_verify_weights_against_the_final_commitment(packs, tmp_path, cli):
     res = cli("verify", packs[0], "--weights", tmp_path / "edited.safetensors")
     assert res.exit_code == 6 and "is not the final commitment's H(θ_7)" in res.output and "lm_head.weight" in res.output
     assert cli("verify", packs[0], "--weights", tmp_path / "missing.safetensors").exit_code == 2
+
+
+def test_first_op_inside_a_step(packs):
+    """The tapped re-run of a step is itself repeatable (two re-runs of step 3 from checkpoint 3
+    capture equal tensors everywhere), and the comparison names the first capture that differs."""
+    import numpy as np
+
+    from detllm.taps import Tap, Tapped
+    from detllm.training.chain import load_config
+    from detllm.training.diffing import first_op
+    from detllm.training.opdiff import first_differing
+    from detllm.training.pack import records
+
+    config, _ = load_config(packs[0])
+    step3 = records(packs[0] / "steps.jsonl")[4]
+    same = first_op(packs[0], config, step3, None, packs[0], config, step3, None, 3)
+    assert same["found"] is None and same["captured"][0] == same["captured"][1] > 20
+    a = Tap([Tapped("model.embed_tokens", "embedding", 0, np.zeros(3)), Tapped("model.norm", "norm", 1, np.ones(3)),
+             Tapped("lm_head.weight", "param_grad", 2, np.ones(2), phase="param_grad")])
+    b = Tap([Tapped("model.embed_tokens", "embedding", 0, np.zeros(3)), Tapped("model.norm", "norm", 1, np.array([1, 1.5, 1])),
+             Tapped("lm_head.weight", "param_grad", 2, np.zeros(2), phase="param_grad")])
+    found = first_differing(a, b)
+    assert found["name"] == "model.norm" and found["phase"] == "forward" and found["max_abs_diff"] == 0.5

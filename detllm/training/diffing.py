@@ -127,6 +127,26 @@ def _config_cause(ca: dict[str, Any], cb: dict[str, Any], keys: list[str]) -> di
     return {"cause": "unknown", "detail": f"train_config.json differs: {said}"}
 
 
+def first_op(fa: Path, ca: dict[str, Any], sa: dict[str, Any], ck_a: Any, fb: Path, cb: dict[str, Any], sb: dict[str, Any],
+             ck_b: Any, t: int) -> dict[str, Any]:
+    """The first module or op (forward, then backward) whose tensor differs at step t, from both
+    sides re-run under taps (opdiff.py); only where both drew the same batch at t."""
+    from .opdiff import first_differing, tapped_step
+    from .replay import _model_path
+
+    if sa["batch_sha256"] != sb["batch_sha256"]:
+        return {"found": None, "why": f"the two batches of step {t} differ: the inputs are the first difference"}
+    if "builtin" != ca["task"]["kind"] or "builtin" != cb["task"]["kind"]:
+        return {"found": None, "why": "a --script pack: not re-run here"}
+    ra, rb = _nearest(fa, ck_a, t), _nearest(fb, ck_b, t)
+    if ra is None or rb is None:
+        return {"found": None, "why": "no checkpoint at or before that step on both sides"}
+    taps = [tapped_step(c, _model_path(c, None, False), r, t) for c, r in ((ca, ra), (cb, rb))]
+    found = first_differing(*taps)
+    why = "" if found is not None else "every captured module output and gradient is equal (the difference is outside the modules)"
+    return {"found": found, "why": why, "captured": [len(x.tensors) for x in taps]}
+
+
 def _max_abs(x: Any, y: Any) -> float | None:
     if x is None or y is None or x.shape != y.shape:
         return None
@@ -169,6 +189,8 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
                     detail["max_abs_grad_diff"] = _max_abs(ta[param][0], tb[param][0])
                     detail["max_abs_value_diff"] = _max_abs(ta[param][1], tb[param][1])
                     div["max_abs_diff"] = detail["max_abs_grad_diff"] if param in grads else detail["max_abs_value_diff"]
+            if magnitude and sb is not None:
+                detail["first_op"] = first_op(fa, ca, sa, checkpoints_a, fb, cb, sb, checkpoints_b, t)
     start = div["step"] if div is not None and div["step"] is not None else 0
     doc = artifacts.stamp("train_diff", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "a": str(a), "b": str(b),
@@ -200,6 +222,13 @@ def render_diff(doc: dict[str, Any]) -> str:
             lines.append(f"  max |Δ| at {d['parameter']}: gradient {g if g is None else f'{g:.3g}'}, value {v if v is None else f'{v:.3g}'}")
         if "replay" in x:
             lines.append(f"  tensors: A {x['replay']['a']}; B {x['replay']['b']}")
+        op = x.get("first_op")
+        if op is not None and op["found"] is not None:
+            f = op["found"]
+            delta = "" if f["max_abs_diff"] is None else f", max |Δ| {f['max_abs_diff']:.3g}"
+            lines.append(f"  first module/op that differs inside step {d['step']}: {f['name']} ({f['phase']}, {f['kind']}{delta})")
+        elif op is not None:
+            lines.append(f"  first module/op inside step {d['step']}: not named: {op['why']}")
     if doc["growth"]:
         lines.append("  growth (step: values differing / parameters, |Δloss|, max |Δ‖θ‖₂| of a parameter):")
         for g in doc["growth"]:

@@ -78,6 +78,22 @@ def to64(v: Any, snap: dict) -> Any:
     return v
 
 
+def one_row(v: Any, batch: int, row: int) -> Any:
+    """`v` (a tensor, a tuple or list of them, a cache snapshot) with every tensor whose dim 0 is
+    the batch cut to row `row` (kept as a batch of one): a row's float64 reference costs one row."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return v[row:row + 1] if v.ndim and v.shape[0] == batch else v
+    if isinstance(v, tuple):
+        return tuple(one_row(x, batch, row) for x in v)
+    if isinstance(v, list):
+        return [one_row(x, batch, row) for x in v]
+    if isinstance(v, dict):
+        return {k: one_row(x, batch, row) for k, x in v.items()}
+    return v
+
+
 def upcast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """An op's arguments with every floating dtype it names (a cast, softmax's dtype) made float64."""
     import torch

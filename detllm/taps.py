@@ -7,12 +7,13 @@ kept, in `Window`. torch is imported lazily, inside the functions that need it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .float64 import cache_of, cache_snapshot, first_tensor, module_output, op_output
+from .float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
 # torch functions that only view, reshape, allocate or ask: no computation of their own to capture
@@ -174,8 +175,8 @@ class _Tapper:
     """The hooks of one `tap`: a module stack for op names, the records, the bound."""
 
     def __init__(self, model, *, window: Window, ops: bool, reference: bool, max_bytes: int | None,
-                 layers_only: bool, keep_inputs: bool, skip: tuple[str, ...]) -> None:
-        self.model, self.window, self.ops, self.reference = model, window, ops, reference
+                 layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True) -> None:
+        self.model, self.window, self.ops, self.reference, self.ref_rows = model, window, ops, reference, ref_rows
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
         self.names = {m: n for n, m in model.named_modules() if n not in skip}
         self.weights = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}  # never an op's recorded input
@@ -271,12 +272,17 @@ class _Tapper:
             return
         self.busy = True  # the copy carries these hooks too: they record nothing meanwhile
         try:
+            w, n = self.window, self.window.batch
+            if self.ref_rows and w.row is not None and n and n > 1:  # the row alone (each row is computed on its own)
+                args, kwargs, snap = (one_row(v, n, w.row) for v in (args, kwargs, snap))
+                w = dataclasses.replace(w, row=0, batch=1)
             ref = module_output(module, args, kwargs, snap)
-            if ref is None or tuple(ref.shape) != tuple(out.shape):
+            want = tuple(out.shape) if w is self.window else (1, *out.shape[1:])
+            if ref is None or tuple(ref.shape) != want:
                 self.result.skipped_ref["its float64 copy returned another shape"] += 1
                 return
             got = self.window.module(out).detach().to(torch.float64)
-            rec.ref_error = float((got - self.window.module(ref)).abs().max().item()) if got.numel() else 0.0
+            rec.ref_error = float((got - w.module(ref)).abs().max().item()) if got.numel() else 0.0
             if not np.isfinite(rec.ref_error):
                 rec.ref_error = None
                 self.result.skipped_ref["its float64 re-evaluation is not finite"] += 1
@@ -379,14 +385,14 @@ def _function_mode(tapper: _Tapper):
 def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool = False, row: int | None = None,
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
-        skip: tuple[str, ...] = ("",)) -> Iterator[Tap]:
+        skip: tuple[str, ...] = ("",), ref_rows: bool = True) -> Iterator[Tap]:
     """Capture while the block runs: every named submodule's inputs and output (forward), each torch
     function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter gradients (backward), cut to `window` (or
     batch `row`). `reference`: each module and op re-evaluated in float64 on its own inputs
-    (Tapped.ref_error). Past `max_bytes`, layer boundaries only (noted). The hooks are gone after."""
+    (Tapped.ref_error; `ref_rows`: on the window's row only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted). The hooks are gone after."""
     window = window or Window(row=row)
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
-                     layers_only=layers_only, keep_inputs=keep_inputs, skip=skip)
+                     layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows)
     with ExitStack() as stack:
         for module in tapper.names:
             if forward:

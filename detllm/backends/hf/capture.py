@@ -57,7 +57,8 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
         if step != spec.step:
             return nullcontext()
         return _tap_into(found, taps.tap(backend.model, window=cut, ops=spec.level == "ops", reference=spec.reference,
-                                         max_bytes=spec.max_bytes, layers_only=spec.level == "layers"))
+                                         max_bytes=spec.max_bytes, layers_only=spec.level == "layers",
+                                         ref_rows=not backend.options.batch_invariant))  # its attention reads every row's start
 
     try:
         with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:

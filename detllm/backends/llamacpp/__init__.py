@@ -1,6 +1,6 @@
 """`llamacpp`: a real llama.cpp `llama-server` over HTTP. The backend (backend.py), the server
-process (server.py), what the build is (build.py), the .gguf model and its identity (model.py)
-and the options (options.py)."""
+process (server.py), what the build is (build.py), the .gguf model and its identity (model.py),
+the options (options.py), and capture for `detllm locate` (capture.py running our dumper/, names.py)."""
 
 from .backend import LlamaCppBackend, batch_seed, incomplete_utf8
 from .build import cpu_features

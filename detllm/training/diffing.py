@@ -93,7 +93,7 @@ def replay_tensors(folder: Path, config: dict[str, Any], committed: list[dict[st
     at that step, with a note; None when it cannot (no checkpoint, a script pack, or the re-run did
     not land on the side's own commitments: its tensors would not be the recorded ones)."""
     from .loop import RunRequest, run_steps
-    from .replay import _model_path
+    from .replay import starting_weights  # the architecture only: the checkpoint's parameters replace the weights
 
     if config["task"]["kind"] != "builtin":
         return None, "a --script pack: its tensors are not re-run here (give the script to `detllm replay`)"
@@ -101,7 +101,7 @@ def replay_tensors(folder: Path, config: dict[str, Any], committed: list[dict[st
     if resume is None:
         return None, "no checkpoint at or before that step was found"
     b = resume.pop("boundary")
-    req = RunRequest(config=config, model_path=str(_model_path(config, None, False)), run=0, seed=config["seed"], stop=step + 1,
+    req = RunRequest(config=config, model_path=str(starting_weights(config, None, True)), run=0, seed=config["seed"], stop=step + 1,
                      steps_file=str(tmp / f"replay_{id(folder)}.jsonl"), resume=resume, keep_tensors=True)
     got = run_steps(req)
     ref = {r["step"]: r["h"] for r in committed[1:]}
@@ -132,7 +132,7 @@ def first_op(fa: Path, ca: dict[str, Any], sa: dict[str, Any], ck_a: Any, fb: Pa
     """The first module or op (forward, then backward) whose tensor differs at step t, from both
     sides re-run under taps (opdiff.py); only where both drew the same batch at t."""
     from .opdiff import first_differing, tapped_step
-    from .replay import _model_path
+    from .replay import starting_weights
 
     if sa["batch_sha256"] != sb["batch_sha256"]:
         return {"found": None, "why": f"the two batches of step {t} differ: the inputs are the first difference"}
@@ -141,7 +141,7 @@ def first_op(fa: Path, ca: dict[str, Any], sa: dict[str, Any], ck_a: Any, fb: Pa
     ra, rb = _nearest(fa, ck_a, t), _nearest(fb, ck_b, t)
     if ra is None or rb is None:
         return {"found": None, "why": "no checkpoint at or before that step on both sides"}
-    taps = [tapped_step(c, _model_path(c, None, False), r, t) for c, r in ((ca, ra), (cb, rb))]
+    taps = [tapped_step(c, starting_weights(c, None, True), r, t) for c, r in ((ca, ra), (cb, rb))]
     found = first_differing(*taps)
     why = "" if found is not None else "every captured module output and gradient is equal (the difference is outside the modules)"
     return {"found": found, "why": why, "captured": [len(x.tensors) for x in taps]}

@@ -47,7 +47,7 @@ def segments(steps: int, n: int, available: set[int]) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _model_path(config: dict[str, Any], model: str | None, allow_model_change: bool) -> Path:
+def starting_weights(config: dict[str, Any], model: str | None, allow_model_change: bool) -> Path:
     """The starting weights: the recorded model (or --model), refused (exit 7) when they are not
     the recorded ones."""
     from ..hashing import folder_identity
@@ -91,7 +91,7 @@ def replay_folder(folder: Path, *, label: str, out: str | Path | None = None, fo
     committed = records(folder / STEPS)
     steps = config["steps"]
     make_task = _task_factory(folder, config, script, allow_pack_options)  # (start) -> loop's make_task, None: built-in
-    model_path = _model_path(config, model, allow_model_change) if config["task"]["kind"] == "builtin" else Path(".")
+    model_path = starting_weights(config, model, allow_model_change) if config["task"]["kind"] == "builtin" else Path(".")
     out = Path(out) if out is not None else artifacts.default_out_dir("replay")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not ((out / TRAIN_REPLAY).is_file() and force))):
         raise UsageError(f"--out {str(out)!r} is not an empty folder", hint="choose another --out (or --force over an earlier replay)")

@@ -51,7 +51,9 @@ def figures(tensors: list[Any]) -> list[tuple[float | None, float | None]]:
     other = [i for i, t in enumerate(present) if t.dtype != torch.float32]
     for idx, kw in ((f32, {}), (other, {"dtype": torch.float32})):  # no dtype argument on float32: a 4x slower path
         if idx:
-            for i, n in zip(idx, torch._foreach_norm([present[i] for i in idx], 2, **kw)):
+            # float64 is rounded to float32 first: a float32 norm of a float64 tensor is refused as narrowing
+            for i, n in zip(idx, torch._foreach_norm([present[i].float() if present[i].dtype == torch.float64 else present[i]
+                                                      for i in idx], 2, **kw)):
                 l2[i] = n
     # max |x| as max(-min, max): aminmax is ~10x faster than an inf-norm on CPU
     mx = [torch.maximum(lo.abs(), hi.abs()).float() for lo, hi in (torch.aminmax(t) for t in present)]

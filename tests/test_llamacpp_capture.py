@@ -304,3 +304,11 @@ def test_locate_llamacpp_flash_attention_on_vs_off_names_the_attention(tmp_path)
     assert doc["status"] == "located", doc["line"]
     for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
         assert doc[key]["module"] == "model.layers.0.self_attn/attention" and doc[key]["kind"] == "attention", doc[key]
+
+
+def test_past_the_memory_bound_only_layer_boundaries_are_kept(backend, request_):
+    cap = backend.capture([request_], Decoding(max_new_tokens=2), seed=0, n_logprobs=0,
+                          spec=CaptureSpec(step=0, row=0, level="modules", max_bytes=20_000))
+    assert cap.level == "layers" and any("byte bound" in n for n in cap.notes)
+    assert [t.name for t in cap.tensors] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    assert [t.order for t in cap.tensors] == [0, 1, 2, 3] and all(isinstance(t.output, np.ndarray) for t in cap.tensors)

@@ -87,7 +87,8 @@ def read_dump(folder: Path) -> Dump:
 
     try:
         index = json.loads((folder / "index.json").read_text())
-        data = np.fromfile(folder / "tensors.bin", dtype=np.float32)
+        size = (folder / "tensors.bin").stat().st_size  # mapped, not read: only what a capture keeps is copied
+        data = np.memmap(folder / "tensors.bin", dtype=np.float32, mode="r") if size else np.zeros(0, np.float32)
         logits = np.fromfile(folder / "logits.bin", dtype=np.float32)
     except (OSError, ValueError) as exc:
         raise BackendError(f"{DUMPER} wrote an unreadable dump: {exc}") from exc
@@ -287,6 +288,8 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
         found = [dataclasses.replace(t, order=k) for k, t in enumerate(t for t in found if t.kind in LAYER_KINDS)]
         level = "layers"
         notes.append(f"past the {spec.max_bytes} byte bound: layer boundaries only")
+    for t in found:  # own copies of what is kept (the rest of the mapped dump is never read into memory)
+        t.output, t.inputs = np.array(t.output), [np.array(i) for i in t.inputs]
     # does the dumper's forward reproduce the server's? The server's top-k logprobs share one float32
     # softmax sum (summed in an order we cannot replay; on a 49k vocabulary it is off by ~2e-4), so
     # compare the gaps to the best entry, where the sum cancels: logprob_j - logprob_0 = logit_j - logit_0

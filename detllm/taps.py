@@ -8,6 +8,7 @@ kept, in `Window`. torch is imported lazily, inside the functions that need it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -394,6 +395,9 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
                      layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows)
     with ExitStack() as stack:
+        if backward:  # an embedding's integer input has no gradient: torch warns, nothing is wrong
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         for module in tapper.names:
             if forward:
                 stack.callback(module.register_forward_pre_hook(_quietly(tapper.pre), with_kwargs=True).remove)

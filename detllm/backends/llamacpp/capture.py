@@ -302,6 +302,8 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
               "settings; batched llama.cpp runs are out of scope",
               "RMS_NORM nodes are never captured (a cut there would undo the CPU backend's RMS_NORM+MUL fusion); "
               "a norm module is its MUL with the norm weight"]
+    if settings.get("threads") is None:
+        notes.append("llama-server did not log its thread count: detllm-dump ran with 1 thread, perhaps not the server's")
     if arch not in UNPERMUTED_ARCHS:
         notes.append(f"q/k outputs are in GGUF's row order: no un-permute rule for architecture {arch!r}")
     engine = {"dumper": str(dumper), "dumper_argv": dump.argv, "evals": dump.index["evals"],

@@ -33,7 +33,7 @@ class CaptureSpec:
 class CapturedTensor:
     """One module's (or op's) output at the captured step, for the prompt's row only."""
 
-    name: str  # Hugging Face module path, e.g. "model.layers.1.mlp.down_proj"; an op adds "/aten.mm#2"
+    name: str  # Hugging Face module path, e.g. "model.layers.1.mlp.down_proj"; an op adds "/<op>#k" (hf: "/torch.linear#0", torch functions)
     kind: str  # one of CAPTURE_KINDS
     order: int  # execution order within the captured step (0 first)
     output: Any  # numpy array: the row's output, as the engine computed it (its dtype kept)

@@ -287,3 +287,6 @@ def test_locate_hf_against_vllm_aligns_every_module_by_hf_name(runs, cli):
     rows = doc["layers"]
     assert all(r["shapes_match"] for r in rows) and rows[0]["module"] == "model.embed_tokens" and rows[0]["output_equal"]
     assert doc["first_differing"]["module"].startswith("model.layers.0.")
+    op = doc["first_bitwise_op"]  # inputs agree, output differs: layer 0 (or, compared finer, its attention block)
+    assert doc["status"] == "located" and op["module"] in ("model.layers.0", "model.layers.0.self_attn"), doc["line"]
+    assert op["output_shape"] == {"left": [19, 128], "right": [3, 7, 128]}, "vLLM's flattened batch, hf's padded one"

@@ -62,7 +62,8 @@ def resolve(model: Any, spec: Perturbation) -> Any:
     names = [n for n, _ in model.named_modules() if n]
     if spec.module not in names:
         close = difflib.get_close_matches(spec.module, names, n=3, cutoff=0.6)
-        hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else f"module paths look like {names[min(3, len(names) - 1)]!r}"
+        example = names[min(3, len(names) - 1)] if names else "model.layers.0.mlp"
+        hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else f"module paths look like {example!r}"
         raise UsageError(f"perturb: the model has no module {spec.module!r}", hint=hint)
     module = model.get_submodule(spec.module)
     weight = getattr(module, "weight", None)
@@ -99,7 +100,8 @@ def perturb_output(t: Any, rel: float, points: list[tuple[int, ...]] | None = No
     """A copy of `t` with rel x RMS(slab) added at each point (element 0 of the remaining axes);
     points default to each row's last position ([batch, position, ...]; left padding: a real one)."""
     if points is None:
-        points = [(r, -1) for r in range(t.shape[0])] if t.ndim >= 3 else [(r,) for r in range(t.shape[0])] if t.ndim == 2 else [()]
+        rows = range(t.shape[0]) if t.ndim else ()
+        points = [(r, -1) for r in rows] if t.ndim >= 3 else [(r,) for r in rows] if t.ndim == 2 else [()]
     t = t.clone()
     for p in points:
         slab = t[p]

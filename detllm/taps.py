@@ -388,9 +388,16 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
         skip: tuple[str, ...] = ("",), ref_rows: bool = True) -> Iterator[Tap]:
     """Capture while the block runs: every named submodule's inputs and output (forward), each torch
-    function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter gradients (backward), cut to `window` (or
-    batch `row`). `reference`: each module and op re-evaluated in float64 on its own inputs
-    (Tapped.ref_error; `ref_rows`: on the window's row only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted). The hooks are gone after."""
+    function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter
+    gradients (backward), cut to `window` (or batch `row`). `reference`: each module and op
+    re-evaluated in float64 on its own inputs (Tapped.ref_error; `ref_rows`: on the window's row
+    only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted);
+    `keep_inputs=False` keeps outputs only. The hooks are gone after the block.
+
+        with taps.tap(model, forward=True, backward=True, row=None) as t:
+            model(**batch).loss.backward()
+        t.tensors  # Tapped records: phase "forward", "backward" (grad wrt output), "param_grad"
+    """
     window = window or Window(row=row)
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
                      layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows)

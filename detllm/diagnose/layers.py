@@ -21,8 +21,13 @@ def run_layers_probe(job: dict[str, Any]) -> dict[str, Any]:
 
 def layers_probe(pool: Any, config: Any, folder: str | Path | None, out: Path) -> dict[str, Any]:
     """Parent side: the probe's entry of diagnosis.json (`layers`)."""
+    from ..backends.base import Backend
+    from ..backends.registry import backend_class
+
     if folder is None:
         return {"status": "skipped", "reason": "no failing check folder to locate"}
+    if backend_class(config.backend).capture is Backend.capture:
+        return {"status": "skipped", "reason": f"backend {config.backend!r} has no internals to capture"}
     res = pool.shared().run({"kind": "layers", "config": config.to_json(), "folder": str(folder), "out": str(out / "layers")})
     if not res.get("ok"):
         return {"status": "error", "reason": res.get("error", "the probe failed")}

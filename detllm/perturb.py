@@ -70,6 +70,13 @@ def resolve(model: Any, spec: Perturbation) -> Any:
     if spec.target == "weight" and (weight is None or not hasattr(weight, "dtype") or not weight.is_floating_point()):
         raise UsageError(f"perturb: module {spec.module!r} ({type(module).__name__}) has no floating-point weight to perturb")
     if spec.target == "weight":
+        own = set(module.modules())  # batch_invariant's BlockLinear holds the Linear whose weight it shows
+        tied = sorted(n for n, m in model.named_modules() if m not in own and n
+                      and getattr(getattr(m, "weight", None), "data_ptr", lambda: None)() == weight.data_ptr())
+        if tied:
+            raise UsageError(f"perturb: the weight of {spec.module!r} is shared with {', '.join(map(repr, tied))} (tied): "
+                             f"a change to it would start in more than one module",
+                             hint="perturb one of these modules' output instead")
         _weight_point(module, spec)
     return module
 

@@ -164,6 +164,17 @@ def test_unknown_module_path_names_close_matches(tiny):
         perturb.resolve(model, perturb.parse("model.layers.1.mlp:weight:1e-3"))
 
 
+def test_a_tied_weight_is_refused_it_would_start_in_two_modules():
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    net[1].weight = net[0].weight  # tied, as smollm2-135m's lm_head and embed_tokens
+    with pytest.raises(UsageError) as err:
+        perturb.resolve(net, perturb.parse("1:weight:1e-3"))
+    assert "shared with '0' (tied)" in err.value.one_line()
+    assert perturb.resolve(net, perturb.parse("1:output:1e-3")) is net[1]
+
+
 CASES = ["model.layers.1.self_attn.q_proj:output:1e-3", "model.layers.0.self_attn.o_proj:output:1e-3", "model.layers.1.mlp.down_proj:output:1e-3",
          "model.layers.0.post_attention_layernorm:output:1e-3", "model.layers.1.mlp.act_fn:output:1e-2",
          "model.layers.0.mlp.up_proj:weight:1e-3", "model.layers.1.self_attn.q_proj:weight:1e-2",

@@ -57,6 +57,15 @@ def test_the_re_run_reproduces_generate_bit_for_bit_up_to_the_step(hf, step2):
     assert cap.engine["padding_side"] == "left" and cap.engine["dtype"] == "float32" and cap.engine["perturb"] is None
 
 
+def test_a_sampled_batch_is_re_run_with_the_same_draws(hf):
+    sampled = Decoding(max_new_tokens=4, temperature=1.5, top_p=0.9)
+    reqs = _batch(hf, 4)
+    gens = hf.generate(reqs, sampled, seed=7, n_logprobs=3, logprobs=True)
+    cap = hf.capture(reqs, sampled, seed=7, n_logprobs=3, spec=CaptureSpec(step=3, row=1, level="layers"))
+    assert [c.token_ids for c in cap.generations] == [g.token_ids for g in gens]
+    assert [c.logprobs for c in cap.generations] == [g.logprobs for g in gens]
+
+
 def test_capturing_every_op_changes_no_bit_with_sdpa_attention():
     """Under a TorchDispatchMode the lm_head GEMM of a strided input moved by 1e-5 on CPU: ops are
     taken at the torch function level, and the re-run must still match generate() exactly."""

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from detllm.errors import UsageError
 from detllm.schema_io import validate
 from detllm.training.parity import compare_path, parity
 
@@ -79,3 +80,17 @@ def test_llamacpp_parity_figures(tmp_path):
     p = doc["paths"]["prefill"]
     assert p["available"] and p["positions"] > 0 and p["max_abs_diff"] < 0.1, p  # f32 GGUF, f32 KV: close, not bitwise here
     assert doc["engine"]["score_method"].startswith("one prompt-only /completion")
+
+
+def test_served_llama_server_decode_path(llama_served, tmp_path):
+    """The session's llama-server through the openai backend: its rollout logprobs against the
+    trainer; a served endpoint has no score(), so the prefill path is reported as not compared."""
+    with pytest.raises(UsageError, match="does not report the token ids it feeds"):  # text prompts: the token ids the server fed are not known
+        parity(backend="openai", options=(("base_url", llama_served.url), ("prompt_as", "text")), max_new_tokens=8, out=tmp_path / "t")
+    doc = parity(backend="openai", options=(("base_url", llama_served.url),), attn_implementation="eager", max_new_tokens=8,
+                 out=tmp_path / "o").doc
+    left_out = [s for s in doc["sequences"] if s["excluded"]]  # llama-server leaves some steps out of a reply: never scored
+    assert all(s["decode"] is None and "reported" in s["excluded"] for s in left_out)
+    assert doc["paths"]["prefill"] == {"available": False, "reason": "backend 'openai' cannot score a given sequence"}
+    d = doc["paths"]["decode"]
+    assert d["available"] and d["positions"] > 0 and d["max_abs_diff"] < 0.1, d

@@ -173,14 +173,23 @@ def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: 
         caps = engine.capabilities()
         method = getattr(engine, "score_method", "") if engine.can_score else ""
         seqs, decode, prefill = [], [], []
+        excluded: dict[int, str] = {}  # sequence -> why it is not compared
         with engine.determinism(tier=min(2, caps.max_tier), seed=seed, threads=threads):
             for i, text in enumerate(texts):
                 ids = list(engine.tokenize(text))
+                if not ids:  # the engine tokenizes the text itself and says not how: no ids to teacher-force
+                    raise UsageError(f"backend {backend!r} does not report the token ids it feeds for a prompt, so the trainer "
+                                     "cannot score the same sequence", hint="for openai, pass --opt prompt_as=ids")
                 gen = engine.generate([Request(i, tuple(ids), text)], cfg.decoding, seed=seed, n_logprobs=1,
                                       logprobs=caps.logprobs)[0]
+                told = (gen.evidence or {}).get("completion_tokens")
+                if isinstance(told, int) and told > len(gen.token_ids):  # a served endpoint left steps out of its reply
+                    excluded[i] = (f"the engine generated {told} tokens and reported {len(gen.token_ids)}: the rollout's token "
+                                   "ids are not known, so no one scores the same sequence")
                 seqs.append((ids, list(gen.token_ids)))
-                decode.append(list(gen.logprobs) if caps.logprobs and gen.logprobs is not None else None)
-                prefill.append(engine.score(ids, list(gen.token_ids)) if engine.can_score and gen.token_ids else None)
+                decode.append(list(gen.logprobs) if caps.logprobs and gen.logprobs is not None and i not in excluded else None)
+                prefill.append(engine.score(ids, list(gen.token_ids)) if engine.can_score and gen.token_ids and i not in excluded
+                               else None)
         engine_info = {"backend": backend, "dtype": engine_dtype, "score_method": method, "env": engine.env_info()}
     say("scoring the rollouts with the training model")
     trainer = trainer_logprobs(trainer_path, dtype, seqs, threads=threads, attn_implementation=attn_implementation)
@@ -202,7 +211,7 @@ def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: 
                     "threads": threads if threads is not None else torch.get_num_threads(),
                     "log_softmax": "float32 (logits upcast)", "batch": 1},
         "engine": engine_info, "max_new_tokens": max_new_tokens, "verdict": verdict, "paths": paths,
-        "sequences": [{"index": i, "prompt_ids": p, "token_ids": t, "trainer": tr, "decode": d, "prefill": f}
+        "sequences": [{"index": i, "prompt_ids": p, "token_ids": t, "trainer": tr, "decode": d, "prefill": f, "excluded": excluded.get(i)}
                       for i, ((p, t), tr, d, f) in enumerate(zip(seqs, trainer, decode, prefill))],
         "seconds": round(time.monotonic() - t0, 2),
     })

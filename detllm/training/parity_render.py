@@ -27,4 +27,7 @@ def render_text(doc: dict[str, Any]) -> str:
         if f is not None:
             lines.append(f"    first difference: sequence {f['sequence']}, token {f['position']}: trainer {_num(f['trainer'])}, "
                          f"engine {_num(f['engine'])}")
+    for seq in doc["sequences"]:
+        if seq.get("excluded"):
+            lines.append(f"  sequence {seq['index']} not compared: {seq['excluded']}")
     return "\n".join(lines) + "\n"

@@ -61,6 +61,9 @@ def _verdict(records):
     ({"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 1}},
      {"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 3}}, "BATCH_VARIANCE"),
     ({"cached_prompt_tokens": 0}, {}, "RUN_VARIANCE"),  # not reported on one side: unknown, not different
+    # 0 vs 1 busy with our 1 request in flight: the sampler missed or caught our own request, no other batch
+    ({"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 0}},
+     {"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 1}}, "RUN_VARIANCE"),
     ({"server_batch": {"in_flight": 1, "source": "/slots", "samples": 0, "server_busy_max": None}},
      {"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3, "server_busy_max": 3}}, "RUN_VARIANCE"),
 ])
@@ -73,3 +76,36 @@ def test_each_per_record_fact_is_a_recorded_difference(tmp_path, left, right, co
         r["evidence"] = dict(left if r["run_index"] == 0 else right)
     report = _verdict(records)
     assert report["category"] == code and [c["code"] for c in report["causes"]] == [code], report["causes"]
+
+
+@pytest.mark.parametrize("busy, recorded, accepted", [
+    ((0, 1), "BATCH_VARIANCE", True),  # sealed under the earlier rule: accepted, and said so
+    ((0, 1), "CACHE_VARIANCE", False),  # any other category is an edit
+    ((1, 1), "BATCH_VARIANCE", False),  # no busy difference at all: the earlier rule gave RUN_VARIANCE too
+])
+def test_verify_accepts_a_category_sealed_under_the_earlier_busy_rule(tmp_path, busy, recorded, accepted):
+    """detllm once called any difference in sampled busy counts a batch difference; a folder it sealed
+    that way re-derives under today's rule to another category. verify says so instead of calling the
+    verdict edited, only where the trace holds exactly that case."""
+    from detllm.errors import IntegrityError
+    from detllm.rederive import rederive_verdict
+
+    out = detllm.check(backend="fake", runs=2, tier=2, options={"diverge": "prompt=0,pos=1,run=1"}, out=tmp_path / "c").out_dir
+    trace = out / "trace.jsonl"
+    lines = []
+    for line in trace.read_text().splitlines():
+        r = json.loads(line)
+        r["evidence"] = {"server_batch": {"in_flight": 1, "source": "/slots", "samples": 3,
+                                          "server_busy_max": busy[r["run_index"]]}}
+        lines.append(json.dumps(r))
+    trace.write_text("\n".join(lines) + "\n")
+    report = json.loads((out / "report.json").read_text())
+    assert report["category"] == "RUN_VARIANCE"
+    report["category"] = recorded
+    (out / "report.json").write_text(json.dumps(report))
+    if accepted:
+        said = rederive_verdict(out)
+        assert "earlier rule" in said and "today's rule gives RUN_VARIANCE" in said, said
+    else:
+        with pytest.raises(IntegrityError, match="category"):
+            rederive_verdict(out)

@@ -41,8 +41,7 @@ def batch_variance(left: Side, right: Side, routed: Routed | None = None) -> dic
         changed = sum(1 for k in lm if k in rm and lm[k] != rm[k])
     derived = routed.batch if routed is not None else []
     served = _served(left, right)
-    busy = [(s or {}).get("server_busy_max") for s in served.values()] if served else []
-    server_differs = len(busy) == 2 and None not in busy and busy[0] != busy[1]  # not reported: unknown, not different
+    server_differs = served_batch_differs(served)
     if left.batch_size == right.batch_size and not changed and not derived and not server_differs:
         return None
     ev: dict[str, Any] = {"batch_size": lr(left.batch_size, right.batch_size),
@@ -54,6 +53,34 @@ def batch_variance(left: Side, right: Side, routed: Routed | None = None) -> dic
     if served:
         ev["server_batching"] = served  # backend openai: what the server itself reported while the requests were in flight
     return ev
+
+
+def co_batched(served: dict[str, Any] | None) -> int | None:
+    """Requests the server was seen computing beyond our own in flight (a lower bound: /slots is
+    sampled); None when not sampled. Our own requests explain up to `in_flight` busy slots."""
+    busy = (served or {}).get("server_busy_max")
+    if not isinstance(busy, int) or isinstance(busy, bool):
+        return None
+    return max(0, busy - int((served or {}).get("in_flight") or 0))
+
+
+def served_batch_differs(served: dict[str, Any] | None) -> bool:
+    """The server computed our requests beside another number of other requests on the two sides.
+    Busy counts our own in-flight requests explain (0 vs 1 busy with 1 in flight: the sampler
+    missed or caught our own request) are no difference; an unsampled side is unknown, never different."""
+    if not served:
+        return False
+    extra = [co_batched(s) for s in served.values()]
+    return len(extra) == 2 and None not in extra and extra[0] != extra[1]
+
+
+def served_busy_rule_changed(served: dict[str, Any] | None) -> bool:
+    """True where detllm's earlier rule (any difference in sampled busy counts) called the served batch
+    different and served_batch_differs does not: verify accepts a verdict sealed under that rule."""
+    if not served:
+        return False
+    busy = [(s or {}).get("server_busy_max") for s in served.values()]
+    return len(busy) == 2 and None not in busy and busy[0] != busy[1] and not served_batch_differs(served)
 
 
 def _cached(rec: dict[str, Any]) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import astuple
 from typing import Any, Iterator, Sequence
@@ -119,6 +120,11 @@ class VLLMBackend(Backend):
             )
             if opts.attention_backend:
                 kwargs["attention_backend"] = opts.attention_backend.upper()
+            if opts.tensor_parallel_size > 1 and threading.current_thread() is threading.main_thread():
+                # spawned workers: each sets PR_SET_PDEATHSIG when vLLM imports this (workerside.py), so a
+                # detllm killed while the engine starts leaves none behind. Main thread only: the signal
+                # fires when the spawning *thread* ends.
+                kwargs["worker_extension_cls"] = "detllm.backends.vllm.workerside.DiesWithParent"
             if opts.kv_cache_gib is not None and self.platform != "cpu":
                 kwargs["kv_cache_memory_bytes"] = opts.kv_cache_gib << 30
             # the files' content is in the key: a folder edited in place restarts the engine

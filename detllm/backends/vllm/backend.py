@@ -265,7 +265,8 @@ class VLLMBackend(Backend):
         try:
             yield self._perturb_applied() + applied(vc, self.options, dtype_asked=self.dtype, enforce_eager=self.enforce_eager, platform=self.platform,
                           batch_invariance=self._batch_invariance(), attention=self.attention_backend_name(), seed=seed,
-                          threads=threads, threads_now=torch.get_num_threads(), bind=self.threads_bind, ranks=worker_ranks())
+                          threads=threads, threads_now=torch.get_num_threads(), bind=self.threads_bind,
+                          ranks=worker_ranks() if self.platform == "cpu" else None)  # GPU: host threads, not the ranks' OpenMP
         finally:
             torch.set_num_threads(saved_threads)
 

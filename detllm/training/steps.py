@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,10 +66,22 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
 def digests_with_figures(named: list[tuple[str, Any]]) -> tuple[dict[str, bytes], list[tuple[float | None, float | None]]]:
-    """P of each named tensor (None: P(name, none)) and its figures. Sequential: hashing on threads
-    beside torch's own was slower in CPU time here (2 shared cores), and no faster in wall time."""
-    return {name: torch_tensor_digest(name, t) for name, t in named}, figures([t for _, t in named])
+    """P of each named tensor (None: P(name, none)) and its figures. The tensors hash on as many
+    threads as torch computes with (hashlib releases the GIL over a large buffer), beside the
+    figures: on 2 idle cores 540 MB take 0.17 s instead of 0.29 s. The digests do not depend on it."""
+    import torch
+
+    n = torch.get_num_threads()
+    if n < 2:
+        return {name: torch_tensor_digest(name, t) for name, t in named}, figures([t for _, t in named])
+    pool = _POOLS.get(n) or _POOLS.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="detllm-digest"))
+    futures = [(name, pool.submit(torch_tensor_digest, name, t)) for name, t in named]
+    figs = figures([t for _, t in named])
+    return {name: f.result() for name, f in futures}, figs
 
 
 def genesis_record(task: Task, config: dict[str, Any], *, run: int, seed: int) -> tuple[dict[str, Any], bytes]:

@@ -100,7 +100,7 @@ def test_report_format_junit_points_to_the_junit_option(cli, tmp_path):
     assert cli("run", "--backend", "fake", "--max-new-tokens", "2", "--out", run, "--no-progress").exit_code == 0
     res = cli("report", run, "--format", "junit")
     assert res.exit_code == 2
-    assert res.stderr.strip() == ("detllm: error: --format must be one of txt, json, md, html, issue, got 'junit' "
+    assert res.stderr.strip() == ("detllm: error: --format must be one of txt, json, md, html, issue, kld, got 'junit' "
                                   "(for JUnit XML pass --junit FILE)"), res.stderr
     ok = cli("report", run, "--junit", tmp_path / "j.xml")  # and the option it names does write JUnit
     assert ok.exit_code == 0 and (tmp_path / "j.xml").read_text().lstrip().startswith("<?xml")

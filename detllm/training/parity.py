@@ -12,7 +12,6 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,22 +21,15 @@ from ..backends.registry import create_backend
 from ..compare.steps import abs_diff
 from ..config import Decoding, RunConfig
 from ..env import detllm_version
-from ..errors import EXIT_FAIL, EXIT_PASS, UsageError
+from ..errors import UsageError
+from .pack import TrainingOutcome
 
 PARITY = "parity.json"
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 PATHS = ("decode", "prefill")  # decode: the rollout's own logprobs; prefill: backend.score() teacher-forced
 
 
-@dataclass
-class ParityOutcome:
-    doc: dict[str, Any]
-    out_dir: Path | None
-    text: str
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_PASS if self.doc["verdict"] == "PASS" else EXIT_FAIL
+ParityOutcome = TrainingOutcome  # parity.json, its folder and parity.txt; exit 0 on PASS
 
 
 def compare_path(trainer: list[list[float]], engine: list[list[float] | None], *, atol: float) -> dict[str, Any]:

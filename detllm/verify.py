@@ -34,6 +34,10 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: st
 
     if is_training_pack(seal.folder):  # a training pack: its chain and report instead of a trace's (docs/training.md)
         return verify_training(seal, weights=weights)
+    from .fleet.seal import is_fleet_seal, verify_fleet
+
+    if is_fleet_seal(seal) and weights is None:  # a fleet folder: its own files, then each replica folder (docs/fleet.md)
+        return verify_fleet(seal, verify_folder)
     if weights is not None:
         from .errors import UsageError
 

@@ -24,6 +24,7 @@ from ..errors import BackendError, DetllmError, UsageError
 from ..prompts import PromptSet, resolve_prompts
 from ..runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
+from .seal import begin_fleet, seal_fleet
 from .verdict import Replica, fleet_verdict, own_check, prompt_keys
 
 Progress = Callable[[int, int, int], None]
@@ -92,6 +93,7 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
     out = Path(out) if out is not None else default_out_dir("fleet")
     check_fleet_out(out)
     prepare_fleet_out(out)
+    begin_fleet(out)
     totals = _Totals(len(urls), progress)
 
     def one(i: int) -> tuple[Any, dict[str, Any] | None]:
@@ -118,6 +120,7 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
                            hint=f"each replica's error is in {str(out)!r}'s replica folders, where one was started")
     report = fleet_verdict(replicas, command="check", atol=config.atol if atol is None else atol, tier=tier)
     write_fleet(out, report)
+    seal_fleet(out)
     return FleetOutcome(out, report)
 
 

@@ -15,7 +15,7 @@ from ..errors import EXIT_FAIL, EXIT_PASS, UsageError
 from ..render.fleet import render_markdown, render_text
 
 FLEET = "fleet.json"
-OWNED = (FLEET, "fleet.txt", "fleet.md")
+OWNED = (FLEET, "fleet.txt", "fleet.md", artifacts.MANIFEST, "manifest.sig", artifacts.PARTIAL)
 REPLICA = "replica_{}"
 
 
@@ -41,12 +41,17 @@ def is_fleet_folder(path: Path) -> bool:
     return (path / FLEET).is_file()
 
 
+def _interrupted_fleet(path: Path) -> bool:
+    """A fleet folder an interrupted check left: its marker, and only the fleet's own names."""
+    return (path / artifacts.PARTIAL).is_file() and all(p.name in OWNED or p.name.startswith("replica_") for p in path.iterdir())
+
+
 def check_fleet_out(out: Path) -> None:
     """--out must be new, empty, or an earlier fleet folder (whose files are replaced)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} exists and is not a folder")
     artifacts.check_output_file(out / FLEET, "--out")
-    if out.is_dir() and any(out.iterdir()) and not is_fleet_folder(out):
+    if out.is_dir() and any(out.iterdir()) and not (is_fleet_folder(out) or _interrupted_fleet(out)):
         raise UsageError(f"--out {str(out)!r} is not empty and is not a detllm fleet folder", hint="choose another --out")
 
 

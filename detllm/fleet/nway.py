@@ -15,6 +15,7 @@ from ..errors import UsageError
 from ..seedlayout import refuse_seed_layout
 from ..tracefiles import as_folder, is_bare_trace
 from .folder import FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
+from .seal import begin_fleet, seal_fleet
 from .verdict import Replica, fleet_verdict, own_check, prompt_keys
 
 
@@ -46,7 +47,9 @@ def fleet_diff(sides: Sequence[str | Path], *, out: str | Path | None = None, at
     report = fleet_verdict(replicas, command="diff", atol=atol, tier=tier)
     if out_dir is not None:
         prepare_fleet_out(out_dir)
+        begin_fleet(out_dir)
         write_fleet(out_dir, report)
+        seal_fleet(out_dir)
     return FleetOutcome(out_dir, report)
 
 

@@ -70,6 +70,8 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
     if not path.exists():
         raise UsageError(f"{str(path)!r} does not exist", hint="pass a run folder, a .tar.gz pack or a report.json")
     refuse_seed_layout(path)
+    if path.is_dir() and (path / "fleet.json").is_file():  # a fleet folder (docs/fleet.md)
+        return _render_fleet(path, fmt, out, junit)
     if path.is_file() and path.suffix == ".json":
         artifacts.check_complete(path.parent)
         report = artifacts.read_json(path, "report")
@@ -85,6 +87,22 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
         from .render.junit import write_junit
 
         write_junit(report, junit)
+    if out is not None:
+        artifacts.atomic_write_text(out, text)
+    return text
+
+
+def _render_fleet(path: Path, fmt: str, out: Path | None, junit: Path | None) -> str:
+    from .render import fleet
+
+    if fmt not in ("txt", "md", "json", "html"):
+        raise UsageError(f"a fleet folder renders as txt, md, json or html, not {fmt}")
+    artifacts.check_complete(path)
+    doc = artifacts.read_json(path / "fleet.json", "fleet")
+    text = {"txt": fleet.render_text, "md": fleet.render_markdown, "html": fleet.render_html,
+            "json": lambda d: to_json(d) + "\n"}[fmt](doc)
+    if junit is not None:
+        artifacts.atomic_write_text(junit, fleet.render_junit(doc))
     if out is not None:
         artifacts.atomic_write_text(out, text)
     return text

@@ -30,6 +30,8 @@ def locate(
     no_reference: Annotated[bool, typer.Option("--no-reference", help="Skip the float64 re-evaluation of each op (faster; no tolerance is judged).")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write a self-contained HTML page of the finding here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print locate.json instead of the text.")] = False,
+    prefill: Annotated[bool, typer.Option("--prefill", help="Prefill vs decode of ONE side (A alone): its recorded decode at the first step s whose "
+                                          "prefill of prompt + tokens[:s] gives another logprob, against that prefill's last position.")] = False,
 ) -> None:
     def body() -> int:
         from ..errors import UsageError
@@ -40,7 +42,7 @@ def locate(
         if max_memory < 1 or max_memory > 1 << 20:
             raise UsageError(f"--max-memory is in MB, from 1 to 1048576, got {max_memory}")
         result = run_locate(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_memory * 2**20,
-                            ops=not no_ops, reference=not no_reference, step=step)
+                            ops=not no_ops, reference=not no_reference, step=step, prefill=prefill)
         if html is not None:
             from ..render.html import page
             from ..render.locate import html_section

@@ -128,10 +128,12 @@ def whole(t: CapturedTensor, rows: int) -> bool:
     return rows > 1 and bool(t.output_shape) and tuple(np.shape(t.output)) == tuple(t.output_shape) and t.output_shape[0] != 1
 
 
-def pair_up(left: list[CapturedTensor], right: list[CapturedTensor], rows: tuple[int, int] = (1, 1)
-            ) -> tuple[list[Pair], list[str], list[str]]:
+def pair_up(left: list[CapturedTensor], right: list[CapturedTensor], rows: tuple[int, int] = (1, 1), *,
+            kv: bool = True) -> tuple[list[Pair], list[str], list[str]]:
     """Pairs by name in the left side's execution order; names captured on one side only. `rows`: each
-    side's batch size (a tensor kept whole on a side of several rows is not compared)."""
+    side's batch size (a tensor kept whole on a side of several rows is not compared). `kv` False: one
+    side's cached K/V have no counterpart on the other (decode vs prefill, whose K/V are computed inside
+    the attention): an attention that reads them has inputs not compared (`kv_not_comparable`)."""
     by_name = {t.name: t for t in right}
     pairs, left_only = [], []
     for t in sorted(left, key=lambda t: t.order):
@@ -144,11 +146,15 @@ def pair_up(left: list[CapturedTensor], right: list[CapturedTensor], rows: tuple
             continue
         t2 = trailing(t.output, other.output)
         inputs_equal, kv_equal, kv_step = _inputs(t, other)
+        apart = not kv and any(is_kv(x, n) for x in (t, other) for n in range(len(x.inputs)))
+        if apart:
+            inputs_equal, kv_equal, kv_step = None, None, None
         if t2 is None:
             pairs.append(Pair(t, other, False, None, inputs_equal, kv_equal, {}, kv_step=kv_step))
             continue
         x, y, trimmed = t2
-        pairs.append(Pair(t, other, True, bitwise_equal(x, y), inputs_equal, kv_equal, measure(x, y), trimmed, kv_step))
+        pairs.append(Pair(t, other, True, bitwise_equal(x, y), inputs_equal, kv_equal,
+                          {**measure(x, y), **({"kv_not_comparable": True} if apart else {})}, trimmed, kv_step))
     _boundary_inputs(pairs)
     names = {t.name for t in left}
     return pairs, left_only, [t.name for t in sorted(right, key=lambda t: t.order) if t.name not in names]

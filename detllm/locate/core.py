@@ -12,7 +12,9 @@ from typing import Any
 
 from .. import artifacts
 from ..env import detllm_version
+from ..diff import Selection
 from ..errors import UsageError
+from . import prefill as prefills
 from . import rerun as reruns
 from .align import pair_up
 from .folder import Located, check_out, write_locate
@@ -32,18 +34,22 @@ TOLERANCE = {"factor": FACTOR, "formula": "|Δ| > factor * min(ref_error_left, r
 
 def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force: bool = False, prompt: int | None = None,
            layers_only: bool = False, max_bytes: int = DEFAULT_BOUND, ops: bool = True, reference: bool = True,
-           step: int | None = None) -> Located:
+           step: int | None = None, prefill: bool = False) -> Located:
     """Locate where sides `a` and `b` (or the sides of one diff or failing check folder `a`) first
     part: the step, then the first op at that step whose inputs agree but output differs.
     `layers_only`: layer boundaries only; `ops`: descend into aten ops where the backend captures
     them (a second re-run); `reference`: evaluate each op in float64 too (the tolerance; slower);
-    `step`: capture at this step whatever was recorded there (a control: equal sides locate nothing)."""
+    `step`: capture at this step whatever was recorded there (a control: equal sides locate nothing);
+    `prefill`: `a` alone (FOLDER[::sel]), its recorded decode against a prefill of the same tokens."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= 2**50:
         raise UsageError(f"the memory bound on captured tensors is a number of bytes from 1024 to 2**50, got {max_bytes!r}")
     if prompt is not None and prompt < 0:
         raise UsageError(f"--prompt must be a prompt index (>= 0), got {prompt}")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"--step must be a generated-token position (>= 0), got {step!r}")
+    if prefill:
+        return _prefill(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_bytes, ops=ops,
+                        reference=reference, step=step)
     left_sel, right_sel, source = resolve(a, b)
     left, right = load(left_sel, right_sel)
     target = check_out(out, force, left_sel, right_sel, source, given=a)
@@ -81,6 +87,56 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     return write_locate(target, artifacts.stamp("locate", doc))
 
 
+def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, layers_only: bool, max_bytes: int,
+             ops: bool, reference: bool, step: int | None) -> Located:
+    """Prefill vs decode of one side: its recorded decode at step s (the first step where a prefill of
+    prompt + tokens[:s] gives token s another logprob) against that prefill's last position."""
+    if b is not None:
+        raise UsageError("--prefill compares one side with its own prefill: pass one FOLDER or FOLDER::run_N@batch_B, not two")
+    if step is not None:
+        raise UsageError("--step and --prefill do not go together: --prefill finds the step where decode and prefill part")
+    sel = Selection.parse(a)
+    side, _ = load(sel, sel)
+    tier = compared_tier(side, side)
+    prefills.check(side, tier)
+    reruns.check_capture(reruns.side_config(side), side.label)
+    target = check_out(out, force, sel, sel, "selections")
+    doc: dict[str, Any] = {
+        "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "source": "prefill vs decode",
+        "left": {**side_json(side, sel), "phase": "decode"}, "right": {**side_json(side, sel), "phase": "prefill"},
+        "tier_compared": tier, "step": None, "status": "no_difference", "line": "", "captured_step": None,
+        "steps_searched": [], "first_bitwise_op": None, "first_beyond_tolerance_op": None, "first_differing": None,
+        "rule": RULE, "tolerance": TOLERANCE, "layers": [], "growth": [],
+        "captured": {"level_requested": "layers" if layers_only else "ops" if ops else "modules",
+                     "bound_bytes": max_bytes, "reference": reference},
+        "not_captured": [], "cost": {},
+    }
+    t0 = time.perf_counter()
+    decode, at = prefills.find_step(side, prompt, {})
+    sides = [decode]
+    try:
+        doc["prefill"] = {"scored": at.scored if at is not None else [], "method": getattr(decode.backend, "score_method", "")}
+        if at is None:
+            doc["line"] = "every scored step's prefill gives the recorded decode's logprob bitwise: nothing to locate"
+        else:
+            sides.append(prefills.prefill_side(decode, at))
+            doc["step"] = {"prompt": at.prompt_index, "right_prompt": at.prompt_index, "prompt_id": at.prompt_id,
+                           "step": at.step, "what": "prefill", "left": at.decoded, "right": at.prefilled, "token": at.token,
+                           "prefill_token": at.prefill_token}
+            doc["prefill"].update(prefill_length=len(sides[1].requests[0].input_ids), decode_batch=len(decode.requests))
+            doc["not_captured"].append("the decode side's cached K/V (written at steps before s) have no captured counterpart "
+                                       "in the prefill, whose K/V are computed inside the attention: an attention's inputs "
+                                       "are not compared (kv_not_comparable), so no attention is blamed")
+            _search(doc, sides, at.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
+    finally:
+        for r in sides:
+            reruns.close(r)
+    doc["cost"] = {"reruns": {"left": sides[0].runs, "right": sides[-1].runs if len(sides) > 1 else 0},
+                   "peak_captured_bytes": {"left": sides[0].peak_bytes, "right": sides[-1].peak_bytes if len(sides) > 1 else 0},
+                   "bound_bytes": max_bytes, "seconds": round(time.perf_counter() - t0, 3)}
+    return write_locate(target, artifacts.stamp("locate", doc))
+
+
 def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int,
                   reference: bool, strict: bool = True) -> list | None:
     """Both sides captured at `step`; None (doc says why) when a side did not reproduce its trace:
@@ -112,7 +168,8 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
         caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound, reference=reference)
         if caps is None:
             return
-        pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors, _rows(sides))
+        kv = "prefill" not in doc
+        pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors, _rows(sides), kv=kv)
         verdict = judge(pairs)
         if verdict.back_to is not None and verdict.back_to < step and all(r.runs < 2 for r in sides):
             doc["not_captured"].append(f"step {step}: {verdict.first_differing.left.name} read cached K/V that differ "
@@ -125,7 +182,7 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
             and "layers" not in {c.level for c in caps}):
         deeper = _capture_both(doc, sides, step, tier=tier, level="ops", bound=bound, reference=reference, strict=False)
         if deeper is not None:
-            p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors, _rows(sides))
+            p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors, _rows(sides), kv=kv)
             v2 = judge(p2)
             if v2.first_bitwise is not None or asked:
                 caps, pairs, only_l, only_r, verdict = deeper, p2, l2, r2, v2

@@ -36,6 +36,9 @@ class Rerun:
     peak_bytes: int = 0  # the most bytes one capture held
     offers: str = "none"  # the backend's Capabilities.capture: the most it can capture
     notes: list[str] = field(default_factory=list)
+    fixed_step: int | None = None  # capture at this step whatever step is asked (prefill vs decode: the prefill, 0)
+    shares_backend: bool = False  # another Rerun made (and closes) the backend
+    own_check: Any = None  # (Capture) -> what differs or None: the check of a side with no recorded trace (a prefill)
 
 
 def check_capture(config: RunConfig, label: str) -> None:
@@ -103,14 +106,19 @@ def start(rerun: Rerun, seen: dict[tuple, Any] | None = None) -> None:
     try:
         if before is None:
             check_model(recorded, backend.model_identity().to_json(), allow=False)
-        rerun.offers = backend.capabilities().capture
-        if rerun.offers == "none":
-            raise BackendUnavailableError(f"{rerun.side.label}: backend {rerun.config.backend!r} as configured captures nothing")
-        fillers = [tuple(backend.tokenize(t)) for t in FILLERS]
+        attach(rerun, backend)
     except BaseException:
         backend.close()
         raise
-    rerun.backend = backend
+
+
+def attach(rerun: Rerun, backend: Backend, *, shared: bool = False) -> None:
+    """Give `rerun` a started backend (`shared`: another Rerun closes it) and tokenize its fillers."""
+    rerun.offers = backend.capabilities().capture
+    if rerun.offers == "none":
+        raise BackendUnavailableError(f"{rerun.side.label}: backend {rerun.config.backend!r} as configured captures nothing")
+    fillers = [tuple(backend.tokenize(t)) for t in FILLERS]
+    rerun.backend, rerun.shares_backend = backend, shared
     rerun.requests = [dataclasses.replace(r, input_ids=fillers[(-r.prompt_index - 1) % len(fillers)]) if r.is_filler else r
                       for r in rerun.requests]
 
@@ -124,6 +132,7 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
     if rerun.runs >= 2:
         raise UsageError(f"{rerun.side.label}: locate re-runs a side at most twice")
     cfg, applied = rerun.config, rerun.side.applied
+    step = step if rerun.fixed_step is None else rerun.fixed_step
     spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference)
     with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
@@ -135,6 +144,8 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
         what = differs_up_to(rec, cap.generations[pos], step, tier=tier)
         if what is not None:
             return cap, f"prompt {rec['prompt_index']} (batch row {pos}), {what}"
+    if rerun.own_check is not None:
+        return cap, rerun.own_check(cap)
     return cap, None
 
 
@@ -143,5 +154,5 @@ def captured_bytes(cap: Capture) -> int:
 
 
 def close(rerun: Rerun) -> None:
-    if rerun.backend is not None:
+    if rerun.backend is not None and not rerun.shares_backend:
         rerun.backend.close()

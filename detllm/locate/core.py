@@ -19,6 +19,7 @@ from . import rerun as reruns
 from .align import pair_up
 from .folder import Located, check_out, write_locate
 from .rule import FACTOR, growth, judge, op_json, row_json, tolerance
+from .warm import caches_across_batches
 from .sides import compared_tier, first_step, forced_step, load, resolve, side_json
 
 DEFAULT_BOUND = 512 * 2**20  # bytes of captured tensors, both sides together
@@ -78,6 +79,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
         for r in sides:
             reruns.start(r, seen)  # model files checked (exit 7) and engines loaded before anything is written
         _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
+        _cached_prefix(doc)
     finally:
         for r in sides:
             reruns.close(r)
@@ -137,6 +139,18 @@ def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, lay
     return write_locate(target, artifacts.stamp("locate", doc))
 
 
+def _cached_prefix(doc: dict[str, Any]) -> None:
+    """Say which prompt positions only one side computed (the other read them from its prefix cache)."""
+    for key, other in (("left", "right"), ("right", "left")):
+        warm = doc[key].get("warmed_by") or {}
+        n = warm.get("cached_prefix") or 0
+        if n:
+            doc["not_captured"].append(
+                f"prompt positions 0-{n - 1} were computed on the {other} side only: the {key} side read them from the prefix "
+                f"cache, warmed by replaying {warm['batches']} earlier batch(es) of its run folder first; the rows compared "
+                "are the positions both sides computed")
+
+
 def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int,
                   reference: bool, strict: bool = True) -> list | None:
     """Both sides captured at `step`; None (doc says why) when a side did not reproduce its trace:
@@ -150,6 +164,10 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
                 doc[k2]["reruns"] = r2.runs
             return None
         doc[key].update(reruns=r.runs, level=cap.level, notes=r.notes + list(cap.notes), reproduced=differs is None)
+        if r.warm or caches_across_batches(r.config):
+            doc[key]["warmed_by"] = {"batches": len(r.warm), "recorded": r.warmed_by,
+                                     "cached_prefix": next((e["cached_prefix"] for e in (cap.engine or {}).get("schedule", [])
+                                                            if "cached_prefix" in e), 0)}
         if differs is not None:
             doc[key]["not_reproduced"] = differs
             doc.update(status="not_reproduced", line=f"not reproduced here: the {key} side's re-run differs from its "

@@ -20,6 +20,7 @@ from ..errors import BackendUnavailableError, UsageError
 from ..prompts import FILLERS, PromptSet
 from ..replay import check_model, local_identity, pack_options
 from .sides import differs_up_to
+from .warm import caches_across_batches, earlier
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Rerun:
     notes: list[str] = field(default_factory=list)
     fixed_step: int | None = None  # capture at this step whatever step is asked (prefill vs decode: the prefill, 0)
     shares_backend: bool = False  # another Rerun made (and closes) the backend
+    warm: list[list[Request]] = field(default_factory=list)  # batches replayed first to warm a cache the batch found warm
+    warmed_by: list[dict[str, Any]] = field(default_factory=list)  # what they were (locate.json)
     own_check: Any = None  # (Capture) -> what differs or None: the check of a side with no recorded trace (a prefill)
 
 
@@ -86,6 +89,8 @@ def prepare(side: Side, prompt_index: int) -> Rerun:
             if rec.get("fresh_process"):
                 rerun.notes = ["recorded in a fresh process (check --fresh-process); re-run in this one"]
     rerun.requests = batch_requests(prompts, batch, [ids.get(i, ()) for i in range(count)], [()] * len(FILLERS))
+    if caches_across_batches(config):
+        rerun.warm, rerun.warmed_by = earlier(side, config, batch)
     return rerun
 
 
@@ -119,8 +124,11 @@ def attach(rerun: Rerun, backend: Backend, *, shared: bool = False) -> None:
         raise BackendUnavailableError(f"{rerun.side.label}: backend {rerun.config.backend!r} as configured captures nothing")
     fillers = [tuple(backend.tokenize(t)) for t in FILLERS]
     rerun.backend, rerun.shares_backend = backend, shared
-    rerun.requests = [dataclasses.replace(r, input_ids=fillers[(-r.prompt_index - 1) % len(fillers)]) if r.is_filler else r
-                      for r in rerun.requests]
+    def filled(reqs: list[Request]) -> list[Request]:
+        return [dataclasses.replace(r, input_ids=fillers[(-r.prompt_index - 1) % len(fillers)]) if r.is_filler else r for r in reqs]
+
+    rerun.requests = filled(rerun.requests)
+    rerun.warm = [filled(b) for b in rerun.warm]
 
 
 def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, reference: bool = True) -> tuple[Capture, str | None]:
@@ -133,7 +141,8 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
         raise UsageError(f"{rerun.side.label}: locate re-runs a side at most twice")
     cfg, applied = rerun.config, rerun.side.applied
     step = step if rerun.fixed_step is None else rerun.fixed_step
-    spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference)
+    spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference,
+                       warm_up=tuple(tuple(b) for b in rerun.warm))
     with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rerun.runs += 1

@@ -77,6 +77,8 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
     if len(row_gen.token_ids) <= spec.step and tap is not None:
         notes.append(f"row {spec.row} stopped (end of sequence) at step {len(row_gen.token_ids) - 1}: at step "
                      f"{spec.step} it is fed padding, and what was captured is that")
+    if spec.warm_up:
+        notes.append("hf keeps no cache across batches: the warm-up batches were not run (nothing to warm)")
     if spec.backward:
         notes.append("gradients not captured: capture re-runs inference; detllm.taps.tap(backward=True) serves training")
     level = spec.level

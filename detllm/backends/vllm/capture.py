@@ -49,6 +49,7 @@ class _State:
     written: dict[int, list[tuple[int, Any, Any]]] = field(default_factory=dict)  # attention op -> (step, keys, values) it wrote
     cached: dict[int, list[int]] = field(default_factory=dict)  # attention op -> the step that wrote each cached position read
     nbytes: int = 0  # bytes of the arrays kept
+    cached_prefix: int | None = None  # positions 0..n-1 of the prompt were read from the prefix cache, not computed here
     bounded: bool = False  # past spec.max_bytes: layer boundaries only
 
 
@@ -66,11 +67,18 @@ def _root_pre_hook(state: _State, runner: Any) -> Callable:
             return
         span = state.span = mine[0]
         entry["row_positions"] = [span.first, span.last]
+        if state.cached_prefix is None:  # the prompt's first forward: a start past 0 is a prefix-cache hit
+            state.cached_prefix = span.first
+            if span.first > 0:
+                entry["cached_prefix"] = span.first
+                state.notes.add(f"the prompt's positions 0-{span.first - 1} came from the prefix cache (written before this "
+                                f"batch ran): its prefill computed positions {span.first}-{span.last} only; an attention's "
+                                "inputs (which include those cached K/V, not captured) are not kept, so no attention is blamed")
         if span.last == state.target_pos:
             chunked = span.first > 0 and state.spec.step == 0
             state.row = _Row(True, span.start, span.end, span.index, total,
                              list(range(span.first, span.last + 1)) if chunked else None)
-            if chunked:
+            if chunked and state.cached_prefix != span.first:
                 state.notes.add(f"the prompt's prefill ran in chunks; the last chunk (positions {span.first}-{span.last}) was captured")
     return hook
 
@@ -145,6 +153,8 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
             shapes += [tuple(p.shape) for p in past]
         for piece in rule.pieces:
             out, ins = _piece_output(state, piece, output, inputs)
+            if state.cached_prefix and piece.kind == "attention":
+                ins = []  # it also read the cached prefix's K/V, which no capture here holds: inputs not compared
             ref = _ref_error(state, module, rule, piece, ins, out) if state.spec.reference else None
             if state.bounded and piece.kind not in LAYER_KINDS:
                 continue

@@ -55,6 +55,13 @@ def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows[:TABLE_ROWS]
 
 
+def _warm(w: dict[str, Any] | None) -> str:
+    if not w:
+        return ""
+    hit = f", {w['cached_prefix']} prompt positions read from the prefix cache" if w.get("cached_prefix") else ", no prefix-cache hit"
+    return (f"; warmed first by replaying {w['batches']} earlier batch(es){hit}" if w.get("batches") else f"; started cold{hit}")
+
+
 def _sides(doc: dict[str, Any]) -> list[str]:
     out = []
     for key in ("left", "right"):
@@ -65,7 +72,8 @@ def _sides(doc: dict[str, Any]) -> list[str]:
         if s.get("phase") == "prefill":
             rep = {True: "computed the same prefill again", False: "did NOT compute the same prefill again", None: "not re-run"}[s.get("reproduced")]
         out.append(f"{key}: {s['label']}{phase} ({s['backend']} {s['model']} {s['dtype']}{', ' + opts if opts else ''}): {rep}"
-                   + (f"; re-runs {s['reruns']}, captured {s.get('level')}" if s.get("reruns") else ""))
+                   + (f"; re-runs {s['reruns']}, captured {s.get('level')}" if s.get("reruns") else "")
+                   + _warm(s.get("warmed_by")))
     return out
 
 

@@ -60,6 +60,7 @@ class Window:
     cuts: dict[int, int] = field(default_factory=dict)  # padded width -> real positions kept
     fixed: frozenset[int] = frozenset()  # feature sizes (hidden, heads...): an op's axis this long is never cut
     heads: frozenset[int] = frozenset()  # attention head counts: an op's dim 0 of batch x heads is unfolded
+    in_pass_kv: bool = False  # an attention that read no cached K/V keeps those it wrote in the pass (in_pass_keys/values)
 
     def module(self, t: Any) -> Any:
         """A module's tensor in the Hugging Face layout [batch, position, ...]."""
@@ -213,7 +214,10 @@ class _Tapper:
         out = first_tensor(output)
         if out is None:
             return None
-        rec = self._record(name, kind, out, *self._inputs(module, args, kwargs, snap, kind))
+        tensors, names, shapes = self._inputs(module, args, kwargs, snap, kind)
+        if self.window.in_pass_kv and kind == "attention":
+            self._in_pass(module, args, kwargs, snap, tensors, names, shapes)
+        rec = self._record(name, kind, out, tensors, names, shapes)
         if self.reference and rec is not None:
             self._reference(module, args, kwargs, snap, out, rec)
         return None
@@ -239,6 +243,18 @@ class _Tapper:
                 cut = t[self.window.row] if self.window.row is not None else t
                 tensors.append(self.window.axis(cut, 1) if self.window.row is not None else cut)
         return tensors, names, shapes
+
+    def _in_pass(self, module, args, kwargs, snap, tensors, names, shapes) -> None:
+        """A prefill's attention (no cached K/V before it): the keys/values it wrote to the cache in
+        this pass, as `in_pass_keys`/`in_pass_values`, to compare with a decode's cached ones."""
+        layer_idx = getattr(module, "layer_idx", None)
+        cache = cache_of(args, kwargs)
+        after = cache_snapshot(cache) if cache is not None and layer_idx not in snap else {}
+        for label, t in zip(("in_pass_keys", "in_pass_values"), after.get(layer_idx, ())):
+            shapes.append(tuple(t.shape))
+            names.append(label)
+            cut = t[self.window.row] if self.window.row is not None else t
+            tensors.append(self.window.axis(cut, 1) if self.window.row is not None else cut)
 
     def _record(self, name, kind, out, inputs, input_names, input_shapes, *, cut=None) -> Tapped | None:
         kept = cut if cut is not None else self.window.module(out)

@@ -27,6 +27,7 @@ class CaptureSpec:
     max_bytes: int = 512 * 2**20  # bound on the captured tensors kept; past it, layer boundaries only (noted)
     reference: bool = True  # also evaluate each captured module in float64 on its own captured inputs
     backward: bool = False  # also capture gradients (backward hooks), where the backend trains (hf)
+    in_pass_kv: bool = False  # a prefill's attention also keeps the K/V it wrote (compared with a decode's cached K/V)
     warm_up: tuple = ()  # batches (tuples of Request) run first, after a cold start, to rebuild a cache the batch found warm (vLLM's prefix cache)
 
 

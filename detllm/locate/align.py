@@ -120,6 +120,34 @@ def _inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool | None, bool | N
     return equal, kv, wrote
 
 
+IN_PASS = ("in_pass_keys", "in_pass_values")  # the K/V a prefill's attention wrote in the pass (taps.Window.in_pass_kv)
+
+
+def _decode_prefill_inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool | None, bool | None, None]:
+    """An attention of a decode step (cached K/V of n positions) against the same attention of a
+    prefill of those n positions + 1 (the K/V it wrote in the pass, n + 1 positions): the cached K/V
+    against the prefill's first n, the other inputs by name over their common trailing extent (the
+    decode's one position, the prefill's last). (None, None, None) when they cannot be paired."""
+    dec, pre = (a, b) if "past_keys" in a.input_names else (b, a)
+    if "past_keys" not in dec.input_names or "in_pass_keys" not in pre.input_names:
+        return None, None, None
+    d, p = dict(zip(dec.input_names, dec.inputs)), dict(zip(pre.input_names, pre.inputs))
+    kv = True
+    for past, fresh in zip(KV_NAMES, IN_PASS):
+        x, y = d.get(past), p.get(fresh)
+        if x is None or y is None or x.ndim < 2 or y.shape[-2] != x.shape[-2] + 1:
+            return None, None, None
+        kv = kv and bitwise_equal(x, y[..., :x.shape[-2], :])
+    rest = [n for n in d if n not in KV_NAMES]
+    if sorted(rest) != sorted(n for n in p if n not in IN_PASS):
+        return None, None, None
+    equal = kv
+    for n in rest:
+        t = trailing(d[n], p[n])
+        equal = equal and t is not None and bitwise_equal(t[0], t[1])
+    return equal, kv, None
+
+
 def whole(t: CapturedTensor, rows: int) -> bool:
     """A tensor of a batch of `rows` > 1 the capture kept whole (not cut to the prompt's row: an op with no
     batch axis, e.g. a blocked GEMM over 64 rows of several sequences): no row of it can be compared."""
@@ -148,7 +176,8 @@ def pair_up(left: list[CapturedTensor], right: list[CapturedTensor], rows: tuple
         inputs_equal, kv_equal, kv_step = _inputs(t, other)
         apart = not kv and any(is_kv(x, n) for x in (t, other) for n in range(len(x.inputs)))
         if apart:
-            inputs_equal, kv_equal, kv_step = None, None, None
+            inputs_equal, kv_equal, kv_step = _decode_prefill_inputs(t, other)
+            apart = kv_equal is None
         if t2 is None:
             pairs.append(Pair(t, other, False, None, inputs_equal, kv_equal, {}, kv_step=kv_step))
             continue

@@ -126,10 +126,8 @@ def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, lay
                            "step": at.step, "what": "prefill", "left": at.decoded, "right": at.prefilled, "token": at.token,
                            "prefill_token": at.prefill_token}
             doc["prefill"].update(prefill_length=len(sides[1].requests[0].input_ids), decode_batch=len(decode.requests))
-            doc["not_captured"].append("the decode side's cached K/V (written at steps before s) have no captured counterpart "
-                                       "in the prefill, whose K/V are computed inside the attention: an attention's inputs "
-                                       "are not compared (kv_not_comparable), so no attention is blamed")
             _search(doc, sides, at.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
+            _kv_note(doc)
     finally:
         for r in sides:
             reruns.close(r)
@@ -137,6 +135,22 @@ def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, lay
                    "peak_captured_bytes": {"left": sides[0].peak_bytes, "right": sides[-1].peak_bytes if len(sides) > 1 else 0},
                    "bound_bytes": max_bytes, "seconds": round(time.perf_counter() - t0, 3)}
     return write_locate(target, artifacts.stamp("locate", doc))
+
+
+def _kv_note(doc: dict[str, Any]) -> None:
+    """Prefill vs decode: how the decode's cached K/V were compared with the prefill's."""
+    rows = [r for r in doc["layers"] if r["kind"] == "attention"]
+    apart = [r["module"] for r in rows if r.get("kv_not_comparable")]
+    if apart:
+        doc["not_captured"].append(f"the decode side's cached K/V have no captured counterpart in the prefill (e.g. {apart[0]}): "
+                                   "those attentions' inputs are not compared (kv_not_comparable), so none of them is blamed")
+    compared = [r for r in rows if "cached_kv_equal" in r]
+    if compared:
+        moved = [r["module"] for r in compared if not r["cached_kv_equal"]]
+        doc["not_captured"].append(
+            f"the decode side's cached K/V (written at the steps before) were compared with the first positions of the K/V "
+            f"the prefill's attention wrote in its pass, in {len(compared)} attention(s): "
+            + (f"they differ from {moved[0]} on (so that attention's inputs differ)" if moved else "bitwise equal"))
 
 
 def _cached_prefix(doc: dict[str, Any]) -> None:

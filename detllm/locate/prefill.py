@@ -91,7 +91,7 @@ def prefill_side(decode: Rerun, at: PrefillStep) -> Rerun:
     rec = decode.recorded[decode.row]
     ids = tuple(rec["input_ids"]) + tuple(rec["token_ids"][:at.step])
     req = Request(rec["prompt_index"], ids, rec["prompt_text"], rec["prompt_id"], decode.requests[decode.row].occurrence)
-    side = Rerun(decode.side, decode.config, [req], 0, {}, fixed_step=0, own_check=lambda cap: differs(cap, at))
+    side = Rerun(decode.side, decode.config, [req], 0, {}, fixed_step=0, own_check=lambda cap: differs(cap, at), in_pass_kv=True)
     assert decode.backend is not None
     attach(side, decode.backend, shared=True)
     return side

@@ -41,6 +41,7 @@ class Rerun:
     shares_backend: bool = False  # another Rerun made (and closes) the backend
     warm: list[list[Request]] = field(default_factory=list)  # batches replayed first to warm a cache the batch found warm
     warmed_by: list[dict[str, Any]] = field(default_factory=list)  # what they were (locate.json)
+    in_pass_kv: bool = False  # a prefill side: its attentions keep the K/V they wrote (compared with the decode's cached ones)
     own_check: Any = None  # (Capture) -> what differs or None: the check of a side with no recorded trace (a prefill)
 
 
@@ -142,7 +143,7 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
     cfg, applied = rerun.config, rerun.side.applied
     step = step if rerun.fixed_step is None else rerun.fixed_step
     spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference,
-                       warm_up=tuple(tuple(b) for b in rerun.warm))
+                       warm_up=tuple(tuple(b) for b in rerun.warm), in_pass_kv=rerun.in_pass_kv)
     with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rerun.runs += 1

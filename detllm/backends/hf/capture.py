@@ -40,7 +40,8 @@ def window(model: Any, requests: Sequence[Request], spec: CaptureSpec) -> taps.W
     heads = {int(v) for k in ("num_attention_heads", "num_key_value_heads") if isinstance(v := getattr(cfg, k, None), int)}
     head_dim = getattr(cfg, "head_dim", None)
     fixed |= heads | ({head_dim} if isinstance(head_dim, int) else set())
-    return taps.Window(row=spec.row, batch=len(requests), cuts=cuts, fixed=frozenset(fixed), heads=frozenset(heads))
+    return taps.Window(row=spec.row, batch=len(requests), cuts=cuts, fixed=frozenset(fixed), heads=frozenset(heads),
+                       in_pass_kv=spec.in_pass_kv and s == 0)
 
 
 def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,

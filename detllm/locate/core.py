@@ -114,12 +114,14 @@ def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, lay
         "not_captured": [], "cost": {},
     }
     t0 = time.perf_counter()
-    decode, at = prefills.find_step(side, prompt, {})
+    decode, at, scanned = prefills.find_step(side, prompt, {})
     sides = [decode]
     try:
-        doc["prefill"] = {"scored": at.scored if at is not None else [], "method": getattr(decode.backend, "score_method", "")}
+        doc["prefill"] = {"scored": scanned, "method": getattr(decode.backend, "score_method", "")}
         if at is None:
-            doc["line"] = "every scored step's prefill gives the recorded decode's logprob bitwise: nothing to locate"
+            steps = sum(p["steps_prefilled"] for p in doc["prefill"]["scored"])
+            doc["line"] = (f"the prefill of prompt + tokens[:s] gives the recorded decode's token and logprob bitwise at every "
+                           f"step ({steps} prefilled): nothing to locate")
         else:
             sides.append(prefills.prefill_side(decode, at))
             doc["step"] = {"prompt": at.prompt_index, "right_prompt": at.prompt_index, "prompt_id": at.prompt_id,

@@ -38,11 +38,11 @@ def check(side: Side, tier: int) -> None:
                          "prefill vs decode compares the chosen tokens' logprobs", hint="record it with --tier 2 or 3")
 
 
-def find_step(side: Side, prompt: int | None, seen: dict) -> tuple[Rerun, PrefillStep | None]:
+def find_step(side: Side, prompt: int | None, seen: dict) -> tuple[Rerun, PrefillStep | None, list[dict[str, Any]]]:
     """Start the side's backend (model files checked first, exit 7) and prefill, prompt by prompt
     (`prompt`: that one only), prompt + tokens[:s] for s = 0, 1, ... until the prefill's token or
     logprob differs from the recorded decode's at s. Returns the decode side ready to re-run (its recorded
-    batch) and the step, or None when every scored step agrees bitwise."""
+    batch), the step (None when every step agrees bitwise) and what was prefilled per prompt."""
     records = sorted(side.records or (), key=lambda r: r["prompt_index"])
     if prompt is not None:
         records = [r for r in records if r["prompt_index"] == prompt]
@@ -78,8 +78,8 @@ def find_step(side: Side, prompt: int | None, seen: dict) -> tuple[Rerun, Prefil
         if found is not None and found.prompt_index != records[0]["prompt_index"]:
             moved = prepare(side, found.prompt_index)
             attach(moved, backend)
-            return moved, found  # the backend moves to the prompt's own batch
-        return first, found
+            return moved, found, scanned  # the backend moves to the prompt's own batch
+        return first, found, scanned
     except BaseException:
         backend.close()
         raise

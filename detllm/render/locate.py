@@ -68,7 +68,8 @@ def _sides(doc: dict[str, Any]) -> list[str]:
         s = doc[key]
         opts = ", ".join(f"{k}={v}" for k, v in sorted(s.get("options", {}).items()))
         rep = {True: "reproduced its trace", False: "did NOT reproduce its trace", None: "not re-run"}[s.get("reproduced")]
-        phase = {"decode": " decode", "prefill": f" prefill of {doc.get('prefill', {}).get('prefill_length', '?')} tokens"}.get(s.get("phase"), "")
+        n = doc.get("prefill", {}).get("prefill_length")
+        phase = {"decode": " decode", "prefill": f" prefill of {n} tokens" if n else " prefill"}.get(s.get("phase"), "")
         if s.get("phase") == "prefill":
             rep = {True: "computed the same prefill again", False: "did NOT compute the same prefill again", None: "not re-run"}[s.get("reproduced")]
         out.append(f"{key}: {s['label']}{phase} ({s['backend']} {s['model']} {s['dtype']}{', ' + opts if opts else ''}): {rep}"

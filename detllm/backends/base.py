@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 from ..config import Decoding, RunConfig, check_ranges
 from ..errors import UsageError
-from .capture import Capture, CapturedTensor, CaptureSpec
+from .capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec  # noqa: F401 (UNCAPTURED_PREFIX: for locate)
 from ..identity import ModelIdentity, WeightFile  # records of the base layer (hashing fills them in); backends use them from here
 
 FINISH_REASONS = ("length", "stop")

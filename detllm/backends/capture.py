@@ -31,6 +31,9 @@ class CaptureSpec:
     warm_up: tuple = ()  # batches (tuples of Request) run first, after a cold start, to rebuild a cache the batch found warm (vLLM's prefix cache)
 
 
+UNCAPTURED_PREFIX = "cached_prefix_not_captured"  # CapturedTensor.input_names of an attention that read a prefix cache no capture holds
+
+
 @dataclass
 class CapturedTensor:
     """One module's (or op's) output at the captured step, for the prompt's row only."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.base import CapturedTensor
+from ..backends.base import UNCAPTURED_PREFIX, CapturedTensor
 
 
 @dataclass
@@ -184,6 +184,7 @@ def pair_up(left: list[CapturedTensor], right: list[CapturedTensor], rows: tuple
         x, y, trimmed = t2
         pairs.append(Pair(t, other, True, bitwise_equal(x, y), inputs_equal, kv_equal,
                           {**measure(x, y), **({"kv_not_comparable": True} if apart else {})}, trimmed, kv_step))
+    _reads_cache(pairs)
     _boundary_inputs(pairs)
     names = {t.name for t in left}
     return pairs, left_only, [t.name for t in sorted(right, key=lambda t: t.order) if t.name not in names]
@@ -192,13 +193,34 @@ def pair_up(left: list[CapturedTensor], right: list[CapturedTensor], rows: tuple
 BOUNDARIES = ("embedding", "layer")
 
 
+def _reads_cache(pairs: list[Pair]) -> None:
+    """An attention that read a prefix cache no capture holds has inputs not compared; a decoder layer
+    reads the cached K/V through its attention, so a layer whose attention's cached K/V differ has
+    inputs that differ, and one whose attention's cache could not be compared has inputs not compared."""
+    for p in pairs:
+        if p.left.kind == "attention" and UNCAPTURED_PREFIX in (*p.left.input_names, *p.right.input_names):
+            p.inputs_equal, p.kv_equal = None, None
+            p.metrics["cached_prefix_not_captured"] = True
+    for p in pairs:
+        if p.left.kind != "layer":
+            continue
+        inner = [q for q in pairs if q.left.kind == "attention" and q.left.name.startswith(p.left.name + ".")]
+        if any(q.metrics.get("cached_prefix_not_captured") or q.metrics.get("kv_not_comparable") for q in inner):
+            p.inputs_equal = None
+            p.metrics["cache_not_compared"] = True
+        elif any(q.kv_equal is False for q in inner) and p.inputs_equal is not False:
+            p.inputs_equal = False
+            p.metrics["cached_kv_differ"] = True
+
+
 def _boundary_inputs(pairs: list[Pair]) -> None:
     """A layer boundary captured without its inputs (llama.cpp's l_out-N, one engine's boundaries against
     another's) takes as its input the boundary before it: a decoder layer's input is the previous
     layer's output (or the embedding's). Marked `inputs_inferred`."""
     previous: Pair | None = None
     for p in pairs:
-        if p.left.kind == "layer" and p.inputs_equal is None and previous is not None and previous.output_equal is not None:
+        if (p.left.kind == "layer" and p.inputs_equal is None and previous is not None and previous.output_equal is not None
+                and not p.metrics.get("cache_not_compared")):
             p.inputs_equal, p.inputs_inferred = previous.output_equal, True
         if p.left.kind in BOUNDARIES:
             previous = p

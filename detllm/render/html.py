@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import html
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
 from .figures import apart, chosen_logprobs, difference_text, differing_entry, entry_text, topk_bound
 from .paths import mask_paths
+from .svgplot import log_plot
 from .text import diagnose_command, reproduction_line
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'none'; connect-src 'none'; "
@@ -158,35 +158,11 @@ def _divergence(d: dict[str, Any], records: tuple[dict | None, dict | None]) -> 
 def drift_svg(series: list[float | None], mark: int | None, *, width: int = 560, height: int = 150) -> str:
     """Largest |dlogprob| by position on a log scale (zeros drawn at the floor), the divergence marked."""
     pts = [(i, v) for i, v in enumerate(series) if v is not None]
-    pos = [v for _, v in pts if v > 0]
     if not pts:
         return "<p class='muted'>no logprobs recorded: nothing to plot</p>"
-    lo = math.floor(math.log10(min(pos))) if pos else -9
-    hi = math.ceil(math.log10(max(pos))) if pos else -8
-    lo, hi = min(lo, hi - 1), max(hi, lo + 1)
-    pad_l, pad_b, pad_t = 46, 20, 8
-    w, h = width - pad_l - 8, height - pad_b - pad_t
-    n = max(len(series) - 1, 1)
-
-    def xy(i: int, v: float) -> tuple[float, float]:
-        lv = math.log10(v) if v > 0 else lo
-        return pad_l + w * i / n, pad_t + h * (1 - (lv - lo) / (hi - lo))
-
-    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='drift by position'>",
-             f"<rect x='{pad_l}' y='{pad_t}' width='{w}' height='{h}' fill='#f6f8fa' stroke='#d0d7de'/>"]
-    for e in range(lo, hi + 1):
-        y = xy(0, 10.0 ** e)[1]
-        parts.append(f"<line x1='{pad_l}' x2='{pad_l + w}' y1='{y:.1f}' y2='{y:.1f}' stroke='#eaeef2'/>"
-                     f"<text x='2' y='{y + 4:.1f}'>1e{e}</text>")
-    line = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(i, v) for i, v in pts))
-    parts.append(f"<polyline fill='none' stroke='#0969da' stroke-width='1.5' points='{line}'/>")
-    if mark is not None:
-        x = pad_l + w * min(mark, n) / n
-        parts.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{pad_t}' y2='{pad_t + h}' stroke='#cf222e' stroke-dasharray='4 3'/>"
-                     f"<text x='{x + 3:.1f}' y='{pad_t + 11}' style='fill:#cf222e'>divergence @ {mark}</text>")
-    parts.append(f"<text x='{pad_l}' y='{height - 4}'>position 0..{len(series) - 1}; max |Δ logprob| of the chosen token, "
-                 f"log scale, 0 at the floor</text></svg>")
-    return "".join(parts)
+    return log_plot(pts, len(series), aria="drift by position", mark=mark, mark_label=f"divergence @ {mark}",
+                    caption=f"position 0..{len(series) - 1}; max |Δ logprob| of the chosen token, log scale, 0 at the floor",
+                    width=width, height=height)
 
 
 def _drift(report: dict[str, Any]) -> list[str]:

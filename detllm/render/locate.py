@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ArtifactError
 from ..schema_io import check_header, validate
+from .svgplot import log_plot
 
 TABLE_ROWS = 40  # text/markdown tables: every boundary and differing row up to this many
 
@@ -146,41 +147,16 @@ def growth_svg(doc: dict[str, Any], *, width: int = 560, height: int = 170) -> s
     """max |Δ| of every captured output in execution order, log scale (equal outputs at the floor),
     the located op marked."""
     rows = doc["layers"]
-    vals = [r.get("max_abs_diff") if isinstance(r.get("max_abs_diff"), float) else None for r in rows]
-    pos = [v for v in vals if v]
     if not rows:
         return "<p class='muted'>nothing captured: nothing to plot</p>"
-    lo = math.floor(math.log10(min(pos))) if pos else -9
-    hi = math.ceil(math.log10(max(pos))) if pos else -8
-    lo, hi = min(lo, hi - 1), max(hi, lo + 1)
-    pad_l, pad_b, pad_t = 46, 20, 8
-    w, h, n = width - pad_l - 8, height - pad_b - pad_t, max(len(rows) - 1, 1)
-
-    def xy(i: int, v: float | None) -> tuple[float, float]:
-        lv = math.log10(v) if v else lo
-        return pad_l + w * i / n, pad_t + h * (1 - (lv - lo) / (hi - lo))
-
-    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='max difference by captured op'>",
-             f"<rect x='{pad_l}' y='{pad_t}' width='{w}' height='{h}' fill='#f6f8fa' stroke='#d0d7de'/>"]
-    for e in range(lo, hi + 1):
-        y = xy(0, 10.0 ** e)[1]
-        parts.append(f"<line x1='{pad_l}' x2='{pad_l + w}' y1='{y:.1f}' y2='{y:.1f}' stroke='#eaeef2'/><text x='2' y='{y + 4:.1f}'>1e{e}</text>")
-    pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(i, v) for i, v in enumerate(vals)))
-    parts.append(f"<polyline fill='none' stroke='#0969da' stroke-width='1.5' points='{pts}'/>")
-    for i, r in enumerate(rows):
-        if r["kind"] == "layer":
-            x = xy(i, None)[0]
-            parts.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{pad_t + h - 6}' y2='{pad_t + h}' stroke='#57606a'>"
-                         f"<title>{html.escape(r['module'])}</title></line>")
+    vals = [r.get("max_abs_diff") if isinstance(r.get("max_abs_diff"), float) else None for r in rows]
     op = doc["first_bitwise_op"]
     mark = next((i for i, r in enumerate(rows) if op is not None and r["module"] == op["module"]), None)
-    if mark is not None:
-        x = xy(mark, None)[0]
-        parts.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{pad_t}' y2='{pad_t + h}' stroke='#cf222e' stroke-dasharray='4 3'/>"
-                     f"<text x='{x + 3:.1f}' y='{pad_t + 11}' style='fill:#cf222e'>{html.escape(op['module'])}</text>")
-    parts.append(f"<text x='{pad_l}' y='{height - 4}'>captured outputs 0..{len(rows) - 1} in execution order (ticks: layer "
-                 f"boundaries); max |Δ|, log scale, equal at the floor</text></svg>")
-    return "".join(parts)
+    return log_plot(list(enumerate(vals)), len(rows), aria="max difference by captured op",
+                    ticks=[(i, html.escape(r["module"])) for i, r in enumerate(rows) if r["kind"] == "layer"],
+                    mark=mark, mark_label=html.escape(op["module"]) if mark is not None else "",
+                    caption=f"captured outputs 0..{len(rows) - 1} in execution order (ticks: layer boundaries); "
+                            f"max |Δ|, log scale, equal at the floor", width=width, height=height)
 
 
 def html_section(doc: dict[str, Any]) -> list[str]:

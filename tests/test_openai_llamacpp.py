@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 def concurrency_check(llama_served, tmp_path_factory, cli):
     out = tmp_path_factory.mktemp("served") / "conc"
     res = cli("check", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--concurrency", "1,8",
-              "--tier", "2", "--max-new-tokens", "64", "--runs", "2", "--opt", "sample_interval=0.005", "--out", out,
+              "--tier", "2", "--max-new-tokens", "256", "--runs", "2", "--opt", "sample_interval=0.005", "--out", out,
               "--no-progress")
     return out, res
 

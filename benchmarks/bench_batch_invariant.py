@@ -22,8 +22,8 @@ import time
 from detllm.backends.hf import invariant as hf_invariant
 from detllm.backends.base import Request
 from detllm.backends.hf import HFBackend, HFOptions
-from detllm.config import Decoding
-from detllm.prompts import BUILTIN_PROMPTS, FILLERS
+from detllm.core.config import Decoding
+from detllm.core.prompts import BUILTIN_PROMPTS, FILLERS
 
 TEXTS = (*BUILTIN_PROMPTS, *FILLERS, "In the harbour town the lamps were lit one by one as the boats came home " * 2)
 

@@ -22,7 +22,7 @@ from _overhead import alternate, arguments, check_fields
 
 
 def _batches(n: int, b: int) -> list[list[int]]:
-    from detllm.runner import plan_batches
+    from detllm.pipeline.runner import plan_batches
 
     return plan_batches(n, b)
 
@@ -52,7 +52,7 @@ def decode_ms(backend, model, tok, texts: list[str], tokens: int) -> tuple[float
     import torch
 
     from detllm.backends.base import Request
-    from detllm.config import Decoding
+    from detllm.core.config import Decoding
 
     reqs = [Request(prompt_index=i, input_ids=tuple(tok(t)["input_ids"])) for i, t in enumerate(texts)]
     eos = backend._eos
@@ -80,7 +80,7 @@ def main() -> None:
 
     from detllm.backends.hf import backend as hf
     from detllm.models import resolve_model
-    from detllm.prompts import BUILTIN_PROMPTS, FILLERS
+    from detllm.core.prompts import BUILTIN_PROMPTS, FILLERS
 
     if args.threads:
         torch.set_num_threads(args.threads)  # for the bare side; detllm sets the same for its runs

@@ -20,9 +20,9 @@ from _overhead import alternate, arguments, check_fields
 
 def bare(model: str, runs: int, sizes: list[int], tokens: int, threads: int | None) -> None:
     from detllm.backends.llamacpp import LlamaCppBackend, Server, batch_seed, free_port
-    from detllm.config import Decoding
-    from detllm.prompts import BUILTIN_PROMPTS, FILLERS
-    from detllm.runner import plan_batches
+    from detllm.core.config import Decoding
+    from detllm.core.prompts import BUILTIN_PROMPTS, FILLERS
+    from detllm.pipeline.runner import plan_batches
 
     be = LlamaCppBackend(model, slots=max(sizes), threads=threads)  # for its argv and request bodies; its own server is never started
     port = free_port()

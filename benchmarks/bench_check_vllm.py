@@ -57,7 +57,7 @@ def bare(kwargs: dict[str, Any], prompts: list[str], fillers: list[str], runs: i
     import torch
     from vllm import LLM, SamplingParams
 
-    from detllm.runner import plan_batches
+    from detllm.pipeline.runner import plan_batches
 
     set_num_threads = torch.set_num_threads  # vLLM's in-process worker replaces it with a no-op (as detllm undoes)
     llm = LLM(**kwargs)
@@ -76,7 +76,7 @@ def main() -> None:
     from detllm.api import make_config
     from detllm.backends.vllm import release_engine
     from detllm.models import resolve_model
-    from detllm.prompts import BUILTIN_PROMPTS, FILLERS
+    from detllm.core.prompts import BUILTIN_PROMPTS, FILLERS
 
     resolve_model(args.model)  # build/cache the model outside every timing
     fields = check_fields("vllm", args)

@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from detllm import artifacts
-from detllm.env import collect_env
-from detllm.hashing import canonical_json, sha256_bytes, sha256_text
+from detllm.runfolder import artifacts
+from detllm.runfolder.env import collect_env
+from detllm.core.hashing import canonical_json, sha256_bytes, sha256_text
 
 
 def _config(prompts: int, tokens: int, top_k: int) -> dict:

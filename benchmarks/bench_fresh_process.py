@@ -2,7 +2,7 @@
 
 For each model, in one process (the parent's engine loaded and warmed first):
   in-process repeat: the repeat's generations through the parent's already-loaded backend
-  fresh repeat:      fresh.FreshProcess: spawn `python -m detllm.fresh`, import the engine, load the
+  fresh repeat:      fresh.FreshProcess: spawn `python -m detllm.pipeline.fresh`, import the engine, load the
                      model, hash its files, apply the determinism settings, generate the same
                      batches, restore and exit -- broken down phase by phase
   end to end:        detllm.check(runs=2) vs detllm.check(runs=2, fresh_process=1), wall time
@@ -23,7 +23,7 @@ from pathlib import Path
 
 def phases(config, backend, batches, tier: int) -> dict[str, float]:
     """One fresh repeat, timed phase by phase (seconds)."""
-    from detllm import fresh
+    from detllm.pipeline import fresh
 
     with backend.determinism(tier=tier, seed=config.seed, threads=config.threads) as applied:
         settings = [a.to_json() for a in applied]
@@ -57,8 +57,8 @@ def bench_model(model: str, backend_name: str, tokens: int, repeat: int) -> None
     import detllm
     from detllm.backends.base import Request
     from detllm.backends.registry import create_backend
-    from detllm.config import Decoding, RunConfig
-    from detllm.prompts import BUILTIN_PROMPTS
+    from detllm.core.config import Decoding, RunConfig
+    from detllm.core.prompts import BUILTIN_PROMPTS
 
     config = RunConfig(backend=backend_name, model=model, runs=2, fresh_process=1, tier=2,
                        decoding=Decoding(max_new_tokens=tokens))
@@ -91,7 +91,7 @@ def ab_prestart(model: str, backend_name: str, tokens: int, repeat: int) -> None
     """End to end `check --runs 2 --fresh-process 1`, with the first child started up front (loads while the
     parent generates) and without (started when its repeat comes), alternated so both see the same load."""
     import detllm
-    from detllm import fresh
+    from detllm.pipeline import fresh
 
     walls: dict[str, list[float]] = {"prestart": [], "no prestart": []}
     original = fresh.Dispatcher._needs_the_device

@@ -96,7 +96,7 @@ def main() -> None:
     detllm.run(**run, out=tmp / "clean")
     print(f"model {args.model}: clean run {time.perf_counter() - t0:.1f} s (includes the load)")
     from detllm.backends.registry import create_backend
-    from detllm.config import RunConfig
+    from detllm.core.config import RunConfig
 
     layers = create_backend(RunConfig(backend="hf", model=args.model)).model.config.num_hidden_layers
     rows = perturbation_rows(run, tmp, cases(layers, args.cases), lambda op, module: op == module or op.startswith(module + "/"),

@@ -22,8 +22,8 @@ CHILD = r"""
 import json, resource, sys, time, tracemalloc
 from detllm.backends.base import Request
 from detllm.backends.openai import OpenAIBackend, OpenAIOptions
-from detllm.config import Decoding
-from detllm.prompts import FILLERS
+from detllm.core.config import Decoding
+from detllm.core.prompts import FILLERS
 
 url, n, tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 b = OpenAIBackend("tiny", OpenAIOptions(base_url=url, request_timeout=600))

@@ -27,7 +27,7 @@ def main() -> None:
 
     import torch
 
-    from detllm.hashing import folder_identity
+    from detllm.core.hashing import folder_identity
     from detllm.models import builtin_path
     from detllm.training import rng
     from detllm.training.check import make_config

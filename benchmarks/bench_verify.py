@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import detllm
-from detllm import artifacts
-from detllm.hashing import canonical_json, sha256_bytes, sha256_text
-from detllm.integrity import seal
-from detllm.pack import create_pack
+from detllm.runfolder import artifacts
+from detllm.core.hashing import canonical_json, sha256_bytes, sha256_text
+from detllm.runfolder.integrity import seal
+from detllm.commands.pack import create_pack
 
 
 def synthetic_trace(folder: Path, prompts: int, tokens: int, top_k: int, drift: float = 0.0) -> tuple[int, list[bytes]]:
@@ -67,7 +67,7 @@ def synthetic_trace(folder: Path, prompts: int, tokens: int, top_k: int, drift: 
 
 def rederive_report(folder: Path) -> str:
     """report.json's verdict fields recomputed from the synthetic trace (as verify will); returns the status."""
-    from detllm.rederive import expected_verdict
+    from detllm.pipeline.rederive import expected_verdict
 
     rc, applied = (json.loads((folder / name).read_text()) for name in (artifacts.RUN_CONFIG, artifacts.APPLIED))
     report = json.loads((folder / artifacts.REPORT).read_text())

@@ -17,11 +17,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import Decoding, RunConfig
-from .env import Redaction
-from .errors import UsageError
-from .prompts import resolve_prompts
-from .runner import Outcome, execute
+from .core.config import Decoding, RunConfig
+from .runfolder.env import Redaction
+from .core.errors import UsageError
+from .core.prompts import resolve_prompts
+from .pipeline.runner import Outcome, execute
 
 _DECODING = {f.name for f in dataclasses.fields(Decoding)}
 _CONFIG = {f.name for f in dataclasses.fields(RunConfig)}
@@ -76,7 +76,7 @@ def _execute(command: str, config: RunConfig | None, prompts: Any, out: Any, out
              sign_key, redact: bool, redact_env_vars, fields: dict[str, Any]) -> Outcome:
     cfg = make_config(config, **fields)
     if command == "check":
-        from .cacheprobe import probe_config, wants_probe
+        from .pipeline.cacheprobe import probe_config, wants_probe
 
         if wants_probe(cfg):  # check --cache-probe (backend openai): cold/warm runs; its verdict: checkverdict.py
             cfg = probe_config(cfg)

@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output
+from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
 # torch functions that only view, reshape, allocate or ask: no computation of their own to capture

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from detllm.artifacts import validate_folder
+from detllm.runfolder.artifacts import validate_folder
 from detllm.cli import app
 
 REQUIRED = ("env.json", "run_config.json", "determinism_applied.json", "trace.jsonl", "report.json", "report.txt")
@@ -34,7 +34,7 @@ def trace_records(folder: Path) -> list[dict]:
 def llama_server_or_fail() -> Path:
     """The llama-server binary; a missing one fails the test (CI builds it), or skips it with DETLLM_SKIP_LLAMACPP=1."""
     from detllm.backends.llamacpp import find_server
-    from detllm.errors import BackendUnavailableError
+    from detllm.core.errors import BackendUnavailableError
 
     try:
         return find_server()
@@ -86,7 +86,7 @@ def llama_served():
     GGUF, 8 slots, prompt caching as llama-server ships it (on), alias "tiny". Started through
     llamacpp.Server, so it dies with the test process on every exit path."""
     from detllm.backends.llamacpp import Server, find_server, free_port
-    from detllm.errors import BackendUnavailableError
+    from detllm.core.errors import BackendUnavailableError
     from detllm.models import builtin_path
 
     try:

@@ -139,7 +139,11 @@ def test_no_module_over_450_lines():
 PLANTS = [
     # (file, line planted inside a function, what the report names)
     ("detllm/compare/engine.py", "from ..render.text import render_text", "detllm.compare.engine -> detllm.render.text"),
-    ("detllm/artifacts.py", "from .runner import execute", "detllm.artifacts -> detllm.runner"),
+    ("detllm/runfolder/artifacts.py", "from ..pipeline.runner import execute", "detllm.runfolder.artifacts -> detllm.pipeline.runner"),
+    ("detllm/core/config.py", "from ..models import resolve_model", "detllm.core.config -> detllm.models"),
+    ("detllm/runfolder/fleetseal.py", "from ..fleet.folder import write_fleet", "detllm.runfolder.fleetseal -> detllm.fleet.folder"),
+    # verify reading a fleet folder through fleet/ again: the folder circle commands <-> fleet (the fleet calls diff)
+    ("detllm/commands/verify.py", "from ..fleet.verdict import fleet_verdict", "- .commands -> .fleet (1 import)"),
     ("detllm/backends/fake.py", "from .hf import HFBackend", "detllm.backends.fake -> detllm.backends.hf"),
     ("detllm/render/junit.py", "from ..backends.vllm import VLLMBackend", "detllm.render.junit -> detllm.backends.vllm"),
 ]
@@ -170,3 +174,30 @@ def test_the_unplanted_copy_passes(copy_root):
     """The copy itself is clean, so the failures above are the planted lines' doing."""
     res = lint(copy_root)
     assert res.returncode == 0, res.stdout[-3000:]
+
+
+def child_entry_points() -> set[str]:
+    """Every `python -m detllm.…` the package starts: the string after "-m" in a call's argument list."""
+    found = set()
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.List):
+                items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+                for flag, mod in zip(items, items[1:]):
+                    if flag == "-m" and isinstance(mod, str) and mod.startswith("detllm."):
+                        found.add(mod)
+    return found
+
+
+def test_every_child_entry_point_starts():
+    """The child processes move with their modules: each `python -m` target the package spawns exists
+    and runs its main guard (given no work, it stops on its own; what matters is that it was found)."""
+    mods = child_entry_points()
+    assert {"detllm.pipeline.fresh", "detllm.pipeline.rederive", "detllm.compare.pairs", "detllm.diagnose.worker",
+            "detllm.training.child"} <= mods, mods
+    for mod in sorted(mods):
+        path = PKG.parent / (mod.replace(".", "/") + ".py")
+        assert 'if __name__ == "__main__":' in path.read_text(), f"{mod} has no main guard"
+        res = subprocess.run([sys.executable, "-m", mod], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert "No module named" not in res.stderr, res.stderr[-2000:]

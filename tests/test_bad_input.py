@@ -129,7 +129,7 @@ def test_report_on_a_non_detllm_folder(cli, tmp_path):
 
 def test_report_with_unknown_schema_version(cli, tmp_path):
     import detllm
-    from detllm.schema_io import SCHEMA_VERSION
+    from detllm.runfolder.schema_io import SCHEMA_VERSION
 
     detllm.check(backend="fake", out=tmp_path / "r")
     p = tmp_path / "r" / "report.json"
@@ -165,8 +165,8 @@ def test_prompt_longer_than_the_context_is_refused(cli, tmp_path):
 
 
 def test_check_fits():
-    from detllm.errors import UsageError
-    from detllm.runner import check_fits
+    from detllm.core.errors import UsageError
+    from detllm.pipeline.runner import check_fits
 
     check_fits([(1, 2, 3)], 5, 8)
     check_fits([(1,) * 100], 5, None)
@@ -271,7 +271,7 @@ def test_non_finite_atol_in_diff_is_refused_before_comparing(cli, tmp_path):
 
 def test_api_refuses_non_finite_and_huge_numbers(tmp_path):
     import detllm
-    from detllm.errors import UsageError
+    from detllm.core.errors import UsageError
 
     for bad in ({"temperature": float("nan")}, {"seed": 2**64}, {"atol": float("inf")}, {"top_k": 1.5},
                 {"vary_batch": (1, 2, 2)}):
@@ -287,7 +287,7 @@ def failing_seal(monkeypatch):
     """The disk fills up while the folder is sealed: the last write of a run fails."""
     import errno
 
-    from detllm import runner
+    from detllm.pipeline import runner
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "manifest.json")
@@ -334,7 +334,7 @@ def test_a_run_killed_right_after_its_first_write_can_be_rerun(cli, tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from detllm.folderlock import exclusive_writer
+from detllm.runfolder.folderlock import exclusive_writer
 with exclusive_writer(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(60)
@@ -365,7 +365,7 @@ def test_two_writers_into_one_out_the_second_is_refused(cli, tmp_path):
 
 
 def test_the_lock_is_never_written_into_the_folder(tmp_path):
-    from detllm.folderlock import exclusive_writer, lock_path
+    from detllm.runfolder.folderlock import exclusive_writer, lock_path
 
     out = tmp_path / "run"
     with exclusive_writer(out):
@@ -455,7 +455,7 @@ def test_docs_state_every_declared_range():
     import dataclasses
     from pathlib import Path
 
-    from detllm.config import Decoding, RunConfig, cli_flag
+    from detllm.core.config import Decoding, RunConfig, cli_flag
 
     docs = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
     docs = docs.split("**Accepted ranges.**", 1)[1].split("\n\n**", 1)[0]  # the range table only
@@ -480,7 +480,7 @@ def test_docs_state_every_declared_range():
 def test_engine_chatter_on_fd_2_is_kept_off_stderr(capfd):
     """What vLLM's engine start writes on file descriptor 2 (torch's C++ NUMA notice, its logs)
     goes to chatter.captured_stderr's sink, not to detllm's one-line stderr."""
-    from detllm.chatter import captured_stderr
+    from detllm.core.chatter import captured_stderr
 
     with captured_stderr() as captured:
         os.write(2, b"[W utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy\n")
@@ -519,7 +519,7 @@ def test_bad_typer_option_on_a_terminal_is_one_line_too(tmp_path):
 def test_the_largest_seed_runs_on_every_backend(tmp_path, backend):
     """--seed 2**32-1, the top of the one documented range, seeds every RNG (numpy's included) without error."""
     import detllm
-    from detllm.config import SEED_MAX
+    from detllm.core.config import SEED_MAX
 
     outcome = detllm.check(backend=backend, seed=SEED_MAX, temperature=0.7, max_new_tokens=3, out=tmp_path / "s")
     assert outcome.status == "PASS"

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from detllm.prompts import FILLERS
+from detllm.core.prompts import FILLERS
 
 from .conftest import assert_valid_run, trace_records
 
@@ -88,7 +88,7 @@ def test_sampling_gives_the_same_tokens_at_every_batch_size(tmp_path, prompt_fil
 def test_random_batch_compositions_never_change_one_prompts_logprobs(attn):
     from detllm.backends.base import Request
     from detllm.backends.hf import HFBackend, HFOptions
-    from detllm.config import Decoding
+    from detllm.core.config import Decoding
 
     b = HFBackend("tiny", options=HFOptions(batch_invariant=True, attn_implementation=attn))
     rng = random.Random(14)

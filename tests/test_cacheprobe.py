@@ -63,7 +63,7 @@ def test_a_probe_folder_edited_to_run_variance_is_refused(cli, warm_differs, tmp
     out = tmp_path / "probe"
     cli("check", "--backend", "openai", "--base-url", warm_differs.url, "--model", "stub-model", "--cache-probe",
         "--tier", "2", "--prompt", "hello there", "--max-new-tokens", "4", "--out", out, "--no-progress")
-    from detllm.integrity import seal
+    from detllm.runfolder.integrity import seal
 
     rep = json.loads((out / "report.json").read_text())
     rep["category"] = "RUN_VARIANCE"

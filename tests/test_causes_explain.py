@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm import artifacts
-from detllm.artifacts import validate
+from detllm.runfolder import artifacts
+from detllm.runfolder.artifacts import validate
 from detllm.compare.causes import Side, rank
 from detllm.compare.causes.explains import CAN_EXPLAIN, cannot_explain, judge
-from detllm.hashing import config_digests
+from detllm.core.hashing import config_digests
 
 HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("make_diff_fixtures", HERE / "fixtures" / "make_diff_fixtures.py")

@@ -13,11 +13,11 @@ import json
 import pytest
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 from detllm.backends.base import Request
 from detllm.backends.fake import FakeBackend, FakeOptions
 from detllm.compare.represent import comparable, input_ids_known, representation
-from detllm.config import Decoding
+from detllm.core.config import Decoding
 
 from .conftest import trace_records
 from .stubhttp import JSONHandler, StubServer

@@ -87,8 +87,8 @@ def test_verify_accepts_a_category_sealed_under_the_earlier_busy_rule(tmp_path, 
     """detllm once called any difference in sampled busy counts a batch difference; a folder it sealed
     that way re-derives under today's rule to another category. verify says so instead of calling the
     verdict edited, only where the trace holds exactly that case."""
-    from detllm.errors import IntegrityError
-    from detllm.rederive import rederive_verdict
+    from detllm.core.errors import IntegrityError
+    from detllm.pipeline.rederive import rederive_verdict
 
     out = detllm.check(backend="fake", runs=2, tier=2, options={"diverge": "prompt=0,pos=1,run=1"}, out=tmp_path / "c").out_dir
     trace = out / "trace.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import detllm
-from detllm.runner import plan_batches
+from detllm.pipeline.runner import plan_batches
 
 from .conftest import assert_valid_run
 
@@ -150,7 +150,7 @@ def test_fake_injection_keeps_logprobs_consistent_with_top_k(tmp_path):
 
 
 def test_env_capture_redacts_secrets_and_skips_per_process_ids():
-    from detllm.env import redact_env
+    from detllm.runfolder.env import redact_env
 
     got = redact_env({"HF_TOKEN": "x", "OMP_NUM_THREADS": "2", "HF_ENDPOINT": "https://u:p@host", "HOME": "/root",
                       "VLLM_DIST_IDENT": "vllm_dist_1234", "MY_API_KEY": "k", "VLLM_API_KEY": "k"})

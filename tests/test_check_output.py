@@ -13,7 +13,7 @@ from detllm.render.html import render_html
 from detllm.render.issue import render_issue
 from detllm.render.markdown import render_markdown
 from detllm.render.text import render_text
-from detllm.schema_io import validate
+from detllm.runfolder.schema_io import validate
 
 from .conftest import assert_valid_run
 

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 from pathlib import Path
 
-from detllm.versions import CURRENT
+from detllm.core.versions import CURRENT
 
 from .conftest import assert_valid_run
 
@@ -93,7 +93,7 @@ def test_a_check_fail_names_diagnose_on_its_folder_and_diagnose_takes_it(cli, tm
 def test_the_issue_text_installs_this_detllm_from_its_repository(tmp_path):
     """Not PyPI's `detllm` (the older 0.1, which cannot read these packs): the install that
     tests/test_ci_action.py and tests/test_install.py run, with the extra the run's engine needs."""
-    from detllm.reporting import render_path
+    from detllm.commands.report import render_path
 
     import detllm
 

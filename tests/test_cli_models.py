@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from detllm.hashing import sha256_file
+from detllm.core.hashing import sha256_file
 from detllm.models import builtin_path
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 from detllm.compare.causes import RANK, flat_diff, merge, rank
 
 FIXTURES = Path(__file__).parent / "fixtures" / "diff"

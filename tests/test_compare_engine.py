@@ -12,8 +12,8 @@ import detllm
 from detllm.compare.divergence import NOISE_FLOORS, first_divergence, noise_floor
 from detllm.compare.engine import align, compare, drift
 from detllm.compare.trace import TraceRecord, load_records, payload_shape, same_output
-from detllm.errors import ArtifactError
-from detllm.hashing import canonical_json, sha256_bytes
+from detllm.core.errors import ArtifactError
+from detllm.core.hashing import canonical_json, sha256_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "diff"
 

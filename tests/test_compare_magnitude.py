@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 from detllm.compare.divergence import first_divergence
 from detllm.compare.engine import compare
-from detllm.hashing import canonical_json, sha256_bytes
+from detllm.core.hashing import canonical_json, sha256_bytes
 from detllm.render.junit import render_junit
 from detllm.render.markdown import render_markdown
 from detllm.render.text import render_text

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from detllm.api import make_config
-from detllm.artifacts import read_json
+from detllm.runfolder.artifacts import read_json
 from detllm.diagnose import Budget, diagnose
 from detllm.diagnose.evidence import outcome
 from detllm.diagnose.needle import trial_plan
 from detllm.diagnose.probes import plan
-from detllm.errors import UsageError
+from detllm.core.errors import UsageError
 
 BATCH8 = "prompt=0,pos=3,batch=8"
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from detllm.artifacts import read_json
+from detllm.runfolder.artifacts import read_json
 from detllm.diagnose.probes import option_fields
 
 from .conftest import llama_server_or_fail, write_prompts
@@ -100,7 +100,7 @@ def test_vllm_scores_a_generated_sequence_through_prompt_logprobs():
     session's engine when test_vllm started one with the same options."""
     from detllm.backends.base import Request
     from detllm.backends.vllm import VLLMBackend
-    from detllm.config import Decoding
+    from detllm.core.config import Decoding
     from detllm.diagnose.prefill import compare_scores
 
     from .test_vllm import need_vllm

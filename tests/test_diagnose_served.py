@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from detllm.artifacts import read_json
+from detllm.runfolder.artifacts import read_json
 
 from .conftest import trace_records, write_prompts
 from .stubhttp import JSONHandler, StubServer

@@ -14,8 +14,8 @@ import hashlib
 
 import pytest
 
-from detllm.artifacts import read_json
-from detllm.config import RunConfig
+from detllm.runfolder.artifacts import read_json
+from detllm.core.config import RunConfig
 from detllm.diagnose.probes import plan, undo_probes
 from detllm.diagnose.ranking import rank_knobs
 

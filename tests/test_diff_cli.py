@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm.artifacts import validate_folder
-from detllm.diff import Selection
-from detllm.errors import ArtifactError, UsageError
+from detllm.runfolder.artifacts import validate_folder
+from detllm.commands.diff import Selection
+from detllm.core.errors import ArtifactError, UsageError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "diff"
 BASE, RUNVAR = FIXTURES / "base", FIXTURES / "run_variance"
@@ -88,8 +88,8 @@ def test_unreadable_schema_version_is_an_artifact_error(cli, tmp_path):
 
 
 def test_a_pack_is_a_side(tmp_path):
-    from detllm.integrity import seal
-    from detllm.pack import create_pack
+    from detllm.runfolder.integrity import seal
+    from detllm.commands.pack import create_pack
 
     sealed = tmp_path / "sealed"
     shutil.copytree(BASE, sealed)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 from detllm.cli import app
 
 pytestmark = pytest.mark.engine

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm import artifacts, versions
-from detllm.artifacts import validate
-from detllm.hashing import chat_template_sha256, config_digests, tokenizer_sha256
+from detllm.runfolder import artifacts
+from detllm.core import versions
+from detllm.runfolder.artifacts import validate
+from detllm.core.hashing import chat_template_sha256, config_digests, tokenizer_sha256
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "fixtures" / "diff"
@@ -140,7 +141,7 @@ def test_a_cross_engine_diff_in_two_dtypes_says_so_in_its_causes(runs):
 # ------------------------------------------------------------------ item 3: kernel path recorded
 
 def test_env_json_records_the_kernel_path_and_the_variables_that_steer_it(monkeypatch):
-    from detllm.env import collect_env, redact_env
+    from detllm.runfolder.env import collect_env, redact_env
 
     kept = redact_env({"ATEN_CPU_CAPABILITY": "default", "NCCL_ALGO": "Ring", "SGLANG_X": "1", "CUBLASLT_LOG_LEVEL": "0",
                        "UNRELATED": "x"})
@@ -236,7 +237,7 @@ def test_config_and_chat_template_hashes_ignore_cosmetic_edits(tmp_path):
 
 
 def test_a_renamed_field_is_redefined_under_its_old_name_too():
-    from detllm import versions
+    from detllm.core import versions
 
     assert versions.is_redefined("run_config.config.logprobs_top_k", "1", "2")
     assert versions.is_redefined("run_config.model.config_sha256", "2", "1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from detllm.doctor import diagnose_machine, render_doctor
+from detllm.commands.doctor import diagnose_machine, render_doctor
 
 
 def test_doctor_json_names_every_backend(cli, tmp_path, monkeypatch):

@@ -10,9 +10,9 @@ import shutil
 import numpy as np
 import pytest
 
-from detllm import hashing, processwide
+from detllm.core import hashing, processwide
 from detllm.backends.vllm import engine as vllm_engine
-from detllm.errors import BackendError
+from detllm.core.errors import BackendError
 from detllm.models import builtin_path
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from detllm import artifacts
+from detllm.runfolder import artifacts
 from detllm.compare import arrays, trace
-from detllm.diff import diff
-from detllm.errors import DetllmError
-from detllm.hashing import canonical_json, sha256_bytes, sha256_text
+from detllm.commands.diff import diff
+from detllm.core.errors import DetllmError
+from detllm.core.hashing import canonical_json, sha256_bytes, sha256_text
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUN_FOLDERS = sorted(p for p in [*(FIXTURES / "diff").iterdir(), *(FIXTURES / "v1").iterdir()]
@@ -290,7 +290,7 @@ def test_the_worker_dies_with_its_parent(tmp_path):
     script = f"""
 import time, sys
 from detllm.compare import pairs, trace
-from detllm.diff import diff
+from detllm.commands.diff import diff
 trace._MAP_MIN_BYTES = trace.FAST_PATH_AFTER = trace.FAST_PATH_MIN_BYTES = pairs.WORKER_MIN_BYTES = 0
 real = pairs.settle
 def slow(a, b, spec):
@@ -341,7 +341,7 @@ def test_check_compares_a_large_trace_from_disk_with_the_same_report(monkeypatch
     just wrote (through the fast path, forced here for small payloads), and the report is the one the
     records in memory give."""
     import detllm
-    from detllm import runner
+    from detllm.pipeline import runner
 
     def report(name: str) -> str:
         out = detllm.check(backend="fake", options=options, vary_batch=vary, tier=tier, runs=3, max_new_tokens=24,
@@ -446,9 +446,9 @@ def test_a_large_check_with_step0_flips_verifies_and_packs(monkeypatch, tmp_path
     use) with step-0 flips on middle prompts writes the report the records in memory give, and
     `verify` re-derives that verdict from the sealed trace, so `pack` packs the honest folder."""
     import detllm
-    from detllm import runner
-    from detllm.pack import create_pack
-    from detllm.verify import verify
+    from detllm.pipeline import runner
+    from detllm.commands.pack import create_pack
+    from detllm.commands.verify import verify
 
     options = {"diverge": "prompt=1,pos=0,run=1;prompt=2,pos=0,run=1;prompt=3,pos=0,run=1"}
     prompts = [f"prompt number {i}" for i in range(5)]

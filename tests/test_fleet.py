@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 from detllm.fleet.nway import fleet_diff
 
 PROMPTS = ["alpha beta", "gamma delta", "epsilon zeta"]
@@ -127,7 +127,7 @@ def test_fleet_out_must_be_a_fleet_folder(folders, cli):
 
 
 def _replicas(sides, unstable):
-    from detllm.diff import Selection, load_sides
+    from detllm.commands.diff import Selection, load_sides
     from detllm.fleet.verdict import Replica, prompt_keys
 
     loaded = load_sides(*[Selection.parse(s) for s in sides])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 
 from .conftest import llama_server_or_fail, write_prompts
 from .stubhttp import JSONHandler, StubServer
@@ -29,7 +29,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "Numbers: 1 2 3"]
 def start_llama(binary: Path, extra: list[str], tries: int = 3, ctx: int = 1024):
     """A llama-server on a free loopback port; a port taken between the probe and the bind is retried."""
     from detllm.backends.llamacpp import Server, free_port
-    from detllm.errors import BackendError
+    from detllm.core.errors import BackendError
     from detllm.models import builtin_path
 
     gguf = builtin_path("tiny", "gguf") / "model.gguf"

@@ -10,9 +10,9 @@ import json
 import pytest
 
 import detllm
-from detllm import fresh
-from detllm.config import RunConfig
-from detllm.errors import BackendError
+from detllm.pipeline import fresh
+from detllm.core.config import RunConfig
+from detllm.core.errors import BackendError
 
 from .conftest import assert_valid_run, trace_records
 
@@ -114,7 +114,7 @@ def test_child_with_other_settings_is_refused():
 def test_child_generates_what_the_parent_would(tmp_path):
     from detllm.backends.base import Request
     from detllm.backends.fake import FakeBackend
-    from detllm.config import Decoding
+    from detllm.core.config import Decoding
 
     child = _start()
     reqs = [Request(0, (72, 105), "Hi", "a" * 64, 0), Request(-1, (33,), "!", "filler:x", 0)]
@@ -139,7 +139,7 @@ def test_hf_fresh_process_repeat_passes_at_tier_2(tmp_path):
 
 
 def _fresh_children() -> list[int]:
-    """Live (not zombie) `python -m detllm.fresh` children of this process, from /proc."""
+    """Live (not zombie) `python -m detllm.pipeline.fresh` children of this process, from /proc."""
     import os
     from pathlib import Path
 
@@ -151,7 +151,7 @@ def _fresh_children() -> list[int]:
         except (OSError, ValueError):
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if b"detllm.fresh" in cmd and int(fields[1]) == os.getpid() and fields[0] != "Z":
+        if b"detllm.pipeline.fresh" in cmd and int(fields[1]) == os.getpid() and fields[0] != "Z":
             found.append(int(proc.name))
     return found
 

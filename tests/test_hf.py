@@ -7,7 +7,7 @@ import json
 import pytest
 
 import detllm
-from detllm.hashing import sha256_file
+from detllm.core.hashing import sha256_file
 from detllm.models import builtin_path
 
 from .conftest import assert_valid_run
@@ -72,7 +72,7 @@ def test_greedy_loop_matches_transformers_generate():
 
     from detllm.backends.base import Request
     from detllm.backends.hf import HFBackend
-    from detllm.config import Decoding
+    from detllm.core.config import Decoding
 
     b = HFBackend("tiny")
     texts = ["The capital of France is", "def add(a, b):", "Once"]
@@ -87,7 +87,7 @@ def test_greedy_loop_matches_transformers_generate():
 def test_sampling_does_not_depend_on_batch_order():
     from detllm.backends.base import Request
     from detllm.backends.hf import HFBackend
-    from detllm.config import Decoding
+    from detllm.core.config import Decoding
 
     b = HFBackend("tiny")
     reqs = [Request(i, tuple(b.tokenize(t)), t) for i, t in enumerate(["Once upon a time", "The quick brown", "42"])]

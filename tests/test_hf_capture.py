@@ -11,9 +11,9 @@ import pytest
 
 import detllm
 from detllm.backends.base import CaptureSpec, Request
-from detllm.config import Decoding
-from detllm.errors import UsageError
-from detllm.prompts import FILLERS
+from detllm.core.config import Decoding
+from detllm.core.errors import UsageError
+from detllm.core.prompts import FILLERS
 
 pytestmark = pytest.mark.engine
 

@@ -77,7 +77,7 @@ def test_html_flag_refused_before_anything_runs(cli, tmp_path):
 def test_chromium_renders_the_fake_fail(fake_fail, tmp_path):
     d = fake_fail.report["first_divergence"]
     page = tmp_path / "fail.html"
-    from detllm.reporting import render_path
+    from detllm.commands.report import render_path
 
     page.write_text(render_path(fake_fail.out_dir, "html"))
     dom = chromium(page, "--dump-dom")

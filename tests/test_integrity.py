@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm import artifacts, schema_io
-from detllm.errors import ArtifactError, DetllmError, IntegrityError
-from detllm.integrity import SIG, seal
-from detllm.verify import verify
+from detllm.runfolder import artifacts, schema_io
+from detllm.core.errors import ArtifactError, DetllmError, IntegrityError
+from detllm.runfolder.integrity import SIG, seal
+from detllm.commands.verify import verify
 
 from .conftest import assert_valid_run
 
@@ -345,7 +345,7 @@ def test_verify_does_not_import_torch(sealed_run, tmp_path):
 
 def test_seal_from_the_writers_digests_equals_sealing_from_disk(tmp_path):
     """The runner seals with the TraceWriter's record digests; re-reading the trace gives the same manifest."""
-    from detllm.integrity import build_manifest
+    from detllm.runfolder.integrity import build_manifest
 
     out = tmp_path / "run"
     detllm.check(backend="fake", vary_batch=(1, 3), out=out)
@@ -392,7 +392,7 @@ def test_a_fail_edited_to_pass_and_resealed_is_refused(cli, failed_check, tmp_pa
     assert r.stderr.startswith("detllm: error: report.json: status is 'PASS', but the sealed trace gives 'FAIL'")
     assert len(r.stderr.strip().splitlines()) == 1
     pack = tmp_path / "forged.tar.gz"
-    from detllm.pack import create_pack
+    from detllm.commands.pack import create_pack
 
     with pytest.raises(IntegrityError, match="report.json: status"):
         create_pack(forged, pack)  # pack verifies first: a forged folder is never packed
@@ -424,7 +424,7 @@ def test_a_run_report_edited_to_pass_is_refused(cli, tmp_path):
 def test_the_verdict_re_derived_in_a_second_process_says_the_same(monkeypatch, failed_check, tmp_path):
     """verify re-derives a large trace's verdict in a second process while it checks the bytes
     (rederive.Ahead): the same answers, the same errors, and an early problem still named first."""
-    from detllm import rederive
+    from detllm.pipeline import rederive
 
     forged = forge(failed_check, tmp_path / "forged", status="PASS", category="PASS", first_divergence=None, causes=[])
     tampered = tmp_path / "tampered"
@@ -479,7 +479,7 @@ LINE_EDITS = {  # edits of trace line 2, each a problem verify names (as a schem
 def test_the_long_path_names_the_same_problems(cli, sealed_run, tmp_path, monkeypatch, reseal):
     """verify says the same thing whether a line's arrays are checked by the patterns or by the
     long path (simdjson + bytes.translate), for edits that break the schema, the JSON or only the chain."""
-    from detllm import tracescan
+    from detllm.runfolder import tracescan
 
     answers = set()
     for name, (old, new) in LINE_EDITS.items():
@@ -514,7 +514,7 @@ def test_lines_yields_every_line_and_hashes_every_byte(tmp_path, monkeypatch, ch
     hashing thread starts on the first full read) gives what iterating the file gives."""
     import io
 
-    from detllm import tracescan
+    from detllm.runfolder import tracescan
 
     monkeypatch.setattr(tracescan, "_CHUNK", chunk)
     p = tmp_path / "t.jsonl"
@@ -572,7 +572,7 @@ def test_determinism_applied_is_bound_by_the_chain_genesis(cli, logprob_fail, tm
     resealed, the head moves (so a published head or a signature tells)."""
     forged = _downgrade(logprob_fail, tmp_path / "forged", max_tier=1)
     manifest = json.loads((forged / "manifest.json").read_text())
-    from detllm.integrity import file_digest
+    from detllm.runfolder.integrity import file_digest
 
     manifest["files"] = [{**f, **dict(zip(("sha256", "size"), file_digest(forged / f["path"])))}
                          for f in manifest["files"] if (forged / f["path"]).is_file()]

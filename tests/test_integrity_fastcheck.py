@@ -11,11 +11,11 @@ import random
 import pytest
 
 import detllm
-from detllm.artifacts import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, _validator
-from detllm.hashing import canonical_json
-from detllm import tracescan
-from detllm.integrity import scan_line
-from detllm.records import check_trace_record
+from detllm.runfolder.artifacts import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, _validator
+from detllm.core.hashing import canonical_json
+from detllm.runfolder import tracescan
+from detllm.runfolder.integrity import scan_line
+from detllm.runfolder.records import check_trace_record
 
 
 @pytest.fixture(params=["patterns", "long-path"])

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 import detllm
-from detllm.reporting import render_path
+from detllm.commands.report import render_path
 
 
 @pytest.fixture(scope="module")

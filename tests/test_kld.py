@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from detllm.compare.kld import Position, position, positions, statistics
-from detllm.errors import UsageError
+from detllm.core.errors import UsageError
 from detllm.render.kld import block
 
 from .conftest import trace_records

@@ -22,9 +22,9 @@ import pytest
 from detllm.backends.base import Request
 from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions, incomplete_utf8, resolve_gguf
 from detllm.backends.registry import create_backend
-from detllm.config import Decoding, RunConfig
-from detllm.errors import BackendError, BackendUnavailableError, UsageError
-from detllm.hashing import sha256_file
+from detllm.core.config import Decoding, RunConfig
+from detllm.core.errors import BackendError, BackendUnavailableError, UsageError
+from detllm.core.hashing import sha256_file
 from detllm.models import builtin_path
 from detllm.models.gguf import read_gguf
 
@@ -369,7 +369,7 @@ SCRIPT = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from detllm.backends.base import Request
     from detllm.backends.llamacpp import LlamaCppBackend
-    from detllm.config import Decoding
+    from detllm.core.config import Decoding
     b = LlamaCppBackend("tiny")  # no `with`: exit paths alone must stop the server
     ids = tuple(b.tokenize("Once upon a time"))
     print(b.server_pid, flush=True)

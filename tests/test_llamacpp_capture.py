@@ -18,8 +18,8 @@ from detllm.backends.base import CaptureSpec, Request
 from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions
 from detllm.backends.llamacpp.capture import SKIP_NODES, SKIP_OPS, find_dumper, run_dump
 from detllm.backends.llamacpp.names import NameMap, unpermute
-from detllm.config import Decoding
-from detllm.errors import UsageError
+from detllm.core.config import Decoding
+from detllm.core.errors import UsageError
 from detllm.models import builtin_path
 from detllm.models.gguf import permute_qk
 
@@ -258,7 +258,7 @@ def test_locate_hf_vs_llamacpp_names_the_first_layer(runs):
 def test_a_build_without_the_dumper_captures_nothing(dumper, tmp_path):
     """A llama.cpp bin folder of another build (no detllm-dump): capabilities say "none", so locate
     refuses it up front (exit 4) rather than failing mid-way."""
-    from detllm.errors import BackendUnavailableError
+    from detllm.core.errors import BackendUnavailableError
 
     import shutil
 

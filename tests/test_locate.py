@@ -9,10 +9,10 @@ import json
 import pytest
 
 import detllm
-from detllm import artifacts
+from detllm.runfolder import artifacts
 from detllm.locate import locate
 from detllm.render.locate import html_section
-from detllm.verify import verify_folder
+from detllm.commands.verify import verify_folder
 
 INJECT = "prompt=1,pos=2,batch=4,what=logprob"
 

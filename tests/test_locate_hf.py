@@ -18,7 +18,7 @@ from detllm.locate.sides import compared_tier, first_step, load, resolve
 pytestmark = pytest.mark.engine
 
 PROMPT = ["The capital of France is"]
-CASES = [  # (module, what is perturbed); 1e-3 of the RMS, one element (detllm.perturb); lm_head's weight 1e-1 (below, no
+CASES = [  # (module, what is perturbed); 1e-3 of the RMS, one element (detllm.core.perturb); lm_head's weight 1e-1 (below, no
     # logprob moves); a q_proj or k_proj output moved by one element (1e-3..1e-1) never reached the logits of tiny here
     ("model.embed_tokens", "output"), ("model.layers.0.input_layernorm", "output"),
     ("model.layers.0.self_attn.q_proj", "weight"), ("model.layers.0.self_attn.k_proj", "weight"),

@@ -16,7 +16,7 @@ from .test_vllm import need_vllm
 pytestmark = pytest.mark.engine
 
 PROMPT = ["The capital of France is"]
-CASES = [  # sizes relative to the RMS of what is perturbed (detllm.perturb), one element; a q_proj output moved by
+CASES = [  # sizes relative to the RMS of what is perturbed (detllm.core.perturb), one element; a q_proj output moved by
     # one element did not reach the logits of tiny here (as on hf)
     "model.embed_tokens:output:1e-3", "model.layers.0.input_layernorm:output:1e-3",
     "model.layers.0.mlp.gate_proj:output:1e-3", "model.layers.0.self_attn.k_proj:weight:1e-2",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from detllm.errors import UsageError
-from detllm.modelfiles import check_model_files
+from detllm.core.errors import UsageError
+from detllm.core.modelfiles import check_model_files
 from detllm.models import builtin_path
 
 

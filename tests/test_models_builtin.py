@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from detllm.errors import UsageError
+from detllm.core.errors import UsageError
 from detllm.models import builtin_path, export_model
 from detllm.models.gguf import permute_qk, read_gguf, tensor_map
 

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 import detllm
-from detllm.errors import BackendError
+from detllm.core.errors import BackendError
 from tests.conftest import assert_valid_run, trace_records
 
 pytestmark = pytest.mark.engine

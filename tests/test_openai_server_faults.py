@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import detllm
-from detllm.errors import BackendError
+from detllm.core.errors import BackendError
 
 from .conftest import llama_server_or_fail
 

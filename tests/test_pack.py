@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm import artifacts
-from detllm.errors import IntegrityError
-from detllm.archive import Limits, extract
-from detllm.artifacts import load_run as load_pack
+from detllm.runfolder import artifacts
+from detllm.core.errors import IntegrityError
+from detllm.runfolder.archive import Limits, extract
+from detllm.runfolder.artifacts import load_run as load_pack
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_verify_of_a_pax_bomb_stays_in_bounded_memory(tmp_path):
         tar.addfile(info, io.BytesIO(data))
     assert archive.stat().st_size < 2 << 20
     # VmHWM (peak RSS of this program's memory; ru_maxrss would carry the forking parent's peak over exec)
-    probe = ("import sys\nfrom detllm.errors import IntegrityError\nfrom detllm.verify import verify\n"
+    probe = ("import sys\nfrom detllm.core.errors import IntegrityError\nfrom detllm.commands.verify import verify\n"
              "try:\n    verify(sys.argv[1])\nexcept IntegrityError as exc:\n    print(exc.message)\n"
              "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))\n")
     out = subprocess.run([sys.executable, "-c", probe, str(archive)], capture_output=True, text=True, timeout=120)

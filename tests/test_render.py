@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import detllm
-from detllm.artifacts import validate
+from detllm.runfolder.artifacts import validate
 from detllm.render.github import append_step_summary
 from detllm.render.junit import render_junit
 from detllm.render.markdown import render_markdown

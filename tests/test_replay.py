@@ -13,11 +13,11 @@ import pytest
 
 import detllm
 from detllm.backends.fake import FakeBackend
-from detllm.integrity import seal
+from detllm.runfolder.integrity import seal
 
 from .conftest import assert_valid_run
 
-replay_mod = importlib.import_module("detllm.replay")  # the module; `detllm.replay` is the function
+replay_mod = importlib.import_module("detllm.commands.replay")  # the module; `detllm.replay` is the function
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_replay_of_a_pack_passes_and_writes_a_sealed_folder(cli, fake_pack, tmp_
 
 
 def test_replay_of_a_folder_matches_replay_of_its_pack(fake_pack, tmp_path):
-    with detllm.artifacts.open_run_path(fake_pack) as folder:
+    with detllm.runfolder.artifacts.open_run_path(fake_pack) as folder:
         o = detllm.replay(folder, out=tmp_path / "r")
     assert o.status == "PASS" and o.exit_code == 0
 
@@ -85,7 +85,7 @@ def test_no_prompt_text_pack_is_refused_with_a_clear_line(cli, tmp_path, spy):
 
 
 def test_a_tampered_pack_is_not_replayed(cli, fake_pack, tmp_path, spy):
-    with detllm.artifacts.open_run_path(fake_pack) as folder:
+    with detllm.runfolder.artifacts.open_run_path(fake_pack) as folder:
         shutil.copytree(folder, tmp_path / "run")
     ls = (tmp_path / "run" / "trace.jsonl").read_bytes().splitlines(keepends=True)
     (tmp_path / "run" / "trace.jsonl").write_bytes(b"".join(ls[:-1]))
@@ -99,7 +99,7 @@ def test_bad_out_is_refused_before_the_model_loads(cli, fake_pack, tmp_path, spy
     (tmp_path / "r" / "mine.txt").write_text("user file")
     r = cli("replay", fake_pack, "--out", tmp_path / "r")
     assert r.exit_code == 2 and spy["create"] == 0
-    with detllm.artifacts.open_run_path(fake_pack) as folder:
+    with detllm.runfolder.artifacts.open_run_path(fake_pack) as folder:
         shutil.copytree(folder, tmp_path / "run")
     r = cli("replay", tmp_path / "run", "--out", tmp_path / "run")
     assert r.exit_code == 2 and "is the pack being replayed" in r.stderr
@@ -178,9 +178,9 @@ def test_weights_substituted_under_the_same_path(cli, tmp_path, monkeypatch):
 
 
 def test_replay_never_takes_code_executing_options_from_a_pack():
-    from detllm.config import RunConfig
-    from detllm.errors import UsageError
-    from detllm.replay import pack_options
+    from detllm.core.config import RunConfig
+    from detllm.core.errors import UsageError
+    from detllm.commands.replay import pack_options
 
     cfg = RunConfig(backend="llamacpp", options=(("bin", "/tmp/evil"), ("slots", "4")))
     assert pack_options(cfg).options == (("slots", "4"),), "a binary path is dropped: the local llama-server runs"
@@ -200,7 +200,7 @@ def test_replay_never_takes_code_executing_options_from_a_pack():
 
 
 def test_replay_of_a_pack_asking_for_remote_code_is_refused_before_anything_runs(cli, fake_pack, tmp_path, spy):
-    from detllm.archive import extract
+    from detllm.runfolder.archive import extract
 
     folder = extract(fake_pack, tmp_path / "x")
     rc = json.loads((folder / "run_config.json").read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from detllm import schema_io
+from detllm.runfolder import schema_io
 
 
 def _report(n: int) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from detllm.artifacts import schema_dir
+from detllm.runfolder.artifacts import schema_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = sorted((ROOT / "schemas").glob("*.schema.json"))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import detllm
-from detllm.errors import UsageError
+from detllm.core.errors import UsageError
 
 from .conftest import assert_valid_run
 
@@ -64,7 +64,7 @@ def test_readme_python_api(tmp_path, monkeypatch, capsys):
     assert report.out_dir == Path("artifacts/check1")
     assert report.details["summary"]["runs"] == 3 and report.details["first_divergence"] is None
     assert json.loads(Path("artifacts/run1/run_config.json").read_text())["prompts"] == {
-        "source": "inline", "count": 1, "sha256": detllm.prompts.inline_prompts(["Hello"]).sha256}
+        "source": "inline", "count": 1, "sha256": detllm.core.prompts.inline_prompts(["Hello"]).sha256}
     assert_valid_run(Path("artifacts/check1"))
 
 
@@ -138,7 +138,7 @@ def test_env_out_writes_a_valid_env_json(cli, tmp_path):
     r = cli("env", "--out", tmp_path / "sub" / "env.json", "--redact-env", "--validate-schema")
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "sub" / "env.json").read_text())
-    detllm.artifacts.validate(doc, "env")
+    detllm.runfolder.artifacts.validate(doc, "env")
     assert doc["volatile"]["hostname"] == "<redacted>"
     assert cli("env", "--out", tmp_path).exit_code == 2  # a folder is not a file
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from detllm.artifacts import read_json
+from detllm.runfolder.artifacts import read_json
 from detllm.diagnose.sweep import judge_cell, parse_axes, wilson
-from detllm.errors import UsageError
+from detllm.core.errors import UsageError
 
 from .conftest import write_prompts
 

@@ -1,4 +1,4 @@
-"""detllm.taps and detllm.perturb on the built-in tiny model through real transformers: what a tap
+"""detllm.taps and detllm.core.perturb on the built-in tiny model through real transformers: what a tap
 captures (names, kinds, shapes, order, ops, float64 references, the bound, gradients) and the
 test-only perturbation (its parser, and that the perturbed module is where the capture first moves)."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from detllm import perturb, taps
-from detllm.errors import UsageError
+from detllm import taps
+from detllm.core import perturb
+from detllm.core.errors import UsageError
 
 pytestmark = pytest.mark.engine
 

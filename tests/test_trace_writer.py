@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from detllm import artifacts
-from detllm.errors import ArtifactError
-from detllm.hashing import canonical_json, sha256_bytes, sha256_text
+from detllm.runfolder import artifacts
+from detllm.core.errors import ArtifactError
+from detllm.core.hashing import canonical_json, sha256_bytes, sha256_text
 
 
 def record(**over):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from detllm.errors import IntegrityError
+from detllm.core.errors import IntegrityError
 from detllm.training import digest
 from detllm.training.chain import check_chain, safetensors_digest
 

@@ -14,7 +14,7 @@ import tarfile
 
 import pytest
 
-from detllm.integrity import seal
+from detllm.runfolder.integrity import seal
 from detllm.training.check import train_check
 
 pytestmark = pytest.mark.engine
@@ -39,7 +39,7 @@ def _copy(src, dest):
 
 def test_verify_passes_offline_without_torch(packs):
     code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-            "from detllm.verify import verify\n"
+            "from detllm.commands.verify import verify\n"
             f"r = verify({str(packs[0])!r})\n"
             "print('\\n'.join(r.lines()))\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]")

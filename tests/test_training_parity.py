@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from detllm.errors import UsageError
-from detllm.schema_io import validate
+from detllm.core.errors import UsageError
+from detllm.runfolder.schema_io import validate
 from detllm.training.parity import compare_path, parity
 
 from .conftest import llama_server_or_fail

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from detllm.cli import app
-from detllm.errors import ArtifactError, IntegrityError
+from detllm.core.errors import ArtifactError, IntegrityError
 from detllm.training.chain import check_chain
 from detllm.training.check import train_check
 from detllm.training.checkpoint import load_checkpoint

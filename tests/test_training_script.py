@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from detllm.errors import UsageError
+from detllm.core.errors import UsageError
 from detllm.training.script import ScriptRun, load_script
 
 pytestmark = pytest.mark.engine

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from detllm.compare.engine import compare
-from detllm.hashing import canonical_json, sha256_bytes
+from detllm.core.hashing import canonical_json, sha256_bytes
 from tests.test_openai_stub import Stub
 
 
@@ -114,7 +114,7 @@ def test_tier3_without_a_second_batch_size_is_refused_before_anything_is_written
 
 def test_tier3_with_two_batch_sizes_runs_and_compares_them(tmp_path):
     import detllm
-    from detllm.errors import UsageError
+    from detllm.core.errors import UsageError
 
     with pytest.raises(UsageError):
         detllm.check(backend="fake", tier=3, vary_batch=(1,), prompts=["hi"], out=tmp_path / "one")
@@ -139,7 +139,7 @@ def _render_all(report: dict, folder: Path) -> dict[str, str]:
 
 
 def _diff_report(tmp_path: Path, left: list[dict], right: list[dict]) -> tuple[dict, Path]:
-    from detllm.diff import diff
+    from detllm.commands.diff import diff
     from tests.test_fast_diff import _folder
 
     lf, rf = _folder(tmp_path, "left", left), _folder(tmp_path, "right", right)

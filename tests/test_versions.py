@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import detllm
-from detllm import versions
-from detllm.artifacts import load_run, validate_folder
+from detllm.core import versions
+from detllm.runfolder.artifacts import load_run, validate_folder
 
 V1 = Path(__file__).parent / "fixtures" / "v1"
 

@@ -18,8 +18,8 @@ import pytest
 from detllm.backends.base import Request, parse_options
 from detllm.backends.vllm import (VLLMBackend, VLLMOptions, batch_invariance_support, build_platform, installed_vllm,
                                   release_engine)
-from detllm.config import Decoding
-from detllm.errors import BackendUnavailableError, UsageError
+from detllm.core.config import Decoding
+from detllm.core.errors import BackendUnavailableError, UsageError
 
 from .conftest import assert_valid_run
 

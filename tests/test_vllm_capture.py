@@ -12,8 +12,8 @@ import pytest
 
 from detllm.backends.base import CaptureSpec, Request
 from detllm.backends.vllm import VLLMBackend, VLLMOptions
-from detllm.config import Decoding
-from detllm.errors import UsageError
+from detllm.core.config import Decoding
+from detllm.core.errors import UsageError
 
 from .test_vllm import need_vllm
 

@@ -21,7 +21,7 @@ import pytest
 
 from detllm.backends.vllm import VLLMOptions, build_platform, installed_vllm
 from detllm.backends.vllm.options import threads_bind, validate
-from detllm.errors import UsageError
+from detllm.core.errors import UsageError
 
 FOUND = installed_vllm()
 CPU = FOUND is not None and build_platform(*FOUND) == "cpu"

@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Sequence
 
-from ..config import Decoding, RunConfig, check_ranges
-from ..errors import UsageError
+from ..core.config import Decoding, RunConfig, check_ranges
+from ..core.errors import UsageError
 from .capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec  # noqa: F401 (UNCAPTURED_PREFIX: for locate)
-from ..identity import ModelIdentity, WeightFile  # records of the base layer (hashing fills them in); backends use them from here
+from ..core.identity import ModelIdentity, WeightFile  # records of the base layer (hashing fills them in); backends use them from here
 
 FINISH_REASONS = ("length", "stop")
 

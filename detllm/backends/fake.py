@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from ..config import Decoding, RunConfig, floats, ints, ranged
-from ..errors import UsageError
+from ..core.config import Decoding, RunConfig, floats, ints, ranged
+from ..core.errors import UsageError
 from .base import (Applied, Backend, Capabilities, Capture, CapturedTensor, CaptureSpec, Generation, Installed, ModelIdentity,
                    Request, WeightFile, parse_options, request_seed)
 

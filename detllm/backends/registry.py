@@ -8,8 +8,8 @@ from __future__ import annotations
 import difflib
 import importlib
 
-from ..config import RunConfig
-from ..errors import UsageError
+from ..core.config import RunConfig
+from ..core.errors import UsageError
 from .base import Backend
 
 BACKENDS: dict[str, str] = {

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..artifacts import check_output_file
-from ..errors import UsageError
+from ..runfolder.artifacts import check_output_file
+from ..core.errors import UsageError
 from .shell import Backend, JUnit, Model, app, emit, guarded, write_html
 
 
@@ -37,7 +37,7 @@ def diff(
                                                           "path on which diff loads an engine, to re-run each side's recorded batch.")] = False,
 ) -> None:
     def body() -> int:
-        from ..tracefiles import diff_any, pick_sides
+        from ..commands.diffsides import diff_any, pick_sides
 
         if more:  # N sides: the fleet's N-way verdict (detllm/fleet/nway.py)
             return nway(a, b, more, left, right, out, atol, tier, junit, plot, html, as_json)
@@ -127,7 +127,7 @@ def sweep(
     as_json: Annotated[bool, typer.Option("--json", help="Print sweep.json instead of the table.")] = False,
 ) -> None:
     def body() -> int:
-        from ..config import Decoding, RunConfig, parse_options
+        from ..core.config import Decoding, RunConfig, parse_options
         from ..diagnose.sweep import sweep as run_sweep
         from ..diagnose.sweep_render import render_text
 

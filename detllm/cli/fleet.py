@@ -9,12 +9,12 @@ from pathlib import Path
 
 import typer
 
-from ..schema_io import to_json
+from ..runfolder.schema_io import to_json
 
 
 def emit_fleet(outcome, *, as_json: bool, junit: Path | None = None, html: Path | None = None) -> int:
     from ..render.fleet import render_html, render_junit, render_text
-    from ..schema_io import atomic_write_text
+    from ..runfolder.schema_io import atomic_write_text
 
     if junit is not None:
         atomic_write_text(Path(junit), render_junit(outcome.report))

@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..artifacts import check_output_file
-from ..errors import UsageError
+from ..runfolder.artifacts import check_output_file
+from ..core.errors import UsageError
 from .shell import JUnit, app, guarded
 
 models_app = typer.Typer(help="List built-in offline models, or export one.", invoke_without_command=True)
@@ -30,8 +30,8 @@ def env(
 ) -> None:
     def body() -> int:
         from ..api import _redaction
-        from ..env import collect_env
-        from ..schema_io import atomic_write_text, dumps, validate
+        from ..runfolder.env import collect_env
+        from ..runfolder.schema_io import atomic_write_text, dumps, validate
 
         check_output_file(out, "--out")
         doc = collect_env(redaction=_redaction(redact_env, redact_env_var))
@@ -65,7 +65,7 @@ def report(
     validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: report.json is always validated.")] = False,
 ) -> None:
     def body() -> int:
-        from ..reporting import render_path
+        from ..commands.report import render_path
 
         if (run_dir is None) == (report_in is None):
             raise UsageError("give the report to render once: RUN_DIR or --in", hint="e.g. detllm report artifacts/check-1")
@@ -83,7 +83,7 @@ def report(
                   "what is missing. Never downloads anything.")
 def doctor(as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False) -> None:
     def body() -> int:
-        from ..doctor import diagnose_machine, render_doctor
+        from ..commands.doctor import diagnose_machine, render_doctor
 
         found = diagnose_machine()
         typer.echo(json.dumps(found, indent=2) if as_json else render_doctor(found), nl=as_json)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..artifacts import check_output_file
+from ..runfolder.artifacts import check_output_file
 from .shell import app, guarded
 
 
@@ -34,7 +34,7 @@ def locate(
                                           "prefill of prompt + tokens[:s] gives another logprob, against that prefill's last position.")] = False,
 ) -> None:
     def body() -> int:
-        from ..errors import UsageError
+        from ..core.errors import UsageError
         from ..locate import locate as run_locate
         from ..render.locate import render_text
 
@@ -46,7 +46,7 @@ def locate(
         if html is not None:
             from ..render.html import page
             from ..render.locate import html_section
-            from ..schema_io import atomic_write_text
+            from ..runfolder.schema_io import atomic_write_text
 
             atomic_write_text(html, page(f"detllm locate: {result.doc['status']}", html_section(result.doc)))
         typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"locate folder: {result.out_dir}")

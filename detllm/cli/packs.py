@@ -25,12 +25,12 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     def body() -> int:
-        from ..seedlayout import refuse_seed_layout
-        from ..verify import verify as verify_pack
+        from ..runfolder.seedlayout import refuse_seed_layout
+        from ..commands.verify import verify as verify_pack
 
         refuse_seed_layout(pack)
         if weights is not None and not weights.is_file():
-            from ..errors import UsageError
+            from ..core.errors import UsageError
 
             raise UsageError(f"--weights {str(weights)!r} is not a file")
         res = verify_pack(pack, pubkey=pubkey, weights=weights)
@@ -61,8 +61,8 @@ def replay(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
     def body() -> int:
-        from ..replay import replay as replay_pack
-        from ..seedlayout import refuse_seed_layout
+        from ..commands.replay import replay as replay_pack
+        from ..runfolder.seedlayout import refuse_seed_layout
         from ..training.pack import TrainingOutcome
         from .training import emit_training
 
@@ -88,7 +88,7 @@ def pack_cmd(
     checkpoints: Annotated[Optional[Path], typer.Option("--checkpoints", help="Training packs: where the checkpoints are (default: beside the pack, where train-check wrote them).")] = None,
 ) -> None:
     def body() -> int:
-        from ..pack import create_pack
+        from ..commands.pack import create_pack
 
         path = create_pack(run_dir, dest, force=force, with_checkpoints=with_checkpoints, checkpoints=checkpoints)
         typer.echo(f"packed {run_dir} into {path} ({path.stat().st_size} bytes)")

@@ -11,8 +11,8 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from ..artifacts import check_output_file
-from ..errors import UsageError
+from ..runfolder.artifacts import check_output_file
+from ..core.errors import UsageError
 from .shell import Backend, JUnit, Model, ProgressBar, SignKey, app, emit, guarded, write_html
 
 FreshProcess = Annotated[int, typer.Option("--fresh-process", help="check: run this many of the repeats each in a new process (new import, load and settings); the others share run 0's process.")]
@@ -69,8 +69,8 @@ def _gen_command(command: str, default_runs: int) -> Callable:
     ) -> None:
         def body() -> int:
             from .. import api
-            from ..config import Decoding, RunConfig, parse_options
-            from ..prompts import resolve_prompts
+            from ..core.config import Decoding, RunConfig, parse_options
+            from ..core.prompts import resolve_prompts
 
             cfg = RunConfig(
                 backend=backend, model=model, revision=api.tokenizer_revision_of(revision, tokenizer_revision) if tokenizer_revision else revision,
@@ -105,7 +105,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
 def fleet_check(command, cfg, urls, prompts, prompt, prompt_file, out, progress, as_json, junit, html, redact, redact_vars) -> int:
     """`check --base-url U1 --base-url U2 ...`: detllm.fleet.fleet_check, then the fleet's outputs."""
     from ..fleet.endpoints import fleet_check as run_fleet
-    from ..prompts import resolve_prompts
+    from ..core.prompts import resolve_prompts
     from .fleet import emit_fleet
 
     if command != "check":
@@ -132,7 +132,7 @@ def served_options(backend: str, base_url: str | None, key_env: str | None, chat
 
 def concurrency_levels(vary_batch: str | None, concurrency: str | None, backend: str) -> tuple[int, ...]:
     """--concurrency is the openai backend's spelling of --vary-batch: a batch is the requests in flight."""
-    from ..config import parse_batch_list
+    from ..core.config import parse_batch_list
 
     if concurrency is None:
         return parse_batch_list(vary_batch)

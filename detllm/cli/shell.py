@@ -14,8 +14,8 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from ..errors import EXIT_CODES, DetllmError, UsageError
-from ..schema_io import to_json
+from ..core.errors import EXIT_CODES, DetllmError, UsageError
+from ..runfolder.schema_io import to_json
 from .usage import Group
 
 EXIT_HELP = "Exit codes (every command): " + "; ".join(f"{k} {v.split(':')[0]}" for k, v in EXIT_CODES.items()) + "."
@@ -33,8 +33,8 @@ app = typer.Typer(
 def _version(value: bool) -> None:
     """--version: this detllm's version and the run-folder schema it writes, for a CI log to pin."""
     if value:
-        from ..env import detllm_version
-        from ..versions import CURRENT
+        from ..runfolder.env import detllm_version
+        from ..core.versions import CURRENT
 
         typer.echo(f"detllm {detllm_version()} (writes run folders of schema_version {CURRENT})")
         raise typer.Exit(0)
@@ -152,7 +152,7 @@ def write_html(outcome, path: Path | None) -> None:
     if path is None:
         return
     from ..render.html import render_outcome
-    from ..schema_io import atomic_write_text
+    from ..runfolder.schema_io import atomic_write_text
 
     atomic_write_text(path, render_outcome(outcome.report, outcome.out_dir))
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .shell import Backend, Model, SignKey, app, guarded
 
 
@@ -43,7 +43,7 @@ def train_check(
     as_json: Annotated[bool, typer.Option("--json", help="Print train_report.json instead of the verdict.")] = False,
 ) -> None:
     def body() -> int:
-        from ..schema_io import dumps
+        from ..runfolder.schema_io import dumps
         from ..training.check import parse_test_options
         from ..training.check import train_check as run_train_check
 
@@ -90,8 +90,8 @@ def parity(
     as_json: Annotated[bool, typer.Option("--json", help="Print parity.json instead of the text.")] = False,
 ) -> None:
     def body() -> int:
-        from ..config import parse_options
-        from ..schema_io import dumps
+        from ..core.config import parse_options
+        from ..runfolder.schema_io import dumps
         from ..training.parity import parity as run_parity
 
         outcome = run_parity(backend=backend, model=model, prompts=prompts, max_new_tokens=max_new_tokens, dtype=dtype,
@@ -106,7 +106,7 @@ def parity(
 def emit_training(outcome, as_json: bool) -> int:
     """Print a training command's outcome (replay or diff of training packs): its document with
     --json, else its text and folder; return its exit code."""
-    from ..schema_io import dumps
+    from ..runfolder.schema_io import dumps
 
     folder = f"folder: {outcome.out_dir}" if outcome.out_dir is not None else ""
     typer.echo(dumps(outcome.doc) if as_json else outcome.text + folder)

@@ -189,7 +189,7 @@ def _declared_ranges() -> dict[str, str]:
     """The ranges RunConfig and Decoding declare (docs/cli.md's table), by CLI flag; --tier's is TIERS."""
     import dataclasses
 
-    from ..config import TIERS, Decoding, RunConfig, cli_flag, ints
+    from ..core.config import TIERS, Decoding, RunConfig, cli_flag, ints
 
     ranges = {cli_flag(f.name): f.metadata["range"].text()
               for cls in (Decoding, RunConfig) for f in dataclasses.fields(cls) if "range" in f.metadata}

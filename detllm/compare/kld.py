@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 # llama-perplexity skips the terms of the base distribution with log p <= -16 (perplexity.cpp, log_softmax)
 MIN_BASE_LOGPROB = -16.0

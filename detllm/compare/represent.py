@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..hashing import sha256_bytes
+from ..core.hashing import sha256_bytes
 
 EMPTY_IDS_SHA256 = sha256_bytes(b"[]")  # the runner's input_ids_sha256 of no ids: the server tokenized the text
 

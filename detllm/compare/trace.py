@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ..schema_io import check_header  # (not artifacts: the pair worker imports this module, and should start fast)
-from ..errors import ArtifactError
-from ..records import check_trace_record
+from ..runfolder.schema_io import check_header  # (not artifacts: the pair worker imports this module, and should start fast)
+from ..core.errors import ArtifactError
+from ..runfolder.records import check_trace_record
 
 PAYLOAD_KEYS = ("token_ids", "token_texts", "text", "logprobs", "top_logprobs", "finish_reason")
 TAIL_KEYS = ("evidence", "fresh_process")  # optional, written after the payload: read from the line's tail alone

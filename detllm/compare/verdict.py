@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..artifacts import stamp
+from ..runfolder.artifacts import stamp
 from .causes import Side, explain, merge, merge_batch_sizes
 from .engine import compare, label, parse_label, report_magnitude, select
 

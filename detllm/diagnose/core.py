@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import artifacts
-from ..archive import is_archive, open_run_path
-from ..config import RunConfig
-from ..env import detllm_version
-from ..errors import ArtifactError, UsageError
+from ..runfolder import artifacts
+from ..runfolder.archive import is_archive, open_run_path
+from ..core.config import RunConfig
+from ..runfolder.env import detllm_version
+from ..core.errors import ArtifactError, UsageError
 from . import evidence, recorded, served
 from .folder import DIAGNOSIS, OWNED, Diagnosis, prompts_from_records, write_diagnosis
 from .pool import Pool
@@ -90,7 +90,7 @@ def _run_check_cli(args: list[str], out: Path, progress: Progress | None) -> Pat
     import subprocess
     import sys
 
-    from ..errors import (
+    from ..core.errors import (
         EXIT_CODES,
         ArtifactError,
         BackendError,
@@ -188,7 +188,7 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
             source["kind"] = "check"
     else:
         config.validate(command="check")
-        from ..prompts import load_prompts
+        from ..core.prompts import load_prompts
 
         texts = prompts_list or list(load_prompts(prompts).texts)  # a bad prompt file is refused before anything is written
         base, tier, records = config, config.tier, None
@@ -214,7 +214,7 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
             res = pool.shared().run({"kind": "check", "config": dataclasses.replace(base, mode="best-effort", fresh_process=0).to_json(),
                                      "prompts": str(prompts_file), "tier": tier, "out": str(out / "baseline")})
             if not res.get("ok"):
-                from ..errors import BackendError
+                from ..core.errors import BackendError
 
                 raise BackendError(f"the baseline check failed: {res.get('error')}")
             source.update(status=res["status"], path=str(out / "baseline"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..compare.causes.sides import ABSENT, flat_diff
-from ..env import REDACTED, VOLATILE_KEYS
+from ..runfolder.env import REDACTED, VOLATILE_KEYS
 
 # variables that steer kernels and can be set before a process starts (read at engine start-up)
 SWITCHABLE = ("ATEN_CPU_CAPABILITY", "OMP_", "MKL_", "ONEDNN_", "DNNL_", "GGML_", "KMP_", "GOMP_", "OPENBLAS_",

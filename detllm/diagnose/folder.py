@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
-from ..errors import UsageError
+from ..runfolder import artifacts
+from ..core.errors import UsageError
 from .render import render_html, render_markdown, render_text
 
 DIAGNOSIS = "diagnosis.json"

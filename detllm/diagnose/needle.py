@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 from ..compare.steps import abs_diff
-from ..config import RunConfig
+from ..core.config import RunConfig
 
 
 def trial_plan(n_others: int, *, trials: int, max_size: int, seed: int) -> list[dict[str, Any]]:
@@ -50,8 +50,8 @@ def run_needle(config: RunConfig, job: dict[str, Any]) -> dict[str, Any]:
     """Worker side: generate the target alone, then once per trial inside its random batch."""
     from ..backends.base import Request
     from ..backends.registry import create_backend
-    from ..hashing import sha256_bytes
-    from ..prompts import FILLERS, load_prompts
+    from ..core.hashing import sha256_bytes
+    from ..core.prompts import FILLERS, load_prompts
 
     prompts = load_prompts(job.get("prompts"))
     target = job["target"]

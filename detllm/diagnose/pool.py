@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import BackendError
+from ..core.errors import BackendError
 from .worker import MARKER
 
 _ids = itertools.count()
@@ -26,7 +26,7 @@ class Worker:
 
     def __init__(self, scratch: Path, env: dict[str, str | None] | None = None) -> None:
         """`env`: variables set (None: removed) in the child's environment, before it imports anything."""
-        from ..children import death_signal_hook
+        from ..core.children import death_signal_hook
 
         self.scratch = scratch
         scratch.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..compare.steps import abs_diff
-from ..config import RunConfig
+from ..core.config import RunConfig
 
 
 def compare_scores(decoded: list[float], scored: list[float], *, atol: float = 0.0) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def run_prefill_probe(config: RunConfig, job: dict[str, Any]) -> dict[str, Any]:
     one pass, and compare the chosen tokens' logprobs position by position."""
     from ..backends.registry import create_backend
     from ..backends.base import Request
-    from ..prompts import load_prompts
+    from ..core.prompts import load_prompts
 
     prompts = load_prompts(job.get("prompts"))
     with create_backend(config) as backend:

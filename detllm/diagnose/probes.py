@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import RunConfig
+from ..core.config import RunConfig
 
 LADDER = (1, 2, 4, 8)  # batch sizes of the batch-size ladder, plus the check's own
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import artifacts
-from ..config import RunConfig
+from ..runfolder import artifacts
+from ..core.config import RunConfig
 from . import evidence
 from .folder import slug
 from .needle import trial_plan

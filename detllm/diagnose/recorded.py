@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
+from ..runfolder import artifacts
 from ..compare.causes import INERT_CONFIG, INERT_OPTIONS, LOGPROBS_COUNT_MATTERS
 from ..compare.engine import compare, select
-from ..config import RunConfig
-from ..env import detllm_version
-from ..errors import ArtifactError
+from ..core.config import RunConfig
+from ..runfolder.env import detllm_version
+from ..core.errors import ArtifactError
 from . import envknobs
 from .folder import Diagnosis, prompts_from_records, slug, write_diagnosis
 from .pool import Pool
@@ -58,7 +58,7 @@ class DiffPlan:
 
 def sides(diff_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(report, left summary, right summary) of a diff folder; each side's folder resolved (diff.folder_sides)."""
-    from ..diff import folder_sides
+    from ..commands.diff import folder_sides
 
     return folder_sides(diff_dir)
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cacheprobe import wants_probe
+from ..pipeline.cacheprobe import wants_probe
 from ..compare.engine import select
 from ..compare.steps import abs_diff
-from ..config import RunConfig
+from ..core.config import RunConfig
 from .probes import Probe
 
 CACHE_KNOB = "cache_prompt"

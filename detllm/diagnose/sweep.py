@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import artifacts
+from ..runfolder import artifacts
 from ..compare.steps import abs_diff
-from ..config import RunConfig
-from ..config import parse_axes as config_parse_axes
-from ..env import detllm_version
-from ..errors import UsageError
+from ..core.config import RunConfig
+from ..core.config import parse_axes as config_parse_axes
+from ..runfolder.env import detllm_version
+from ..core.errors import UsageError
 from .pool import Pool
 
 CONFIG_AXES = {"batch_size": int, "dtype": str, "threads": int}
@@ -131,7 +131,7 @@ def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, r
           out: str | Path | None = None, force: bool = False, progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]]:
     """Run every cell of the grid; write sweep.json, sweep.txt, sweep.md and heatmap.png (when
     matplotlib is installed) under `out`; return (folder, document)."""
-    from ..prompts import load_prompts
+    from ..core.prompts import load_prompts
 
     grid = parse_axes(list(axes)) if axes and isinstance(list(axes)[0], str) else [(a, list(v)) for a, v in axes]  # type: ignore[misc]
     if repeats < 2:

@@ -20,8 +20,8 @@ MARKER = "\x1edetllm-job-done"
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    from ..config import RunConfig
-    from ..errors import DetllmError
+    from ..core.config import RunConfig
+    from ..core.errors import DetllmError
 
     config = RunConfig.from_json(job["config"])
     started = time.monotonic()
@@ -53,7 +53,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check(job: dict[str, Any], config) -> dict[str, Any]:
-    from ..runner import execute
+    from ..pipeline.runner import execute
 
     outcome = execute(config, command=job["kind"], prompts_path=job.get("prompts"), out=Path(job["out"]))
     return {"status": outcome.status, "out": str(outcome.out_dir), "exit_code": outcome.exit_code}

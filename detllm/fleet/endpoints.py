@@ -14,16 +14,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import default_out_dir
-from ..cacheprobe import probe_config, wants_probe
-from ..config import RunConfig
-from ..diff import Selection, load_sides
-from ..env import Redaction
-from ..errors import BackendError, DetllmError, UsageError
-from ..prompts import PromptSet, resolve_prompts
-from ..runner import execute
+from ..runfolder.artifacts import default_out_dir
+from ..pipeline.cacheprobe import probe_config, wants_probe
+from ..core.config import RunConfig
+from ..commands.diff import Selection, load_sides
+from ..runfolder.env import Redaction
+from ..core.errors import BackendError, DetllmError, UsageError
+from ..core.prompts import PromptSet, resolve_prompts
+from ..pipeline.runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
-from .seal import begin_fleet, seal_fleet
+from ..runfolder.fleetseal import begin_fleet, seal_fleet
 from .stopping import run_replicas
 from .verdict import Replica, fleet_verdict, own_check, prompt_keys
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
-from ..errors import EXIT_FAIL, EXIT_PASS, UsageError
+from ..runfolder import artifacts
+from ..core.errors import EXIT_FAIL, EXIT_PASS, UsageError
 from ..render.fleet import render_markdown, render_text
+from ..runfolder.fleetseal import FLEET
 
-FLEET = "fleet.json"
 OWNED = (FLEET, "fleet.txt", "fleet.md", artifacts.MANIFEST, "manifest.sig", artifacts.PARTIAL)
 REPLICA = "replica_{}"
 

@@ -9,13 +9,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..config import check_atol
-from ..diff import Selection, load_sides
-from ..errors import UsageError
-from ..seedlayout import refuse_seed_layout
-from ..tracefiles import as_folder, is_bare_trace
+from ..core.config import check_atol
+from ..commands.diff import Selection, load_sides
+from ..core.errors import UsageError
+from ..runfolder.seedlayout import refuse_seed_layout
+from ..commands.diffsides import as_folder, is_bare_trace
 from .folder import FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
-from .seal import begin_fleet, seal_fleet
+from ..runfolder.fleetseal import begin_fleet, seal_fleet
 from .verdict import Replica, fleet_verdict, own_check, prompt_keys
 
 

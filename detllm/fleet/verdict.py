@@ -10,11 +10,11 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import artifacts
+from ..runfolder import artifacts
 from ..compare.causes import Side
 from ..compare.causes.codes import TITLES
-from ..diff import diff_report
-from ..env import detllm_version
+from ..commands.diff import diff_report
+from ..runfolder.env import detllm_version
 from .identity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS
 from .identity import identity_groups
 

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
-from ..env import detllm_version
-from ..diff import Selection
-from ..errors import UsageError
+from ..runfolder import artifacts
+from ..runfolder.env import detllm_version
+from ..commands.diff import Selection
+from ..core.errors import UsageError
 from . import prefill as prefills
 from . import rerun as reruns
 from .align import pair_up

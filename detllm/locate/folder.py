@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
-from ..diff import Selection
-from ..errors import UsageError
-from ..folderlock import exclusive_writer
-from ..integrity import MANIFEST, SIG, seal
+from ..runfolder import artifacts
+from ..commands.diff import Selection
+from ..core.errors import UsageError
+from ..runfolder.folderlock import exclusive_writer
+from ..runfolder.integrity import MANIFEST, SIG, seal
 from ..render.locate import render_markdown, render_text
 
 LOCATE = "locate.json"

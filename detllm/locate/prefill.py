@@ -13,7 +13,7 @@ from typing import Any
 
 from ..backends.base import Request
 from ..compare.causes import Side
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .rerun import Rerun, attach, prepare, start
 
 

@@ -13,12 +13,12 @@ from typing import Any
 
 from ..backends.base import Backend, Capture, CaptureSpec, Request
 from ..backends.registry import backend_class, create_backend
-from ..batching import batch_requests, plan_batches
+from ..pipeline.batching import batch_requests, plan_batches
 from ..compare.causes import Side
-from ..config import RunConfig
-from ..errors import BackendUnavailableError, UsageError
-from ..prompts import FILLERS, PromptSet
-from ..replay import check_model, local_identity, pack_options
+from ..core.config import RunConfig
+from ..core.errors import BackendUnavailableError, UsageError
+from ..core.prompts import FILLERS, PromptSet
+from ..commands.replay import check_model, local_identity, pack_options
 from .sides import differs_up_to
 from .warm import caches_across_batches, earlier
 

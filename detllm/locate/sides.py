@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
+from ..runfolder import artifacts
 from ..compare.causes import Side
 from ..compare.engine import align, parse_label
-from ..diff import Selection, folder_sides, load_sides
-from ..errors import UsageError
+from ..commands.diff import Selection, folder_sides, load_sides
+from ..core.errors import UsageError
 
 
 @dataclass(frozen=True)

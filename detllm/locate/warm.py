@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.base import Request
-from ..batching import batch_requests, plan_batches
+from ..pipeline.batching import batch_requests, plan_batches
 from ..compare.causes import Side
-from ..diff import Selection, load_sides
-from ..errors import UsageError
-from ..fresh import fresh_runs
-from ..prompts import FILLERS, PromptSet
+from ..commands.diff import Selection, load_sides
+from ..core.errors import UsageError
+from ..pipeline.fresh import fresh_runs
+from ..core.prompts import FILLERS, PromptSet
 
 
 def caches_across_batches(config: Any) -> bool:

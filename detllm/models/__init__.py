@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def local_folder(resolved: ResolvedModel, revision: str | None) -> Path:
 
         return Path(snapshot_download(resolved.id, revision=revision, local_files_only=True))
     except Exception as exc:  # noqa: BLE001 - any hub failure means the files cannot be hashed
-        from ..errors import BackendError
+        from ..core.errors import BackendError
 
         raise BackendError(f"cannot locate the files of {resolved.id!r} to hash them") from exc
 

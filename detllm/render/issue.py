@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
-from ..env import REDACTED, redact_env
+from ..runfolder.env import REDACTED, redact_env
 from .figures import chosen_logprobs, difference_text
 from .paths import mask_paths
 from .text import cause_summary

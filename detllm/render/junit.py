@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import atomic_write_text
+from ..runfolder.artifacts import atomic_write_text
 from .github import tier_warning
 from .text import cause_summary, divergence_lines
 

@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArtifactError
-from ..schema_io import check_header, validate
+from ..core.errors import ArtifactError
+from ..runfolder.schema_io import check_header, validate
 from .svgplot import log_plot
 
 TABLE_ROWS = 40  # text/markdown tables: every boundary and differing row up to this many

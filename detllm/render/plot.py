@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 
 def require_matplotlib() -> None:

@@ -13,10 +13,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
-from ..config import parse_axes
-from ..env import detllm_version
-from ..errors import UsageError
+from ..runfolder import artifacts
+from ..core.config import parse_axes
+from ..runfolder.env import detllm_version
+from ..core.errors import UsageError
 from .pack import TrainingOutcome
 from .verdict import first_divergence
 
@@ -151,7 +151,7 @@ def render_axes(doc: dict[str, Any]) -> str:
 def axes_from_args(*, model: str, steps: int, seed: int, batch_size: int, seq_len: int, dtype: str, threads: int | None,
                    grad_accumulation: int, specs: list[str], out: str | Path | None, force: bool) -> TrainingOutcome:
     """train-check --axis: the built-in task's config from train-check's options, then run_axes."""
-    from ..hashing import folder_identity
+    from ..core.hashing import folder_identity
     from ..models import resolve_model
     from .check import make_config
 

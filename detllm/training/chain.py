@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import schema_io
-from ..errors import ArtifactError, IntegrityError
+from ..runfolder import schema_io
+from ..core.errors import ArtifactError, IntegrityError
 from .digest import config_digest, le64, none_digest, tensor_digest_bytes, tensors_digest
 
 TRAIN_CONFIG = "train_config.json"

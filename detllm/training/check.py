@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts, schema_io
-from ..env import collect_env, detllm_version
-from ..errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
-from ..folderlock import exclusive_writer
-from ..integrity import seal
+from ..runfolder import artifacts, schema_io
+from ..runfolder.env import collect_env, detllm_version
+from ..core.errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
+from ..runfolder.folderlock import exclusive_writer
+from ..runfolder.integrity import seal
 from .chain import STEPS, TRAIN_CONFIG
 from .child import run_fresh
 from .digest import MAX_SAFE_INT, jcs
@@ -149,9 +149,9 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
                 script: str | None = None) -> TrainOutcome:
     """Run the built-in training task `1 + repeats + fresh_process` times and compare every step bit
     for bit; write the training pack to `out` and its checkpoints beside it. Exit code 0 PASS, 1 FAIL."""
-    from ..hashing import folder_identity
+    from ..core.hashing import folder_identity
     from ..models import resolve_model
-    from ..signing import load_signing_key
+    from ..runfolder.signing import load_signing_key
 
     opts = dict(test_options or {})
     _check_args(steps, seed, threads, repeats, fresh_process, checkpoint_every, opts)

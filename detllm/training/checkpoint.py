@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import schema_io
-from ..errors import ArtifactError, IntegrityError
+from ..runfolder import schema_io
+from ..core.errors import ArtifactError, IntegrityError
 from .digest import rng_digest, tensors_digest, torch_tensor_digest
 from .rng import restore
 from .task import Task

@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .. import errors
-from ..children import death_signal_hook
-from ..errors import BackendError, DetllmError
+from ..core import errors
+from ..core.children import death_signal_hook
+from ..core.errors import BackendError, DetllmError
 from .loop import RunRequest, RunResult, load_dump, read_steps, run_steps
 
 

@@ -13,11 +13,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
-from ..archive import is_archive, open_run_path
-from ..env import detllm_version
-from ..errors import UsageError
-from ..integrity import open_seal
+from ..runfolder import artifacts
+from ..runfolder.archive import is_archive, open_run_path
+from ..runfolder.env import detllm_version
+from ..core.errors import UsageError
+from ..runfolder.integrity import open_seal
 from .chain import STEPS, load_config
 from .pack import CHECKPOINTS_INDEX, TrainingOutcome, checkpoints_dir, is_training_pack, records, verify_training
 from .verdict import differing_parameters, first_divergence

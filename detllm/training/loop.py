@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import schema_io
-from ..errors import ArtifactError
+from ..runfolder import schema_io
+from ..core.errors import ArtifactError
 from . import rng
 from .checkpoint import apply_checkpoint, load_checkpoint, save_checkpoint
 from .steps import Tamper, genesis_record, named_params, train_step

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import schema_io
-from ..errors import EXIT_FAIL, EXIT_PASS, IntegrityError, UsageError
-from ..integrity import Seal, Verification, check_bytes, open_seal
+from ..runfolder import schema_io
+from ..core.errors import EXIT_FAIL, EXIT_PASS, IntegrityError, UsageError
+from ..runfolder.integrity import Seal, Verification, check_bytes, open_seal
 from .verdict import first_divergence
 from .chain import STEPS, TRAIN_CONFIG, ChainCheck, check_chain, read_records, safetensors_digest
 

@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .. import artifacts
+from ..runfolder import artifacts
 from ..backends.base import Request
 from ..backends.registry import create_backend
 from ..compare.steps import abs_diff
-from ..config import Decoding, RunConfig
-from ..env import detllm_version
-from ..errors import UsageError
+from ..core.config import Decoding, RunConfig
+from ..runfolder.env import detllm_version
+from ..core.errors import UsageError
 from .pack import TrainingOutcome
 
 PARITY = "parity.json"
@@ -125,7 +125,7 @@ def parity(*, backend: str = "hf", model: str = "tiny", prompts: str | Path | No
     and compare, token by token, with the engine's decode and prefill logprobs. Writes parity.json
     and parity.txt under `out` (a new folder under artifacts/ when None)."""
     from ..models import resolve_model
-    from ..prompts import load_prompts
+    from ..core.prompts import load_prompts
 
     engine_dtype = engine_dtype or dtype
     out = Path(out) if out is not None else None

@@ -13,11 +13,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import artifacts
-from ..archive import open_run_path
-from ..env import detllm_version
-from ..errors import ModelChangedError, UsageError
-from ..integrity import open_seal
+from ..runfolder import artifacts
+from ..runfolder.archive import open_run_path
+from ..runfolder.env import detllm_version
+from ..core.errors import ModelChangedError, UsageError
+from ..runfolder.integrity import open_seal
 from .chain import STEPS, load_config
 from .pack import CHECKPOINTS_INDEX, TrainingOutcome, checkpoints_dir, records, verify_training
 from .verdict import first_divergence
@@ -50,7 +50,7 @@ def segments(steps: int, n: int, available: set[int]) -> list[tuple[int, int]]:
 def starting_weights(config: dict[str, Any], model: str | None, allow_model_change: bool) -> Path:
     """The starting weights: the recorded model (or --model), refused (exit 7) when they are not
     the recorded ones."""
-    from ..hashing import folder_identity
+    from ..core.hashing import folder_identity
     from ..models import resolve_model
 
     spec = config["model"]

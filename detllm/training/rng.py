@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 DATA_SALT = 0x9E3779B97F4A7C15  # the data-order generator's seed is the run seed plus this, mod 2^64: its own stream
 _U64 = 1 << 64

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import IntegrityError, UsageError
+from ..core.errors import IntegrityError, UsageError
 
 SCRIPT_COPY = "script.py.txt"  # the script's bytes in a pack: text, never run from there unless allowed
 PACK_OPTION = "script"  # --allow-pack-option script: run the pack's copy
@@ -258,7 +258,7 @@ def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[
 
 def copy_script(script_path: Path, folder: Path) -> None:
     """The script's bytes into the pack (SCRIPT_COPY), as text that nothing runs unless allowed."""
-    from ..schema_io import atomic_write_text
+    from ..runfolder.schema_io import atomic_write_text
 
     atomic_write_text(folder / SCRIPT_COPY, script_path.read_bytes().decode("utf-8", "surrogateescape"))
 

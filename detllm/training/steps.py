@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .. import schema_io
+from ..runfolder import schema_io
 from .chain import genesis, link
 from .digest import config_digest, rng_digest, tensors_digest, torch_batch_digest, torch_tensor_digest
 from .task import Task

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 TASK_NAME = "detllm-text/1"
 ATTENTION_DROPOUT = 0.1

@@ -18,15 +18,15 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
-from ...config import Decoding, RunConfig
-from ...env import dist_version
-from ...errors import BackendError, BackendUnavailableError, UsageError
-from ...hashing import content_key, folder_identity
-from ...modelfiles import check_model_files
-from ... import perturb
+from ...core.config import Decoding, RunConfig
+from ...runfolder.env import dist_version
+from ...core.errors import BackendError, BackendUnavailableError, UsageError
+from ...core.hashing import content_key, folder_identity
+from ...core.modelfiles import check_model_files
+from ...core import perturb
 from ...models import local_folder, resolve_model
 from ...models.hub import hub_unreachable
-from ...processwide import disable_tf32, read_tf32, refuse_after_batch_invariant, tf32_is_off, write_tf32
+from ...core.processwide import disable_tf32, read_tf32, refuse_after_batch_invariant, tf32_is_off, write_tf32
 from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
                     parse_options, request_seed)
 from . import invariant

@@ -9,9 +9,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Sequence
 
-from ... import perturb, taps
-from ...config import Decoding
-from ...errors import BackendError, UsageError
+from ...core import perturb
+from ... import taps
+from ...core.config import Decoding
+from ...core.errors import BackendError, UsageError
 from ..base import Capture, CapturedTensor, CaptureSpec, Request
 from ..capture import CAPTURE_LEVELS
 

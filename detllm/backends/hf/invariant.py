@@ -318,7 +318,7 @@ def installed(model, attn_implementation: str) -> Iterator[None]:
 
 def _observe(torch, state: _State, kwargs: dict[str, Any]) -> None:
     """Before each forward call: which phase (prompt or decode) and where each row's real tokens start."""
-    from ...errors import BackendError
+    from ...core.errors import BackendError
 
     mask = kwargs.get("attention_mask")
     past = kwargs.get("past_key_values")

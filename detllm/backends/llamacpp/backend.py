@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ...config import Decoding, RunConfig
-from ...errors import BackendError, BackendUnavailableError, DetllmError, UsageError
-from ...hashing import sha256_file
+from ...core.config import Decoding, RunConfig
+from ...core.errors import BackendError, BackendUnavailableError, DetllmError, UsageError
+from ...core.hashing import sha256_file
 from ...models.gguf import FLOAT_TYPES
 from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
                     parse_options)

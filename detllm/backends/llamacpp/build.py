@@ -9,8 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from ...errors import BackendError
-from ...hashing import sha256_file
+from ...core.errors import BackendError
+from ...core.hashing import sha256_file
 from .server import free_port
 
 _CPU_FEATURES: dict[str, dict[str, int] | None] = {}  # binary sha256 -> its CPU backend features, per process

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...errors import BackendError, BackendUnavailableError, UsageError
+from ...core.errors import BackendError, BackendUnavailableError, UsageError
 from ..capture import Capture, CapturedTensor, CaptureSpec
 from .names import UNPERMUTED_ARCHS, NameMap, node_name, unpermute
 

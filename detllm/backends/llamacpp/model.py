@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...errors import UsageError
-from ...hashing import combine, sha256_file
-from ...modelfiles import check_model_files
+from ...core.errors import UsageError
+from ...core.hashing import combine, sha256_file
+from ...core.modelfiles import check_model_files
 from ...models.gguf import GGUFInfo, read_gguf
 from ..base import ModelIdentity, WeightFile
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from ...errors import BackendUnavailableError
+from ...core.errors import BackendUnavailableError
 
 LAYER_OUT = re.compile(r"^l_out-(\d+)$")  # llama.cpp's residual stream after decoder layer N
 UNPERMUTED_ARCHS = ("llama",)  # convert_hf_to_gguf permutes q/k rows for these (llama.cpp's "normal" rope)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config import MAX_BATCH, floats, ints, ranged
-from ...errors import UsageError
+from ...core.config import MAX_BATCH, floats, ints, ranged
+from ...core.errors import UsageError
 
 DEFAULT_CTX = 1024  # tokens per slot when --opt ctx_size is not given (capped at the model's training context)
 FLASH_ATTN = ("on", "off", "auto")

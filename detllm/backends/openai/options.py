@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...config import floats, ints, ranged
-from ...errors import UsageError
+from ...core.config import floats, ints, ranged
+from ...core.errors import UsageError
 from .load import safe_url
 
 KINDS = ("auto", "llamacpp", "vllm", "sglang", "generic")

@@ -16,11 +16,11 @@ from contextlib import contextmanager
 from dataclasses import astuple
 from typing import Any, Iterator, Sequence
 
-from ...config import Decoding, RunConfig
-from ...errors import BackendError, BackendUnavailableError, UsageError
-from ...hashing import content_key, folder_identity
-from ...modelfiles import check_model_files
-from ...perturb import parse as parse_perturbation
+from ...core.config import Decoding, RunConfig
+from ...core.errors import BackendError, BackendUnavailableError, UsageError
+from ...core.hashing import content_key, folder_identity
+from ...core.modelfiles import check_model_files
+from ...core.perturb import parse as parse_perturbation
 from ...models import local_folder, resolve_model
 from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request, parse_options,
                     request_seed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ...errors import BackendError, UsageError
+from ...core.errors import BackendError, UsageError
 from ...taps import LAYER_KINDS
 from ..capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec
 from .names import ATTENTION_OP, Piece, Rule, rules

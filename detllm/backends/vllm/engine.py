@@ -14,9 +14,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ...chatter import captured_stderr
-from ...errors import BackendError, BackendUnavailableError, UsageError
-from ...processwide import mark_batch_invariant_started, refuse_after_batch_invariant
+from ...core.chatter import captured_stderr
+from ...core.errors import BackendError, BackendUnavailableError, UsageError
+from ...core.processwide import mark_batch_invariant_started, refuse_after_batch_invariant
 from .installed import INSTALL_CPU, INSTALL_CUDA
 
 # vLLM logs INFO to stdout by default; detllm keeps stdout for its own output.

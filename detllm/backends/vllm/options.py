@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import MAX_BATCH, floats, ints, ranged
-from ...errors import UsageError
+from ...core.config import MAX_BATCH, floats, ints, ranged
+from ...core.errors import UsageError
 from ..base import Applied
 
 MIN_MAX_LOGPROBS = 20  # vLLM's own default cap on logprobs per step

@@ -13,8 +13,8 @@ import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ...errors import UsageError
-from ...perturb import Perturbation, perturb_output
+from ...core.errors import UsageError
+from ...core.perturb import Perturbation, perturb_output
 from .names import Piece, Rule, find_piece, rules
 from .rows import runner_of, spans
 from .weights import HFWeights, module_weight, rebuild_gemm

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import BackendError
+from ...core.errors import BackendError
 
 
 @dataclass(frozen=True)

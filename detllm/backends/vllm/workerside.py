@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-from ...children import death_signal_hook
+from ...core.children import death_signal_hook
 
 
 def _die_with_parent() -> None:

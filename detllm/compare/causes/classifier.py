@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import versions
+from ...core import versions
 from ..engine import align
 from ..represent import mixed
 from .codes import rank

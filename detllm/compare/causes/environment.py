@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...env import HARDWARE_KEYS, KERNEL_ENV_PREFIXES, VOLATILE_KEYS
+from ...runfolder.env import HARDWARE_KEYS, KERNEL_ENV_PREFIXES, VOLATILE_KEYS
 from .notes import Notes
 from .sides import ABSENT, Routed, Side, cut, flat_diff, lr
 

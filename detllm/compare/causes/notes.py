@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import versions
+from ...core import versions
 from .sides import ABSENT, Side
 
 _STAMPS = ("schema_version", "artifact_type")

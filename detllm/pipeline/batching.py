@@ -8,11 +8,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Sequence
 
-from .artifacts import stamp
-from .backends.base import Request
-from .config import RunConfig
-from .hashing import canonical_json, sha256_bytes, sha256_text
-from .prompts import FILLERS, PromptSet
+from ..runfolder.artifacts import stamp
+from ..backends.base import Request
+from ..core.config import RunConfig
+from ..core.hashing import canonical_json, sha256_bytes, sha256_text
+from ..core.prompts import FILLERS, PromptSet
 
 
 def plan_batches(n_prompts: int, batch_size: int) -> list[list[int]]:

@@ -41,10 +41,10 @@ def _tier(name: str) -> tuple[int | None, str]:
     """The tier the backend enforces here as configured by default, and why not higher. Asked
     of a backend on the built-in `tiny` model only when that is already built: creating a
     backend would build it, and doctor builds nothing. Engines start on first use, never here."""
-    from .backends.registry import backend_class
-    from .config import RunConfig
-    from .errors import DetllmError
-    from .models import list_models
+    from ..backends.registry import backend_class
+    from ..core.config import RunConfig
+    from ..core.errors import DetllmError
+    from ..models import list_models
 
     fmt = _FORMAT.get(name)
     if fmt is not None and fmt not in next(m["cached"] for m in list_models() if m["name"] == "tiny"):
@@ -70,7 +70,7 @@ def _writable(folder: Path) -> dict[str, Any]:
 
 def diagnose_machine(artifacts_dir: Path = Path("artifacts")) -> dict[str, Any]:
     """Every finding, as the JSON `detllm doctor --json` prints."""
-    from .backends.registry import BACKENDS, backend_class
+    from ..backends.registry import BACKENDS, backend_class
 
     torch = _torch()
     backends: dict[str, dict[str, Any]] = {}

@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .artifacts import APPLIED, REPORT, RUN_CONFIG, TRACE
-from .errors import IntegrityError
-from .hashing import canonical_json
-from .schema_io import SCHEMA_VERSION, finite
+from ..runfolder.artifacts import APPLIED, REPORT, RUN_CONFIG, TRACE
+from ..core.errors import IntegrityError
+from ..core.hashing import canonical_json
+from ..runfolder.schema_io import SCHEMA_VERSION, finite
 
 CHECKED_FIELDS = ("status", "category", "first_divergence")
 
@@ -73,8 +73,8 @@ def expected_tier(run_config: dict[str, Any], applied: dict[str, Any]) -> int:
     chained request (run_config: tier, mode) and the capabilities the backend declared; raises
     IntegrityError when determinism_applied.json says otherwise."""
     from .checkverdict import gate_tier, recorded_capabilities
-    from .config import RunConfig
-    from .errors import TierUnsupportedError
+    from ..core.config import RunConfig
+    from ..core.errors import TierUnsupportedError
 
     config = RunConfig.from_json(run_config["config"])
     try:
@@ -97,9 +97,9 @@ def expected_verdict(folder: Path, run_config: dict[str, Any], applied: dict[str
     if command == "run":
         return {"status": "RECORDED", "category": "RECORDED", "first_divergence": None}
     from .checkverdict import check_verdict
-    from .compare.divergence import run_noise_floor
-    from .compare.trace import load_records
-    from .config import RunConfig
+    from ..compare.divergence import run_noise_floor
+    from ..compare.trace import load_records
+    from ..core.config import RunConfig
 
     config = RunConfig.from_json(run_config["config"])
     floor = run_noise_floor(config.dtype, applied["settings"], run_config["model"].get("quantization"))
@@ -113,8 +113,8 @@ def _earlier_busy_rule(folder: Path) -> bool:
     """The trace holds two selections (run, batch size) of a served run whose sampled busy counts
     differ only by what their own in-flight requests explain: the case detllm's earlier served-batch
     rule named BATCH_VARIANCE and today's does not (compare.causes.variance.served_busy_rule_changed)."""
-    from .compare.causes.variance import server_batching, served_busy_rule_changed
-    from .compare.trace import load_records
+    from ..compare.causes.variance import server_batching, served_busy_rule_changed
+    from ..compare.trace import load_records
 
     records, _ = load_records(folder / TRACE)
     by_selection: dict[tuple[int, int], list[dict[str, Any]]] = {}
@@ -162,24 +162,24 @@ class Ahead:
         import subprocess
         import sys
 
-        from .compare.pairs import usable_cpus
+        from ..compare.pairs import usable_cpus
 
         try:
             if (folder / TRACE).stat().st_size < AHEAD_MIN_BYTES or usable_cpus() < 2 or not sys.executable:
                 return None
         except OSError:
             return None
-        from .children import death_signal_hook
+        from ..core.children import death_signal_hook
 
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "detllm.rederive", str(folder)], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, "-m", "detllm.pipeline.rederive", str(folder)], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=death_signal_hook())
         except OSError:
             return None
         return cls(proc, folder)
 
     def result(self) -> str:
-        from . import errors
+        from ..core import errors
 
         out, _ = self.proc.communicate()
         try:
@@ -202,8 +202,8 @@ class Ahead:
 
 
 def _main(argv: list[str]) -> int:
-    from .compare import pairs, trace
-    from .errors import DetllmError
+    from ..compare import pairs, trace
+    from ..core.errors import DetllmError
 
     pairs.WORKER_MIN_BYTES = trace._WARM_MIN_BYTES = 1 << 62  # verify's own process has the other core
     try:

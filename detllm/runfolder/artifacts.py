@@ -17,8 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .errors import ArtifactError, UsageError
-from .hashing import canonical_json
+from ..core.errors import ArtifactError, UsageError
+from ..core.hashing import canonical_json
 from .records import check_trace_record  # the schema's fast equivalent: jsonschema is ~100x slower on traces
 # Schemas, stamping, JSON text and atomic writes live in schema_io (the bottom module); these
 # names stay importable from here for the code that has always used them.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .batching import batch_requests, trace_record
-from .compare.engine import compare, select
+from ..compare.engine import compare, select
 
 CONTROL_BATCH = 8  # the control's batch size, capped by what the backend was started for (llama.cpp slots)
 

@@ -13,22 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import artifacts, fresh
-from .backends.base import Backend, options_json
+from ..runfolder import artifacts
+from . import fresh
+from ..backends.base import Backend, options_json
 from .batching import batch_requests, plan_batches, trace_record
-from .backends.registry import create_backend
-from .compare.divergence import run_noise_floor
+from ..backends.registry import create_backend
+from ..compare.divergence import run_noise_floor
 from .checkverdict import check_verdict, gate_tier
-from .config import RunConfig
+from ..core.config import RunConfig
 from .control import negative_control
-from .env import Redaction, collect_env, detllm_version
-from .errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
-from .folderlock import exclusive_writer
-from .integrity import seal
-from .prompts import FILLERS, PromptSet, load_prompts
-from .render.markdown import render_markdown
-from .render.text import render_text
-from .signing import Signer, load_signing_key
+from ..runfolder.env import Redaction, collect_env, detllm_version
+from ..core.errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
+from ..runfolder.folderlock import exclusive_writer
+from ..runfolder.integrity import seal
+from ..core.prompts import FILLERS, PromptSet, load_prompts
+from ..render.markdown import render_markdown
+from ..render.text import render_text
+from ..runfolder.signing import Signer, load_signing_key
 
 Progress = Callable[[int, int, int], None]  # (prompts done, prompts total, tokens generated so far)
 MakeReport = Callable[[list, int, float | None, dict], dict]  # (records, effective tier, noise floor, summary) -> report.json
@@ -230,7 +231,7 @@ def compared_records(out: Path, records: list[dict[str, Any]]) -> list[dict[str,
             return records
     except OSError:
         return records
-    from .compare.trace import load_records
+    from ..compare.trace import load_records
 
     return load_records(path)[0]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .archive import ALLOWED_SUFFIXES, ARCHIVE_SUFFIXES, is_archive, write_tar_gz
-from .errors import UsageError
-from .integrity import SEAL_FILES, walk
+from ..runfolder.archive import ALLOWED_SUFFIXES, ARCHIVE_SUFFIXES, is_archive, write_tar_gz
+from ..core.errors import UsageError
+from ..runfolder.integrity import SEAL_FILES, walk
 from .verify import verify_folder
 
 
@@ -27,7 +27,7 @@ def create_pack(run_dir: str | Path, dest: str | Path, *, force: bool = False, w
         raise UsageError(f"{str(run_dir)!r} is already a pack")
     if dest.resolve().is_relative_to(run_dir.resolve()):
         raise UsageError(f"-o {str(dest)!r} is inside the run folder (it would break its seal)", hint="write the pack elsewhere")
-    from .training.pack import is_training_pack, packed_checkpoints
+    from ..training.pack import is_training_pack, packed_checkpoints
 
     training = is_training_pack(run_dir)
     if (with_checkpoints or checkpoints is not None) and not training:

@@ -12,16 +12,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from . import artifacts
-from .backends.registry import create_backend
-from .config import RunConfig
-from .errors import DetllmError, IntegrityError, ModelChangedError, UsageError
-from .hashing import sha256_text
-from .archive import open_run_path
+from ..runfolder import artifacts
+from ..backends.registry import create_backend
+from ..core.config import RunConfig
+from ..core.errors import DetllmError, IntegrityError, ModelChangedError, UsageError
+from ..core.hashing import sha256_text
+from ..runfolder.archive import open_run_path
 from .verify import verify_folder
-from .prompts import PromptSet
-from .runner import Outcome, Progress, execute
-from .signing import load_signing_key
+from ..core.prompts import PromptSet
+from ..pipeline.runner import Outcome, Progress, execute
+from ..runfolder.signing import load_signing_key
 
 
 def replay(
@@ -47,7 +47,7 @@ def replay(
     only a pack whose manifest.sig verifies with that key is replayed. `allow_pack_options`
     names the code-loading options (RISKY_OPTIONS) the pack may set for this replay."""
     with open_run_path(Path(pack)) as folder:
-        from .training.pack import is_training_pack
+        from ..training.pack import is_training_pack
 
         if is_training_pack(folder):  # re-run its steps, each landing on its committed h_t (training/replay.py)
             return _replay_training(folder, str(pack), out=out, force=force, sample=sample, sample_seed=sample_seed,
@@ -88,7 +88,7 @@ def replay(
 
 
 def _replay_training(folder: Path, label: str, *, sign_key: str | Path | None, served: tuple[str | None, str | None], **kw: Any) -> Any:
-    from .training.replay import replay_folder
+    from ..training.replay import replay_folder
 
     if sign_key is not None:
         raise UsageError("--sign-key: a training replay writes train_replay.json, which is not sealed; replay without it")
@@ -148,8 +148,8 @@ def local_identity(config: RunConfig) -> dict[str, Any] | None:
     local or cached folder); None where it is only known once the backend is up."""
     if config.backend not in ("hf", "vllm"):
         return None
-    from .hashing import folder_identity
-    from .models import local_folder, resolve_model
+    from ..core.hashing import folder_identity
+    from ..models import local_folder, resolve_model
 
     try:
         resolved = resolve_model(config.model)
@@ -226,8 +226,8 @@ def replay_report(pack: Path | str, recorded: artifacts.RunFolder, out: Path, re
     """The replay's report.json: `detllm diff` (diff.diff_report) of every (run, batch size) the
     pack recorded, pack on the left, replay on the right; the first failing one decides. Its
     summary.reproduction says, in the pack's terms, whether the pack's own verdict recurs here."""
-    from .compare.causes import Side
-    from .compare.engine import label, select
+    from ..compare.causes import Side
+    from ..compare.engine import label, select
     from .diff import diff_report
 
     here = {name: artifacts.read_json(out / name, kind) for name, kind in
@@ -265,7 +265,7 @@ def reproduction(pack_report: dict[str, Any], config: RunConfig, records: list[d
         return {"pack": None, "here": None, "reproduces": None, "matches_pack": matches,
                 "line": f"the pack holds a detllm {pack_report.get('command', 'run')}, not a check: it has no verdict to reproduce; "
                         + ("this machine computes every output it recorded" if matches else "this machine computes other outputs (below)")}
-    from .checkverdict import check_verdict
+    from ..pipeline.checkverdict import check_verdict
 
     mine = check_verdict(config, records, tier=tier, floor=floor, summary={}, drift=False)
     theirs, ours = _verdict(pack_report), _verdict(mine)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .compare.engine import parse_label
-from .compare.verdict import check_comparisons, check_report
-from .config import RunConfig
-from .errors import UsageError
+from ..compare.engine import parse_label
+from ..compare.verdict import check_comparisons, check_report
+from ..core.config import RunConfig
+from ..core.errors import UsageError
 
 SIDES = ("cold", "warm", "after_shared_prefix")
 _TRUE = ("1", "true", "yes", "on")

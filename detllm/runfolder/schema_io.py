@@ -18,15 +18,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError
-from .versions import CURRENT as SCHEMA_VERSION  # what this detllm writes; the bump rule is in versions.py
-from .versions import READABLE as READABLE_SCHEMA_VERSIONS  # each file is validated against its own version's schemas
+from ..core.errors import ArtifactError
+from ..core.versions import CURRENT as SCHEMA_VERSION  # what this detllm writes; the bump rule is in versions.py
+from ..core.versions import READABLE as READABLE_SCHEMA_VERSIONS  # each file is validated against its own version's schemas
 
 
 def schema_dir(version: str = SCHEMA_VERSION) -> Path:
     """Schemas ship inside the wheel as detllm/schemas; in a source checkout they are ../schemas.
     The current version's schemas sit at the top; each older version's frozen copy in v<N>/."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # detllm/ (this file is detllm/runfolder/schema_io.py)
     for cand in (here / "schemas", here.parent / "schemas"):
         if cand.is_dir():
             return cand if version == SCHEMA_VERSION else cand / f"v{version}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import IntegrityError, UsageError
+from ..core.errors import IntegrityError, UsageError
 
 _GENPKEY = "openssl genpkey -algorithm ed25519 -out key.pem"
 

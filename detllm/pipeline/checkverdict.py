@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends.base import Capabilities
+from ..backends.base import Capabilities
 from .cacheprobe import cache_report, wants_probe
-from .compare.verdict import check_comparisons, check_report
-from .config import RunConfig
-from .errors import TierUnsupportedError
+from ..compare.verdict import check_comparisons, check_report
+from ..core.config import RunConfig
+from ..core.errors import TierUnsupportedError
 from .fresh import fresh_runs, scope_text
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Iterator
 
-from .errors import ArtifactError, IntegrityError
+from ..core.errors import ArtifactError, IntegrityError
 from .schema_io import _UMASK
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import schema_io
-from ..artifacts import MANIFEST, check_complete, mark_complete, mark_incomplete, read_json
-from ..env import detllm_version
-from ..errors import ArtifactError, IntegrityError
-from ..integrity import SIG, UNSIGNED_NOTE, Seal, Verification, file_digest, walk
-from .folder import FLEET
+from . import schema_io
+from .artifacts import MANIFEST, check_complete, mark_complete, mark_incomplete, read_json
+from .env import detllm_version
+from ..core.errors import ArtifactError, IntegrityError
+from .integrity import SIG, UNSIGNED_NOTE, Seal, Verification, file_digest, walk
 
+FLEET = "fleet.json"  # the fleet folder's report; fleet/folder.py writes it
 _REPLICA = re.compile(r"^(replica_\d+)/(.+)$")
 
 

@@ -16,7 +16,7 @@ from importlib import metadata
 from typing import Any
 
 from .schema_io import stamp, utc_now
-from .hashing import canonical_json, sha256_bytes
+from ..core.hashing import canonical_json, sha256_bytes
 
 LIBRARIES = (
     "detllm", "torch", "transformers", "tokenizers", "safetensors", "numpy", "accelerate",
@@ -110,7 +110,7 @@ def detllm_version() -> str:
 def _tf32_flags(torch: Any) -> dict[str, bool]:
     """TF32 on for matmul / cuDNN, read through torch's new fp32_precision API where it exists:
     reading the legacy allow_tf32 flags raises once the new API was used (processwide.py)."""
-    from .processwide import read_tf32
+    from ..core.processwide import read_tf32
 
     now = read_tf32(torch)
     if "cuda.matmul.allow_tf32" in now:

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-from . import errors
-from .backends.base import Backend, Generation, Request
-from .config import RunConfig
-from .errors import BackendError, DetllmError
+from ..core import errors
+from ..backends.base import Backend, Generation, Request
+from ..core.config import RunConfig
+from ..core.errors import BackendError, DetllmError
 
 PROTOCOL = 1
 
@@ -53,7 +53,7 @@ def scope_text(config: RunConfig) -> str:
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)  # the detllm this parent runs, whatever the child's cwd
+    root = str(Path(__file__).resolve().parents[2])  # the detllm this parent runs, whatever the child's cwd
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["DETLLM_FRESH_CHILD"] = "1"
     return env
@@ -74,7 +74,7 @@ class FreshProcess:
         started, spawned_at = time.perf_counter(), time.time()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "detllm.fresh", str(res_w)], stdin=subprocess.PIPE, stdout=self._log,
+                [sys.executable, "-m", "detllm.pipeline.fresh", str(res_w)], stdin=subprocess.PIPE, stdout=self._log,
                 stderr=self._log, pass_fds=(res_w,), env=_child_env(), close_fds=True,
             )
         except OSError as exc:
@@ -264,7 +264,7 @@ def _child_main(result_fd: int) -> int:
         if start.get("protocol") != PROTOCOL:
             raise BackendError(f"fresh-process protocol {start.get('protocol')} is not {PROTOCOL}: parent and child are different detllm versions")
         config = RunConfig.from_json(start["config"])
-        from .backends.registry import create_backend  # the engine import happens here, in the child
+        from ..backends.registry import create_backend  # the engine import happens here, in the child
 
         t_import = time.perf_counter()
         with create_backend(config) as backend:  # engine import + model load

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 from . import artifacts, schema_io
 from .artifacts import APPLIED, ENV, MANIFEST, RUN_CONFIG, TRACE
 from .env import detllm_version
-from .errors import ArtifactError, IntegrityError
-from .hashing import canonical_json
+from ..core.errors import ArtifactError, IntegrityError
+from ..core.hashing import canonical_json
 from .records import check_trace_record
 from .signing import Signer, check_signature
 from .tracescan import Lines, digest, scan_line, scan_record

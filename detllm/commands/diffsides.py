@@ -13,13 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import artifacts
-from .compare.causes import Side, explain
-from .compare.engine import compare, label
-from .compare.trace import load_records
-from .errors import ArtifactError, UsageError
-from .runner import Outcome, write_report
-from .seedlayout import refuse_seed_layout
+from ..runfolder import artifacts
+from ..compare.causes import Side, explain
+from ..compare.engine import compare, label
+from ..compare.trace import load_records
+from ..core.errors import ArtifactError, UsageError
+from ..pipeline.runner import Outcome, write_report
+from ..runfolder.seedlayout import refuse_seed_layout
 
 UNKNOWN = "unknown (bare trace file)"
 
@@ -56,7 +56,7 @@ def diff_any(a: str, b: str, **kw: Any) -> Outcome:
         path = Path(arg.rpartition("::")[0] if "::" in arg else arg)
         if path.exists():
             refuse_seed_layout(path)
-    from .training.diffing import diff_training_sides, is_training_side
+    from ..training.diffing import diff_training_sides, is_training_side
 
     if is_training_side(a) or is_training_side(b):  # two training packs (docs/training.md)
         return diff_training_sides(a, b, **kw)
@@ -64,18 +64,18 @@ def diff_any(a: str, b: str, **kw: Any) -> Outcome:
         return diff(a, b, **kw)
     junit, plot = kw.get("junit"), kw.get("plot")
     if plot is not None:
-        from .render.plot import require_matplotlib
+        from ..render.plot import require_matplotlib
 
         require_matplotlib()
     for path, flag in ((junit, "--junit"), (plot, "--plot")):
         artifacts.check_output_file(Path(path) if path else None, flag)
     outcome = bare_diff(a, b, out=kw.get("out"), force=kw.get("force", False), atol=kw.get("atol", 0.0), tier=kw.get("tier"))
     if junit is not None:
-        from .render.junit import write_junit
+        from ..render.junit import write_junit
 
         write_junit(outcome.report, Path(junit))
     if plot is not None:
-        from .render.plot import write_plot
+        from ..render.plot import write_plot
 
         write_plot(outcome.report, Path(plot))
     return outcome

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .errors import UsageError
+from ..core.errors import UsageError
 
 
 def lock_dir() -> Path:

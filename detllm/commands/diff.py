@@ -18,15 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import artifacts
-from .compare.causes import Notes, Side, explain
-from .compare.divergence import applied_dtype, run_noise_floor
-from .compare.engine import compare, label, report_magnitude
-from .compare.trace import load_records
-from .config import check_atol
-from .errors import ArtifactError, UsageError
-from .folderlock import exclusive_writer
-from .runner import Outcome, write_report
+from ..runfolder import artifacts
+from ..compare.causes import Notes, Side, explain
+from ..compare.divergence import applied_dtype, run_noise_floor
+from ..compare.engine import compare, label, report_magnitude
+from ..compare.trace import load_records
+from ..core.config import check_atol
+from ..core.errors import ArtifactError, UsageError
+from ..runfolder.folderlock import exclusive_writer
+from ..pipeline.runner import Outcome, write_report
 
 _SELECTION = re.compile(r"run_(\d+)(?:@batch_(\d+))?|batch_(\d+)")
 SELECTION_HINT = "write FOLDER, FOLDER::run_N, FOLDER::batch_B or FOLDER::run_N@batch_B"
@@ -77,7 +77,7 @@ def diff(
     if tier is not None and tier not in (1, 2, 3):
         raise UsageError(f"diff compares outputs: --tier must be 1, 2 or 3, got {tier}")
     if plot is not None:
-        from .render.plot import require_matplotlib
+        from ..render.plot import require_matplotlib
 
         require_matplotlib()
     out_dir = _check_out(out, force, (left_sel, right_sel))
@@ -90,11 +90,11 @@ def diff(
             artifacts.prepare_out_dir(out_dir, force=force, kind="diff")  # checked above, before anything was read
             write_report(out_dir, report)
     if junit is not None:
-        from .render.junit import write_junit
+        from ..render.junit import write_junit
 
         write_junit(report, Path(junit))
     if plot is not None:
-        from .render.plot import write_plot
+        from ..render.plot import write_plot
 
         write_plot(report, Path(plot))
     return Outcome(out_dir, report)

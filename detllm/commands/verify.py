@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .archive import open_run_path
-from .integrity import Verification, check_bytes, open_seal
-from .rederive import Ahead, rederive_verdict
+from ..runfolder.archive import open_run_path
+from ..runfolder.integrity import Verification, check_bytes, open_seal
+from ..pipeline.rederive import Ahead, rederive_verdict
 
 __all__ = ["Verification", "verify", "verify_folder"]
 
@@ -30,16 +30,16 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: st
     """verify() of an unpacked folder. `weights` (a training pack only): a safetensors file checked
     against the final commitment."""
     seal = open_seal(Path(folder), pubkey)
-    from .training.pack import is_training_pack, verify_training
+    from ..training.pack import is_training_pack, verify_training
 
     if is_training_pack(seal.folder):  # a training pack: its chain and report instead of a trace's (docs/training.md)
         return verify_training(seal, weights=weights)
-    from .fleet.seal import is_fleet_seal, verify_fleet
+    from ..runfolder.fleetseal import is_fleet_seal, verify_fleet
 
     if is_fleet_seal(seal) and weights is None:  # a fleet folder: its own files, then each replica folder (docs/fleet.md)
         return verify_fleet(seal, verify_folder)
     if weights is not None:
-        from .errors import UsageError
+        from ..core.errors import UsageError
 
         raise UsageError("--weights applies to a training pack (detllm train-check): a run pack commits no weights")
     # the verdict is re-derived on the other core while the bytes are checked; its answer is read

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError
+from ..core.errors import ArtifactError
 
 SEED_LAYOUT = ("written by the seed detllm 0.1 (traces/run_N.jsonl, trace rows with a `scores` field, "
                "schema_version 1.0); that layout is out of scope")

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from . import artifacts
-from .errors import ArtifactError, UsageError
-from .schema_io import to_json
-from .seedlayout import refuse_seed_layout
+from ..runfolder import artifacts
+from ..core.errors import ArtifactError, UsageError
+from ..runfolder.schema_io import to_json
+from ..runfolder.seedlayout import refuse_seed_layout
 
 FORMATS = ("txt", "json", "md", "html", "issue", "kld")
 _SUFFIX = {".txt": "txt", ".json": "json", ".md": "md", ".html": "html", ".htm": "html"}
@@ -34,18 +34,18 @@ def _renderer(fmt: str) -> Callable[[dict[str, Any], Path | None], str]:
     if fmt == "json":
         return lambda r, _: to_json(r) + "\n"
     if fmt == "md":
-        from .render.markdown import render_markdown
+        from ..render.markdown import render_markdown
 
         return lambda r, _: render_markdown(r)
     if fmt == "html":
-        from .render.html import render_outcome
+        from ..render.html import render_outcome
 
         return render_outcome
     if fmt == "issue":
-        from .render.issue import render_issue
+        from ..render.issue import render_issue
 
         return render_issue
-    from .render.text import render_text
+    from ..render.text import render_text
 
     return lambda r, _: render_text(r)
 
@@ -59,7 +59,7 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
         if fmt != "kld" or junit is not None:
             raise UsageError("a second run folder is read by --format kld only, and kld writes no JUnit" if fmt != "kld"
                              else "--format kld compares two traces and has no JUnit form", hint="drop --junit" if junit else None)
-        from .render.kld import render_kld
+        from ..render.kld import render_kld
 
         text = render_kld(kld_document(path, right))
         if out is not None:
@@ -84,7 +84,7 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
             report = artifacts.read_json(folder / artifacts.REPORT, "report")
             text = render(report, folder)  # html/issue read env.json and the trace while the pack is open
     if junit is not None:
-        from .render.junit import write_junit
+        from ..render.junit import write_junit
 
         write_junit(report, junit)
     if out is not None:
@@ -93,7 +93,7 @@ def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, 
 
 
 def _render_fleet(path: Path, fmt: str, out: Path | None, junit: Path | None) -> str:
-    from .render import fleet
+    from ..render import fleet
 
     if fmt not in ("txt", "md", "json", "html"):
         raise UsageError(f"a fleet folder renders as txt, md, json or html, not {fmt}")
@@ -113,7 +113,7 @@ def kld_document(a: str | Path, b: str | Path | None = None) -> dict[str, Any]:
     diff selections (`FOLDER::run_N@batch_B`); `a` alone is a diff folder, whose two sides are
     read from where it recorded them (as given to diff, else next to the diff folder). The left
     run is the base (P)."""
-    from .compare.kld import positions, statistics
+    from ..compare.kld import positions, statistics
     from .diff import Selection, effective_dtype, load_sides
 
     sels = (Selection.parse(a), Selection.parse(b)) if b is not None else _diff_sides(Path(a))

@@ -47,17 +47,20 @@ def max_abs_bounds(a: dict[str, Any], b: dict[str, Any], param: str) -> tuple[fl
     return abs(ma - mb), ma + mb, kind
 
 
-def _check_divergence(said: dict[str, Any] | None, found: dict[str, Any] | None, ref: list[dict[str, Any]],
+def _check_divergence(said: dict[str, Any] | None, derived: list[dict[str, Any] | None], ref: list[dict[str, Any]],
                       other: list[dict[str, Any]], run: int) -> None:
-    """One comparison's recorded divergence against the re-derived one: every field equal but
-    max_abs_diff, which must lie within the records' bounds (the tensors are not in the pack)."""
+    """One comparison's recorded divergence against the re-derived one (the rule of the report's
+    version; a version-3 report may follow either rule): every field equal but max_abs_diff, which
+    must lie within the records' bounds (the tensors are not in the pack)."""
+    keys = ("run", "step", "where", "parameter", "parameters_differing", "cause", "detail")
+    found = next((f for f in derived if said is not None and f is not None and all(said.get(k) == f[k] for k in keys)), derived[0])
     if (found is None) != (said is None):
         at = "no difference" if found is None else f"a first difference at step {found['step']} ({found['where']})"
         raise _bad(f"run {run}'s first divergence is recorded as {'none' if said is None else 'step ' + str(said['step'])}, "
                    f"but its steps file shows {at}")
     if found is None or said is None:
         return
-    for key in ("run", "step", "where", "parameter", "parameters_differing", "cause", "detail"):
+    for key in keys:
         if said.get(key) != found[key]:
             raise _bad(f"run {run}'s first divergence says {key} {said.get(key)!r}; its steps file gives {found[key]!r}")
     got = said["max_abs_diff"]
@@ -107,12 +110,14 @@ def rederive_report(folder: Path, chain: ChainCheck) -> str:
     first: dict[str, Any] | None = None
     for comp in report["comparisons"]:
         other = _records(folder / by_run[comp["run"]]["file"])
-        found = first_divergence(ref, other, run=comp["run"], test_options=config["test_options"], dtype=config["dtype"])
+        derived = [first_divergence(ref, other, run=comp["run"], test_options=config["test_options"], dtype=config["dtype"], rule=rule)
+                   for rule in ((4, 3) if int(report["schema_version"]) <= 3 else (4,))]
+        found = derived[0]
         if comp["equal"] != (found is None):
             at = "no difference" if found is None else f"a first difference at step {found['step']} ({found['where']})"
             raise _bad(f"run {comp['run']} is recorded as {'equal' if comp['equal'] else 'different'}, "
                        f"but its steps file shows {at}")
-        _check_divergence(comp["first_divergence"], found, ref, other, comp["run"])
+        _check_divergence(comp["first_divergence"], derived, ref, other, comp["run"])
         if found is not None and (first is None or earlier(comp["first_divergence"], first)):
             first = comp["first_divergence"]
     if report["first_divergence"] != first:

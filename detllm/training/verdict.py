@@ -69,19 +69,21 @@ def magnitude(a: dict[str, Any], b: dict[str, Any], dtype: str) -> dict[str, Any
     return out
 
 
-def _where(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str | None, list[str]]:
-    """(field, parameter, parameters differing) of the first difference of two step records."""
+def _where(a: dict[str, Any], b: dict[str, Any], figures: bool = True) -> tuple[str, str | None, list[str]]:
+    """(field, parameter, parameters differing) of the first difference of two step records;
+    figures=False: version 3's rule (a parameter differs by its digests only)."""
+    gf, vf = (_GRAD_FIGURES, _VALUE_FIGURES) if figures else ("grad_sha256", "value_sha256")
     if a["rng_sha256"] != b["rng_sha256"]:
         first = "rng"
     elif a["batch_sha256"] != b["batch_sha256"] or a["samples"] != b["samples"]:
         first = "batch"
-    elif differing_parameters(a, b, _GRAD_FIGURES) or a.get("grad_norm") != b.get("grad_norm"):
+    elif differing_parameters(a, b, gf) or (figures and a.get("grad_norm") != b.get("grad_norm")):
         first = "grad"  # a gradient's digest, or a figure recorded of the gradients (L2, max |x|, the norm)
     elif a["loss"] != b["loss"]:
         first = "loss"
     else:
         first = "value"
-    grads, values = differing_parameters(a, b, _GRAD_FIGURES), differing_parameters(a, b, _VALUE_FIGURES)
+    grads, values = differing_parameters(a, b, gf), differing_parameters(a, b, vf)
     changed = sorted(set(grads) | set(values), key=lambda n: n.encode("utf-8"))
     param = (grads or values or [None])[0] if first != "value" else (values or [None])[0]
     return first, param, changed
@@ -89,11 +91,12 @@ def _where(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str | None, list[
 
 def first_divergence(ref: list[dict[str, Any]], other: list[dict[str, Any]], *, run: int,
                      test_options: dict[str, Any] | None = None, dtype: str = "float32",
-                     config: bool = True) -> dict[str, Any] | None:
+                     config: bool = True, rule: int = 4) -> dict[str, Any] | None:
     """The first divergence of `other` (run `run`) from `ref` (run 0), each a genesis record then
     step records; None when bitwise equal at every step. `max_abs_diff` is left None here.
     `dtype` is the training dtype (for the magnitude of a numerics cause); config=False leaves the
-    genesis' H(config) out (two packs whose train_config.json differs: it must differ)."""
+    genesis' H(config) out (two packs whose train_config.json differs: it must differ). rule=3 is
+    version 3's derivation (no magnitude, no `unseeded`, digests only), to re-derive an old report."""
     g_ref, g_oth = ref[0], other[0]
     steps_ref = {r["step"]: r for r in ref[1:]}
     steps_oth = {r["step"]: r for r in other[1:]}
@@ -105,7 +108,7 @@ def first_divergence(ref: list[dict[str, Any]], other: list[dict[str, Any]], *, 
             break
         if step_differs(a, b):
             step = t
-            where, param, changed = _where(a, b)
+            where, param, changed = _where(a, b, figures=rule >= 4)
             break
     genesis_where = None
     if config and g_ref["config_sha256"] != g_oth["config_sha256"]:
@@ -119,7 +122,8 @@ def first_divergence(ref: list[dict[str, Any]], other: list[dict[str, Any]], *, 
     if genesis_where is None and step is None:
         return None
     where = genesis_where or where
-    weight = magnitude(steps_ref[step], steps_oth[step], dtype) if where in ("grad", "loss", "value") else None
+    weigh = rule >= 4 and where in ("grad", "loss", "value")
+    weight = magnitude(steps_ref[step], steps_oth[step], dtype) if weigh else None
     cause, detail = _cause(where, step, param, g_ref, g_oth, run, test_options or {}, weight)
     return {"run": run, "step": step, "where": where, "parameter": param, "parameters_differing": len(changed),
             "max_abs_diff": None, "cause": cause, "detail": detail}

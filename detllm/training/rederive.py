@@ -94,7 +94,8 @@ def rederive_report(folder: Path, chain: ChainCheck) -> str:
     by_run = {r["run"]: r for r in report["runs"]}
     for rc in chain.runs:
         rr = by_run[rc.run]
-        for key, want in (("file", rc.file), ("seed", rc.seed), ("genesis", rc.genesis), ("head", rc.head)):
+        for key, want in (("file", rc.file), ("seed", rc.seed), ("genesis", rc.genesis), ("head", rc.head),
+                          ("process", "reference" if rc.run == 0 else rr["process"] if rr["process"] != "reference" else "same or fresh")):
             if rr[key] != want and key == "file":
                 raise _bad(f"run {rc.run} is recorded in {rr[key]!r}, but run {rc.run}'s steps file is {want!r}")
             if rr[key] != want:

@@ -77,6 +77,21 @@ CONCLUDED: tuple[Change, ...] = (
     Change("sweep.cells.prompt_wilson_95", "version 3: the Wilson interval over prompts, the independent unit; version 2's "
            "wilson_95 counted prompts x repeats as independent trials (too narrow by about the square root of the "
            "repeats)", "3", was=("sweep.cells.wilson_95",)),
+    # training conclusions (train_report.json, train_replay.json, train_diff.json); verify re-derives a
+    # version-3 train_report by either rule
+    Change("train_report.first_divergence.cause", "version 4 adds `unseeded`: the same seed, RNG state and batch, and the "
+           "loss or gradient norm moved by 1000 or more roundings of the training dtype (|Δ|/|x|/ε), an unseeded random "
+           "source or data-dependent code; `numerics` is left for smaller changes and its detail gives |Δloss|, "
+           "|Δgrad_norm| and the roundings. Version 3 called both numerics", "4"),
+    Change("train_report.first_divergence.where", "version 4: a difference in a figure recorded of a gradient (grad_l2, "
+           "grad_max_abs, grad_norm) is `grad`, of a value (value_l2, value_max_abs) `value`, with that parameter; "
+           "version 3 looked at the digests only", "4"),
+    Change("train_replay.verdict", "version 4: PASS also needs every re-computed field of every re-run record equal "
+           "(records_equal) and each segment to end on the RNG, optimizer and parameter state of the checkpoint at its "
+           "stop boundary (end_state); a sampled segment from boundary 0 runs from genesis. Version 3 compared h_t only", "4"),
+    Change("train_diff.verdict", "version 4: PASS when the two reference runs are bitwise equal at every step even where "
+           "train_config.json differs (config_differs names the keys); version 3 failed on any configuration "
+           "difference, H(config) in the genesis differing", "4"),
 )
 
 

@@ -25,7 +25,7 @@ from .child import run_fresh
 from .digest import MAX_SAFE_INT, jcs
 from .loop import RunRequest, RunResult, run_steps
 from .task import check_task_args, optimizer_section, task_section
-from .verdict import first_divergence
+from .verdict import describe, earlier, first_divergence, summary
 
 TRAIN_REPORT = "train_report.json"
 CHECKPOINTS = "checkpoints.json"
@@ -248,7 +248,7 @@ def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: 
                      "head": res.records[-1]["h"], "seconds": res.seconds})
         if r == 0:
             continue
-        div = first_divergence(ref.records, res.records, run=r, test_options=config["test_options"])
+        div = first_divergence(ref.records, res.records, run=r, test_options=config["test_options"], dtype=config["dtype"])
         if div is not None and div["step"] is not None and div["parameter"] and res.divergent_step == div["step"]:
             kept = ref.kept.get(div["step"], {}).get(div["parameter"])
             mine = (res.divergent or {}).get(div["parameter"])
@@ -256,13 +256,11 @@ def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: 
                 use_value = div["where"] == "value" or kept[0] is None or mine[0] is None or bool((kept[0] == mine[0]).all())
                 div["max_abs_diff"] = max_abs_diff(kept[1], mine[1]) if use_value else max_abs_diff(kept[0], mine[0])
         comparisons.append({"run": r, "equal": div is None, "first_divergence": div})
-        if div is not None and (first is None or _earlier(div, first)):
+        if div is not None and (first is None or earlier(div, first)):
             first = div
     n_same, n_fresh = repeats, len(results) - 1 - repeats
     verdict = "PASS" if first is None else "FAIL"
     k = config["steps"]
-    summary = (f"PASS: {len(results)} runs bitwise equal at every one of {k} steps (gradients, parameters, losses, RNG state, batches)"
-               if first is None else f"FAIL: {_describe(first)}")
     fresh_text = (f", {n_fresh} in fresh processes (each imported torch, loaded the model and seeded anew)" if n_fresh
                   else "; none in a fresh process, so what is fixed per process was not varied")
     scope = (f"run 0 and {n_same} repeat(s) in this process{fresh_text}; threads {config['threads'] or 'torch default'}; "
@@ -270,19 +268,8 @@ def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: 
     return schema_io.stamp("train_report", {
         "detllm_version": detllm_version(), "created_at": schema_io.utc_now(), "command": "train-check", "verdict": verdict,
         "model": config["model"]["id"], "steps": k, "seed": config["seed"], "runs": runs, "comparisons": comparisons,
-        "first_divergence": first, "summary": summary, "scope": scope, "test_options": config["test_options"],
+        "first_divergence": first, "summary": summary(first, len(results), k), "scope": scope, "test_options": config["test_options"],
     })
-
-
-def _earlier(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return (-1 if a["step"] is None else a["step"]) < (-1 if b["step"] is None else b["step"])
-
-
-def _describe(d: dict[str, Any]) -> str:
-    at = f"step {d['step']}" if d["step"] is not None else "genesis"
-    param = f", parameter {d['parameter']}" if d["parameter"] else ""
-    delta = f", max |Δ| {d['max_abs_diff']:.3g}" if d["max_abs_diff"] is not None else ""
-    return f"run {d['run']} first differs at {at} ({d['where']}{param}{delta}); cause {d['cause']}: {d['detail']}"
 
 
 def render_text(report: dict[str, Any], out: Path, ckdir: Path) -> str:
@@ -291,7 +278,7 @@ def render_text(report: dict[str, Any], out: Path, ckdir: Path) -> str:
         lines.append(f"  run {r['run']} ({r['process']}, seed {r['seed']}): head {r['head'][:16]}…  {r['seconds']:.2f} s")
     for c in report["comparisons"]:
         if c["first_divergence"] is not None and c["first_divergence"] != report["first_divergence"]:
-            lines.append(f"  run {c['run']}: {_describe(c['first_divergence'])}")
+            lines.append(f"  run {c['run']}: {describe(c['first_divergence'])}")
     if report["test_options"]:
         lines.append(f"test options (test-only, recorded in {TRAIN_CONFIG}): {report['test_options']}")
     lines += [f"training pack: {out}", f"checkpoints: {ckdir}"]

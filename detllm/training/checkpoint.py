@@ -38,8 +38,33 @@ def save_checkpoint(root: Path, b: int, task: Task, rng_state: dict[str, Any], *
     and return its entry for checkpoints.json."""
     from safetensors.torch import save
 
-    names = {id(p): n for n, p in task.model.named_parameters()}
     params = {n: p.detach().contiguous() for n, p in task.model.named_parameters()}
+    opt, extra = optimizer_state(task)
+    final = root / boundary_dir(b)
+    tmp = root / (boundary_dir(b) + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    blobs = {MODEL: save(params), OPTIMIZER: save(opt)}
+    for name, data in blobs.items():
+        (tmp / name).write_bytes(data)
+    schema_io.write_json(tmp, RNG, schema_io.stamp("train_rng_state", {"step": b, "state": rng_state}))
+    files = [{"path": n, "sha256": hashlib.sha256((tmp / n).read_bytes()).hexdigest(), "size": (tmp / n).stat().st_size} for n in FILES]
+    schema_io.write_json(tmp, DESCRIPTOR, schema_io.stamp("train_checkpoint", {
+        "boundary": b, "seed": seed, "config_sha256": config_sha256, "params_sha256": params_sha256,
+        "rng_sha256": rng_digest(rng_state).hex(), "commitment": commitment, "files": files,
+        "extra": extra,
+    }))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return {"boundary": b, "dir": final.name, "descriptor_sha256": hashlib.sha256((final / DESCRIPTOR).read_bytes()).hexdigest(),
+            "params_sha256": params_sha256, "commitment": commitment}
+
+
+def optimizer_state(task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizer's tensors by "<parameter>/<key>" and the JSON rest (param groups, scalar state,
+    the scheduler's and the task's extra state), exactly as a checkpoint stores them."""
+    names = {id(p): n for n, p in task.model.named_parameters()}
     opt: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
     for p, state in task.optimizer.state.items():
@@ -54,25 +79,15 @@ def save_checkpoint(root: Path, b: int, task: Task, rng_state: dict[str, Any], *
     if task.scheduler is not None:
         extra["scheduler"] = task.scheduler.state_dict()
     extra.update(task.extra)
-    final = root / boundary_dir(b)
-    tmp = root / (boundary_dir(b) + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    blobs = {MODEL: save(params), OPTIMIZER: save(opt)}
-    for name, data in blobs.items():
-        (tmp / name).write_bytes(data)
-    schema_io.write_json(tmp, RNG, schema_io.stamp("train_rng_state", {"step": b, "state": rng_state}))
-    files = [{"path": n, "sha256": hashlib.sha256((tmp / n).read_bytes()).hexdigest(), "size": (tmp / n).stat().st_size} for n in FILES]
-    schema_io.write_json(tmp, DESCRIPTOR, schema_io.stamp("train_checkpoint", {
-        "boundary": b, "seed": seed, "config_sha256": config_sha256, "params_sha256": params_sha256,
-        "rng_sha256": rng_digest(rng_state).hex(), "commitment": commitment, "files": files,
-        "extra": json.loads(schema_io.dumps(extra)),
-    }))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return {"boundary": b, "dir": final.name, "descriptor_sha256": hashlib.sha256((final / DESCRIPTOR).read_bytes()).hexdigest(),
-            "params_sha256": params_sha256, "commitment": commitment}
+    return opt, json.loads(schema_io.dumps(extra))
+
+
+def optimizer_digest(tensors: dict[str, Any], extra: dict[str, Any]) -> str:
+    """O = SHA256(H(the optimizer's named tensors) ‖ SHA256(the JSON rest, keys sorted)), hex: the
+    optimizer state a re-run segment ends on, compared with the checkpoint at its stop boundary."""
+    h = tensors_digest((n, torch_tensor_digest(n, t)) for n, t in sorted(tensors.items()))
+    rest = hashlib.sha256(json.dumps(extra, sort_keys=True, separators=(",", ":")).encode("utf-8")).digest()
+    return hashlib.sha256(h + rest).hexdigest()
 
 
 @dataclass
@@ -188,4 +203,4 @@ def apply_checkpoint(task: Task, ckpt: Checkpoint, data: Any) -> None:
 
 
 __all__ = ["Checkpoint", "DESCRIPTOR", "FILES", "MODEL", "OPTIMIZER", "RNG", "apply_checkpoint", "boundary_dir", "load_checkpoint",
-           "read_descriptor", "save_checkpoint"]
+           "optimizer_digest", "optimizer_state", "read_descriptor", "save_checkpoint"]

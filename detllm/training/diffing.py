@@ -167,8 +167,10 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
             verify_training(open_seal(f))  # a changed pack is refused before it is compared
         (ca, _), (cb, _) = load_config(fa), load_config(fb)
         ra, rb = records(fa / STEPS), records(fb / STEPS)
-        div = first_divergence(ra, rb, run=1, test_options={})
+        div = first_divergence(ra, rb, run=1, test_options={}, dtype=ca["dtype"])
         config_keys = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
+        if div is not None and config_keys and first_divergence(ra, rb, run=1, config=False) is None:
+            div = None  # every step bitwise equal: the configurations differ (so must H(config)) and changed no bit
         if div is not None and config_keys:
             div.update(_config_cause(ca, cb, config_keys))
         detail: dict[str, Any] = {}
@@ -208,7 +210,10 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
 def render_diff(doc: dict[str, Any]) -> str:
     d = doc["first_divergence"]
     if d is None:
-        return "diff: PASS  the two training packs' reference runs are bitwise equal at every step\n"
+        same = "diff: PASS  the two training packs' reference runs are bitwise equal at every step"
+        keys = doc["config_differs"]
+        return same + (f"\n  train_config.json differs in: {', '.join(keys)}, which changed no bit of any step "
+                       "(only H(config) in the genesis differs)\n" if keys else "\n")
     at = f"step {d['step']}" if d["step"] is not None else "the genesis"
     lines = [f"diff: FAIL  first divergent step: {at} ({d['where']})" + (f", first parameter {d['parameter']}" if d["parameter"] else "")]
     if doc["config_differs"]:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 from ..runfolder import schema_io
 from ..core.errors import ArtifactError
 from . import rng
-from .checkpoint import apply_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import apply_checkpoint, load_checkpoint, optimizer_digest, optimizer_state, save_checkpoint
 from .steps import Tamper, genesis_record, named_params, train_step
 from .task import Task, build_task
 from .verdict import differing_parameters, step_differs
@@ -41,6 +41,7 @@ class RunRequest:
     keep_tensors: bool = False  # keep every step's gradients and values in memory (up to KEEP_LIMIT)
     reference: str | None = None  # a steps file to compare with as the run goes
     dump: str | None = None  # a fresh process writes the first divergent step's differing tensors here (safetensors)
+    end_state: bool = False  # digest the state the run stops on (R_stop, the optimizer's O): replay compares it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,6 +54,7 @@ class RunResult:
     kept: dict[int, dict[str, tuple[Any, Any]]] = field(default_factory=dict)  # step -> name -> (grad, value)
     divergent: dict[str, tuple[Any, Any]] | None = None  # name -> (grad, value) at the first step differing from `reference`
     divergent_step: int | None = None
+    end_state: dict[str, str] | None = None  # {"rng_sha256", "optimizer_sha256", "params_sha256"} at `stop` (end_state)
     seconds: float = 0.0
 
 
@@ -152,6 +154,8 @@ def _run(req: RunRequest, make_task: Callable[[dict[str, Any], Path], Task]) -> 
                 result.divergent, result.divergent_step = _tensors(task, names), t
         if req.stop in marks:
             result.checkpoints.append(_checkpoint(req, req.stop, task, rng.capture(data), last_params, h))
+        if req.end_state:
+            result.end_state = _end_state(task, rng.capture(data), last_params)
         writer.finish()
     except BaseException:
         writer.abort()
@@ -167,6 +171,13 @@ def _checkpoint(req: RunRequest, b: int, task: Task, state: dict[str, Any], para
 
     return save_checkpoint(Path(req.checkpoints), b, task, state, seed=req.seed, config_sha256=config_digest(req.config).hex(),
                            params_sha256=params_sha256, commitment=h.hex())
+
+
+def _end_state(task: Task, state: dict[str, Any], params_sha256: str) -> dict[str, str]:
+    from .digest import rng_digest
+
+    return {"rng_sha256": rng_digest(state).hex(), "optimizer_sha256": optimizer_digest(*optimizer_state(task)),
+            "params_sha256": params_sha256}
 
 
 def _tensors(task: Task, names: set[str] | None) -> dict[str, tuple[Any, Any]]:

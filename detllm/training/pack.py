@@ -16,11 +16,11 @@ from typing import Any
 from ..runfolder import schema_io
 from ..core.errors import EXIT_FAIL, EXIT_PASS, IntegrityError, UsageError
 from ..runfolder.integrity import Seal, Verification, check_bytes, open_seal
-from .verdict import first_divergence
+from .rederive import TRAIN_REPORT, rederive_report
+from .digest import rng_digest
 from .chain import STEPS, TRAIN_CONFIG, ChainCheck, check_chain, read_records, safetensors_digest
 
 CHECKPOINTS_INDEX = "checkpoints.json"
-TRAIN_REPORT = "train_report.json"
 PACKED_CHECKPOINTS = "checkpoints"  # `pack --with-checkpoints` puts them here, inside the pack, checked by digest
 
 
@@ -99,30 +99,6 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [rec for _, rec in read_records(path)]
 
 
-def rederive_report(folder: Path) -> str:
-    """train_report.json's verdict and first divergent step re-derived from the steps files it
-    names; IntegrityError when they do not follow."""
-    report = json.loads((folder / TRAIN_REPORT).read_bytes())
-    ref = records(folder / STEPS)
-    equal = True
-    for comp in report["comparisons"]:
-        run = next((r for r in report["runs"] if r["run"] == comp["run"]), None)
-        if run is None or not (folder / run["file"]).is_file():
-            raise IntegrityError(f"{TRAIN_REPORT}: run {comp['run']} names no steps file in the pack")
-        found = first_divergence(ref, records(folder / run["file"]), run=comp["run"], test_options=report["test_options"])
-        said = comp["first_divergence"]
-        if (found is None) != comp["equal"] or (found is not None and said is not None and
-                                                (said["step"], said["where"], said["parameter"]) != (found["step"], found["where"], found["parameter"])):
-            at = "no difference" if found is None else f"a first difference at step {found['step']} ({found['where']})"
-            raise IntegrityError(f"{TRAIN_REPORT}: run {comp['run']} is recorded as "
-                                 f"{'equal' if comp['equal'] else 'different'}, but its steps file shows {at}",
-                                 hint="the report does not follow from the sealed steps files")
-        equal &= found is None
-    if (report["verdict"] == "PASS") != equal:
-        raise IntegrityError(f"{TRAIN_REPORT}: verdict {report['verdict']} does not follow from the steps files")
-    return f"verdict {report['verdict']} re-derived from the {len(report['comparisons']) + 1} runs' steps files"
-
-
 def check_checkpoints(folder: Path, where: Path, chain: ChainCheck) -> list[str]:
     """Every checkpoint of checkpoints.json found under `where`: descriptor sha256, every file's
     sha256 and size, H(θ) of model.safetensors, and their place in the reference run's chain
@@ -146,6 +122,7 @@ def check_checkpoints(folder: Path, where: Path, chain: ChainCheck) -> list[str]
             if data is None or len(data) != f["size"] or hashlib.sha256(data).hexdigest() != f["sha256"]:
                 raise IntegrityError(f"{cp['dir']}/{f['path']} is missing or changed (sha256 or size differs from checkpoint.json)",
                                      hint="a checkpoint is refused before it is loaded")
+        _check_rng_file(d, desc, b)
         h_params, _ = safetensors_digest(d / "model.safetensors")
         # ref[0] is the genesis, ref[b] step b-1: boundary b holds θ and h after step b-1
         want_params = (ref[0] if b == 0 else ref[b])["params_sha256"]
@@ -170,7 +147,24 @@ def check_checkpoints(folder: Path, where: Path, chain: ChainCheck) -> list[str]
     total = len(index["checkpoints"])
     if found == 0:
         return [f"checkpoints: none of {total} found (looked in {where}); not checked"]
-    return [f"checkpoints: {found} of {total} checked by digest down to H(θ) ({where})"]
+    return [f"checkpoints: {found} of {total} checked by digest down to H(θ) and R ({where})", OPTIMIZER_NOTE]
+
+
+OPTIMIZER_NOTE = ("checkpoints: the optimizer state (optimizer.safetensors, the descriptor's extra) is checked against its "
+                  "descriptor only: nothing in the chain binds it; replay --sample checks it where a re-run segment ends")
+
+
+def _check_rng_file(d: Path, desc: dict[str, Any], b: int) -> None:
+    """rng.json (its bytes already checked against the descriptor): R = SHA256(JCS(state)) recomputed
+    from the file, without torch, and equal to the descriptor's rng_sha256; its step is b."""
+    if not any(f["path"] == "rng.json" for f in desc["files"]):
+        return  # not resumable: load_checkpoint refuses it; nothing here claims R
+    doc = json.loads((d / "rng.json").read_bytes())
+    schema_io.validate(doc, "train_rng_state", where=f"{d.name}/rng.json")
+    if rng_digest(doc["state"]).hex() != desc["rng_sha256"] or doc["step"] != b:
+        raise IntegrityError(f"{d.name}/rng.json: R = SHA256(JCS(state)) of the file is not the descriptor's rng_sha256"
+                             if doc["step"] == b else f"{d.name}/rng.json: its step {doc['step']} is not boundary {b}",
+                             hint="a checkpoint is refused before it is loaded")
 
 
 def verify_training(seal: Seal, *, checkpoints: str | Path | None = None, weights: str | Path | None = None) -> Verification:
@@ -181,7 +175,7 @@ def verify_training(seal: Seal, *, checkpoints: str | Path | None = None, weight
     folder = seal.folder
     result = check_bytes(seal, beside=PACKED_CHECKPOINTS)
     chain = check_chain(folder, weights=weights)
-    verdict = rederive_report(folder) if (folder / TRAIN_REPORT).is_file() else ""
+    verdict = rederive_report(folder, chain) if (folder / TRAIN_REPORT).is_file() else ""
     notes = list(chain.lines())
     where = checkpoints_dir(folder, checkpoints)
     if (folder / PACKED_CHECKPOINTS).exists() and not (folder / CHECKPOINTS_INDEX).is_file():

@@ -1,8 +1,9 @@
 """`detllm replay TRAIN_PACK [--sample k/N]`: re-run a training pack here and check that every
-re-run step lands on its committed h_t. Without --sample the whole run is re-run from genesis;
-with it, k of the N segments between checkpoint boundaries are chosen at random and each is
-re-run from its checkpoint (loaded only after its digests check out). Owns the segment plan, the
-comparison with the committed records and train_replay.json; the steps are loop.py's.
+re-run step lands on its committed h_t with every re-computed field of its record equal. Without
+--sample the whole run is re-run from genesis; with it, k of the N segments between checkpoint
+boundaries are chosen at random, each re-run from its checkpoint (the first from genesis) and
+checked to end on the state (R, optimizer, H(θ)) of the checkpoint at its stop boundary. Owns the
+segment plan, the comparison with the committed records and train_replay.json; the steps are loop.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..core.errors import ModelChangedError, UsageError
 from ..runfolder.integrity import open_seal
 from .chain import STEPS, load_config
 from .pack import CHECKPOINTS_INDEX, TrainingOutcome, checkpoints_dir, records, verify_training
-from .verdict import first_divergence
+from .verdict import differing_fields, first_divergence, step_differs
 
 TRAIN_REPLAY = "train_replay.json"
 
@@ -95,31 +96,43 @@ def replay_folder(folder: Path, *, label: str, out: str | Path | None = None, fo
     out = Path(out) if out is not None else artifacts.default_out_dir("replay")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not ((out / TRAIN_REPLAY).is_file() and force))):
         raise UsageError(f"--out {str(out)!r} is not an empty folder", hint="choose another --out (or --force over an earlier replay)")
+    where = checkpoints_dir(folder, checkpoints)
+    index = artifacts.read_json(folder / CHECKPOINTS_INDEX, "train_checkpoints") if (folder / CHECKPOINTS_INDEX).is_file() else None
+    by_b = {c["boundary"]: c for c in index["checkpoints"]} if index is not None and where is not None else {}
+
+    def at(b: int) -> dict[str, Any] | None:  # the checkpoint at boundary b as a RunRequest's resume, None: not here
+        c = by_b.get(b)
+        return None if c is None or not (where / c["dir"]).is_dir() else {"dir": str(where / c["dir"]), "descriptor_sha256": c["descriptor_sha256"]}
+
     if plan is None:
-        runs = [(0, steps, None)]
+        runs = [(0, steps, None, at(steps))]
     else:
-        where = checkpoints_dir(folder, checkpoints)
-        index = artifacts.read_json(folder / CHECKPOINTS_INDEX, "train_checkpoints") if (folder / CHECKPOINTS_INDEX).is_file() else None
-        if where is None or index is None:
+        if not by_b:
             raise UsageError("--sample re-runs segments from checkpoints, and this pack's checkpoints are not found",
                              hint="pass --checkpoints DIR (or pack them with `detllm pack --with-checkpoints`)")
-        by_b = {c["boundary"]: c for c in index["checkpoints"]}
         segs = segments(steps, plan[1], set(by_b))
         rnd = random.Random(sample_seed) if sample_seed is not None else random.SystemRandom()
-        chosen = sorted(rnd.sample(range(plan[1]), plan[0]))
-        runs = [(segs[i][0], segs[i][1], {"dir": str(where / by_b[segs[i][0]]["dir"]),
-                                          "descriptor_sha256": by_b[segs[i][0]]["descriptor_sha256"]}) for i in chosen]
+        chosen = [segs[i] for i in sorted(rnd.sample(range(plan[1]), plan[0]))]
+        # a segment from boundary 0 starts at genesis (θ_init and the seed, nothing taken on trust); every
+        # segment must end on the state of the checkpoint at its stop boundary, so both must be here
+        gone = [b for a, z in chosen for b in ((a, z) if a else (z,)) if at(b) is None]
+        if gone:
+            raise UsageError(f"--sample: the checkpoint at boundary {gone[0]} is not in {str(where)!r}",
+                             hint="a re-run segment starts from its first boundary's checkpoint and is checked against its last's")
+        runs = [(a, z, at(a) if a else None, at(z)) for a, z in chosen]
     if out.is_dir():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     rows = []
-    for start, stop, resume in runs:
+    for start, stop, resume, end in runs:
         say(f"re-running steps {start}..{stop - 1}" + (f" from checkpoint boundary {start}" if resume else " from genesis"))
         req = RunRequest(config=config, model_path=str(model_path), run=0, seed=config["seed"], stop=stop,
-                         steps_file=str(out / f"segment_{start:06d}_{stop:06d}.jsonl"), resume=resume)
+                         steps_file=str(out / f"segment_{start:06d}_{stop:06d}.jsonl"), resume=resume, end_state=True)
         got = run_steps(req, make_task(start)) if make_task is not None else run_steps(req)
-        rows.append(_judge(committed, got.records, start, stop, config, resume is not None, got.seconds))
-    ok = all(r["landed"] for r in rows)
+        row = _judge(committed, got.records, start, stop, config, resume is not None, got.seconds)
+        row["end_state"] = end_state(committed, got.end_state, stop, end)
+        rows.append(row)
+    ok = all(r["landed"] and r["records_equal"] and r["end_state"]["equal"] is not False for r in rows)
     doc = artifacts.stamp("train_replay", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "pack": label, "steps": steps,
         "sample": None if plan is None else {"k": plan[0], "n": plan[1], "seed": sample_seed},
@@ -133,19 +146,46 @@ def replay_folder(folder: Path, *, label: str, out: str | Path | None = None, fo
 
 def _judge(committed: list[dict[str, Any]], got: list[dict[str, Any]], start: int, stop: int, config: dict[str, Any],
            resumed: bool, seconds: float) -> dict[str, Any]:
-    """One re-run segment against the committed records: every h_t equal, else the first step whose
-    h differs and, from the records, the first field and parameter there."""
+    """One re-run segment against the committed records: every h_t equal (landed) and every
+    re-computed field of every record equal (records_equal: batch, samples, R_t, loss, gradient
+    norm, every digest and figure); else the first step that differs in either, its first field
+    and parameter (verdict.first_divergence) and every field that differs there."""
     ref = {r["step"]: r for r in committed[1:]}
     mine = {r["step"]: r for r in got if r["artifact_type"] == "train_step"}
-    first = next((t for t in range(start, stop) if mine.get(t, {}).get("h") != ref[t]["h"]), None)
-    genesis_ok = resumed or (got and got[0]["artifact_type"] == "train_genesis" and got[0]["h"] == committed[0]["h"])
-    row: dict[str, Any] = {"start": start, "stop": stop, "from": "checkpoint" if resumed else "genesis", "landed": first is None and bool(genesis_ok),
+    genesis_ok = resumed or bool(got and got[0]["artifact_type"] == "train_genesis" and got[0]["h"] == committed[0]["h"]
+                                 and not step_differs(got[0], committed[0]))
+    first_h = next((t for t in range(start, stop) if mine.get(t, {}).get("h") != ref[t]["h"]), None)
+    first_rec = next((t for t in range(start, stop) if t not in mine or step_differs(mine[t], ref[t])), None)
+    row: dict[str, Any] = {"start": start, "stop": stop, "from": "checkpoint" if resumed else "genesis",
+                           "landed": first_h is None and genesis_ok, "records_equal": first_rec is None and genesis_ok,
                            "head": mine[stop - 1]["h"] if stop - 1 in mine else None, "committed_head": ref[stop - 1]["h"],
-                           "first_divergence": None, "seconds": seconds}
-    if not row["landed"]:
+                           "first_divergence": None, "fields": [], "seconds": seconds}
+    if not (row["landed"] and row["records_equal"]):
         base = [committed[0]] + [ref[t] for t in range(start, stop)]
         again = [got[0] if not resumed else committed[0]] + [mine[t] for t in range(start, stop) if t in mine]
-        row["first_divergence"] = first_divergence(base, again, run=1, test_options={})
+        row["first_divergence"] = first_divergence(base, again, run=1, test_options={}, dtype=config["dtype"])
+        t = first_rec if first_rec is not None else first_h
+        if t is not None and t in mine:
+            row["fields"] = differing_fields(ref[t], mine[t])
+    return row
+
+
+def end_state(committed: list[dict[str, Any]], got: dict[str, str] | None, stop: int, end: dict[str, Any] | None) -> dict[str, Any]:
+    """The state a re-run segment stopped on against the checkpoint at its stop boundary (loaded
+    after its digests check out) and the R_stop steps.jsonl records: the RNG state (R), the
+    optimizer state (O) and H(θ). `equal` None: no checkpoint at `stop` was found (a whole replay
+    then still compared every step's R_t; only the state after the last step goes unchecked)."""
+    from .checkpoint import load_checkpoint, optimizer_digest
+
+    row: dict[str, Any] = {"boundary": stop, "equal": None, "differs": []}
+    if end is None or got is None:
+        return row
+    ckpt = load_checkpoint(end["dir"], end["descriptor_sha256"])
+    recorded = next((r["rng_sha256"] for r in committed[1:] if r["step"] == stop), ckpt.descriptor["rng_sha256"])
+    want = {"rng_sha256": (ckpt.descriptor["rng_sha256"], recorded), "params_sha256": (ckpt.descriptor["params_sha256"],),
+            "optimizer_sha256": (optimizer_digest(ckpt.optimizer, ckpt.descriptor["extra"]),)}
+    row["differs"] = [k.removesuffix("_sha256") for k, vals in want.items() if any(got[k] != v for v in vals)]
+    row["equal"] = not row["differs"]
     return row
 
 
@@ -169,9 +209,19 @@ def render_replay(doc: dict[str, Any]) -> str:
     lines = [f"replay: {doc['verdict']}  ({what}, {doc['steps']} steps)"]
     for r in doc["segments"]:
         state = "landed on its committed h" if r["landed"] else "did NOT land on its committed h"
+        if "records_equal" in r:  # version 4 on: every re-computed field, and the state the segment ends on
+            state += ", every record field equal" if r["records_equal"] else ", records DIFFER"
         lines.append(f"  steps {r['start']}..{r['stop'] - 1} from {r['from']}: {state} (h_{r['stop'] - 1} "
                      f"{(r['head'] or '-')[:16]}…, committed {r['committed_head'][:16]}…)")
         d = r["first_divergence"]
         if d is not None:
-            lines.append(f"    first divergence: step {d['step']}, {d['where']}" + (f", parameter {d['parameter']}" if d["parameter"] else ""))
+            lines.append(f"    first divergence: step {d['step']}, {d['where']}" + (f", parameter {d['parameter']}" if d["parameter"] else "")
+                         + (f"; fields that differ: {', '.join(r['fields'][:6])}" + (f" and {len(r['fields']) - 6} more" if len(r['fields']) > 6 else "")
+                            if r.get("fields") else ""))
+        e = r.get("end_state")
+        if e is not None:
+            b = e["boundary"]
+            lines.append(f"    ends on checkpoint boundary {b}'s state (R_{b}, optimizer, H(θ)): " + (
+                "not checked: no checkpoint at that boundary was found" if e["equal"] is None else
+                "equal" if e["equal"] else f"DIFFERS in {', '.join(e['differs'])}"))
     return "\n".join(lines) + "\n"

@@ -25,7 +25,7 @@ from ..pipeline.runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
 from ..runfolder.fleetseal import begin_fleet, seal_fleet
 from .stopping import run_replicas
-from .verdict import Replica, fleet_verdict, own_check, prompt_keys
+from ..commands.fleetverdict import Replica, fleet_verdict, own_check, prompt_keys
 
 Progress = Callable[[int, int, int], None]
 

@@ -16,7 +16,7 @@ from ..runfolder.seedlayout import refuse_seed_layout
 from ..commands.diffsides import as_folder, is_bare_trace
 from .folder import FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
 from ..runfolder.fleetseal import begin_fleet, seal_fleet
-from .verdict import Replica, fleet_verdict, own_check, prompt_keys
+from ..commands.fleetverdict import Replica, fleet_verdict, own_check, prompt_keys
 
 
 def fleet_diff(sides: Sequence[str | Path], *, out: str | Path | None = None, atol: float = 0.0,

@@ -7,7 +7,9 @@ nothing; here, below fleet/, so that `verify` re-derives a fleet verdict with th
 
 from __future__ import annotations
 
+import json
 import string
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,7 @@ from ..compare.causes.codes import TITLES
 from ..compare.fleetidentity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS
 from ..compare.fleetidentity import identity_groups
 from ..runfolder.env import detllm_version
-from .diff import diff_report
+from .diff import Selection, diff_report
 
 # most fundamental first: the category a fleet report leads with (docs/fleet.md)
 CATEGORIES = ("IDENTITY_MISMATCH", "UNSTABLE", "OUTLIER", "NO_MAJORITY", "MISSING_PROMPTS", "ENDPOINT_ERROR",
@@ -67,6 +69,20 @@ def own_check(report: dict[str, Any]) -> dict[str, Any] | None:
     runs = [c for c in report.get("comparisons", []) if c.get("kind") == "run"]
     return {"status": report.get("status"), "category": report.get("category"),
             "repeats_differ": any(c["status"] != "PASS" for c in runs) if runs else None}
+
+
+def side_own(side: Side, sel: Selection) -> dict[str, Any] | None:
+    """A check folder's own verdict (status, category), to tell replica variance apart. Whether its
+    repeats differ is judged only for a side given as the whole folder (run 0 at the base batch size):
+    a side that selects run_N or batch_B is itself one of the repeats being compared."""
+    try:
+        rep = json.loads((Path(side.folder) / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    own = own_check(rep) if isinstance(rep, dict) else None
+    if own is not None and (sel.run is not None or sel.batch is not None):
+        own["repeats_differ"] = None
+    return own
 
 
 def prompt_keys(records: list[dict[str, Any]]) -> dict[int, tuple[str, int]]:
@@ -302,4 +318,4 @@ def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: _Pairs) 
     return out
 
 
-__all__ = ["CATEGORIES", "GROUPING", "VERDICTS", "Replica", "common_tier", "fleet_verdict", "own_check", "prompt_keys"]
+__all__ = ["CATEGORIES", "GROUPING", "VERDICTS", "Replica", "common_tier", "fleet_verdict", "own_check", "prompt_keys", "side_own"]

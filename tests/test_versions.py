@@ -106,4 +106,4 @@ def test_every_change_names_a_version_this_detllm_reads():
     for table in (versions.REDEFINED, versions.EXTENDED, versions.SEALED, versions.CONCLUDED):
         for c in table:
             assert c.since in versions.READABLE and c.since != "1", c
-            assert c.field.split(".")[0] in ("run_config", "env", "trace_record", "report", "manifest", "diagnosis", "sweep"), c
+            assert c.field.split(".")[0] in ("run_config", "env", "trace_record", "report", "manifest", "diagnosis", "sweep", "fleet"), c

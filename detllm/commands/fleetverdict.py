@@ -40,6 +40,7 @@ VERDICTS = {
     "AGREE": "all replicas agree",
 }
 
+REFERENCE_OUTLIER = "the named replicas disagree with the reference replica (--reference-url)"
 
 # an outlier whose recorded identity and settings equal the majority's: what is left is unrecorded
 UNEXPLAINED = ("nothing recorded explains it: the identities match and the pairwise diff names no cause that tells "
@@ -260,7 +261,8 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
     summaries = pairs.summaries()
     return artifacts.stamp("fleet", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "command": command,
-        "status": "PASS" if category == "AGREE" else "FAIL", "category": category, "verdict": VERDICTS[category],
+        "status": "PASS" if category == "AGREE" else "FAIL", "category": category,
+        "verdict": REFERENCE_OUTLIER if ref is not None and category == "OUTLIER" else VERDICTS[category],
         "tier": {"requested": requested, "effective": effective}, "atol": atol, "grouping": GROUPING,
         **({} if reference is None else {"reference": {"replica": reference, "used": ref is not None}}),
         "replicas": rows,

@@ -52,7 +52,8 @@ def _lines(doc: dict[str, Any]) -> list[str]:
     groups = ", ".join(f"{g['label']} = replicas {_ids(g['replicas'])}" for g in doc["groups"])
     out.append(f"replica groups (identical traces on every prompt): {groups or 'none'}")
     if doc["majority"]:
-        out.append(f"majority: group {doc['majority']['label']} (replicas {_ids(doc['majority']['replicas'])})")
+        whose = "reference group" if (doc.get("reference") or {}).get("used") else "majority"
+        out.append(f"{whose}: group {doc['majority']['label']} (replicas {_ids(doc['majority']['replicas'])})")
     if doc["outliers"]:
         out.append(f"outliers: replicas {_ids(doc['outliers'])}")
     if doc["no_majority_prompts"]:

@@ -233,3 +233,32 @@ def test_verify_re_derives_an_nway_diff_folder_from_its_sides(tmp_path, cli):
     shutil.rmtree(f)  # the sides are gone: said plainly, not claimed
     r = cli("verify", out)
     assert r.exit_code == 0 and "not re-derived: side" in r.output and "is not at hand here" in r.output, r.output
+
+
+def test_nway_diff_folder_sides_read_beside_it_and_kld(tmp_path, cli, monkeypatch):
+    """Sides given to diff by relative paths are found beside the diff folder when verify and
+    report run elsewhere; report --format kld of the N-way folder measures each side against run 0."""
+    monkeypatch.chdir(tmp_path)
+    detllm.check(backend="fake", model="tiny", runs=3, tier=2, max_new_tokens=8, options={"diverge": "prompt=1,pos=3,run=1"}, out="c")
+    assert cli("diff", "c::run_0", "c::run_1", "c::run_2", "--out", "nway").exit_code == 1
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = cli("verify", tmp_path / "nway")
+    assert r.exit_code == 0 and "re-derived from the sides it names: FAIL OUTLIER" in r.output, r.output
+    r = cli("report", tmp_path / "nway", "--format", "kld")
+    assert r.exit_code == 0, r.output
+    assert "against the reference, replica 0 c::run_0@batch_1" in r.output
+    assert [b.split()[0] for b in r.output.split("== replica ")[1:]] == ["1", "2"]
+
+
+def test_an_earlier_fleet_json_is_not_re_derived_and_says_so(fleet, tmp_path, cli):
+    out, _, _ = fleet
+    copy = tmp_path / "old"
+    shutil.copytree(out, copy)
+    doc = json.loads((copy / "fleet.json").read_text())
+    del doc["grouping"]
+    (copy / "fleet.json").write_text(json.dumps(doc))
+    seal_fleet(copy)
+    r = cli("verify", copy)
+    assert r.exit_code == 0 and "the fleet verdict is as sealed, not re-derived (written by a detllm that grouped" in r.output

@@ -14,6 +14,7 @@ from ..core.errors import UsageError
 from ..runfolder import artifacts
 from ..runfolder.fleetseal import FLEET
 from .diff import Selection
+from .fleetverify import side_at_hand
 
 
 def fleet_kld(folder: Path, reference: str | None, block: Callable[[Selection, Selection], str]) -> str:
@@ -58,11 +59,11 @@ def _selection(folder: Path, doc: dict[str, Any], row: dict[str, Any]) -> Select
     """A fleet check's replica folder (inside the fleet folder); an N-way diff's side as it was given."""
     if doc["command"] == "check":
         return Selection(folder / row["folder"])
-    sel = Selection.parse(row["source"])
-    if not sel.folder.exists():
+    where = side_at_hand(row["source"], folder)
+    if where is None:
         raise UsageError(f"the N-way diff's side {row['source']!r} is not at hand here (a diff folder holds no trace)",
                          hint="run it where the sides are, or detllm report --format kld LEFT RIGHT")
-    return sel
+    return Selection.parse(where)
 
 
 __all__ = ["fleet_kld"]

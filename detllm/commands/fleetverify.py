@@ -34,11 +34,12 @@ def rederive_fleet(folder: Path) -> str:
     if doc["command"] == "check":
         replicas = [_endpoint(folder, row) for row in doc["replicas"]]
     else:
-        absent = [row["source"] for row in doc["replicas"] if not _at_hand(row["source"])]
+        found = {row["index"]: side_at_hand(row["source"], folder) for row in doc["replicas"]}
+        absent = [row["source"] for row in doc["replicas"] if found[row["index"]] is None]
         if absent:
             return (f"the fleet verdict is as sealed, not re-derived: side {absent[0]!r} is not at hand here "
                     "(an N-way diff's sides are outside its folder; verify it where they are)")
-        replicas = [_side(row) for row in doc["replicas"]]
+        replicas = [_side(row, found[row["index"]]) for row in doc["replicas"]]
     ref = (doc.get("reference") or {}).get("replica")
     expected = fleet_verdict(replicas, command=doc["command"], atol=doc["atol"], tier=doc["tier"]["requested"], reference=ref)
     for name in CHECKED:
@@ -66,15 +67,22 @@ def _endpoint(folder: Path, row: dict[str, Any]) -> Replica:
     return rep
 
 
-def _at_hand(source: str) -> bool:
-    return Path(source.rpartition("::")[0] if "::" in source else source).exists()
+def side_at_hand(source: str, folder: Path) -> str | None:
+    """An N-way diff's side as it was given, read from here, else beside the diff folder (where a
+    relative path given to diff points when diff ran next to its --out); None when neither exists."""
+    path, sep, sel = source.rpartition("::") if "::" in source else (source, "", "")
+    for base in (Path(path), Path(folder).parent / path):
+        if base.exists():
+            return f"{base}{sep}{sel}"
+    return None
 
 
-def _side(row: dict[str, Any]) -> Replica:
-    sel = Selection.parse(row["source"])
+def _side(row: dict[str, Any], where: str) -> Replica:
+    sel = Selection.parse(where)
     (side,) = load_sides(sel)
-    return Replica(index=row["index"], name=side.label, source=row["source"], side=side, folder=str(sel.folder),
-                   own=side_own(side, sel), keys=prompt_keys(side.records or []))
+    moved = where != row["source"]  # read from beside the diff folder: its label and folder as diff recorded them
+    return Replica(index=row["index"], name=row["name"] if moved else side.label, source=row["source"], side=side,
+                   folder=row["folder"] if moved else str(sel.folder), own=side_own(side, sel), keys=prompt_keys(side.records or []))
 
 
 def _canon(value: Any) -> bytes:
@@ -86,4 +94,4 @@ def _show(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-__all__ = ["rederive_fleet"]
+__all__ = ["rederive_fleet", "side_at_hand"]

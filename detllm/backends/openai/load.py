@@ -132,8 +132,10 @@ class Endpoint:
             return await self._send(client, path, body, root=root, what=what, t0=time.monotonic())
 
     def try_post(self, path: str, body: Any, *, root: bool = False, timeout: float = 30.0) -> tuple[int, Any]:
-        """(status, body) of an optional endpoint (tokenize, cache reset); (0, why) when unreachable."""
+        """(status, body) of an optional endpoint (tokenize, cache reset); (0, why) when unreachable.
+        Waits at most request_timeout."""
         httpx = _httpx()
+        timeout = min(timeout, self.timeout)
         try:
             with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout), verify=_tls()) as client:
                 resp = client.post(self.url(path, root=root), json=body)

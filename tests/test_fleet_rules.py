@@ -262,3 +262,17 @@ def test_an_earlier_fleet_json_is_not_re_derived_and_says_so(fleet, tmp_path, cl
     seal_fleet(copy)
     r = cli("verify", copy)
     assert r.exit_code == 0 and "the fleet verdict is as sealed, not re-derived (written by a detllm that grouped" in r.output
+
+
+def test_a_failed_reference_falls_back_to_the_majority(tmp_path):
+    stubs = [_stub(), _stub()]
+    try:
+        dead = _dead_url()
+        doc = detllm.fleet_check(_cfg(), [stubs[0].url, stubs[1].url, dead], prompts=["hello"], out=tmp_path / "f",
+                                 reference_url=dead).report
+        assert doc["reference"] == {"replica": 2, "used": False}
+        assert (doc["category"], doc["majority"]["replicas"], doc["outliers"]) == ("ENDPOINT_ERROR", [0, 1], [])
+        assert "reference: replica 2 failed: judged by the majority instead" in (tmp_path / "f" / "fleet.txt").read_text()
+    finally:
+        for s in stubs:
+            s.close()

@@ -143,7 +143,7 @@ PLANTS = [
     ("detllm/core/config.py", "from ..models import resolve_model", "detllm.core.config -> detllm.models"),
     ("detllm/runfolder/fleetseal.py", "from ..fleet.folder import write_fleet", "detllm.runfolder.fleetseal -> detllm.fleet.folder"),
     # verify reading a fleet folder through fleet/ again: the folder circle commands <-> fleet (the fleet calls diff)
-    ("detllm/commands/verify.py", "from ..fleet.verdict import fleet_verdict", "- .commands -> .fleet (1 import)"),
+    ("detllm/commands/verify.py", "from ..fleet.endpoints import fleet_check", "- .commands -> .fleet (1 import)"),
     ("detllm/backends/fake.py", "from .hf import HFBackend", "detllm.backends.fake -> detllm.backends.hf"),
     ("detllm/render/junit.py", "from ..backends.vllm import VLLMBackend", "detllm.render.junit -> detllm.backends.vllm"),
 ]

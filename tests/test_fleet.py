@@ -46,8 +46,8 @@ def test_outlier_is_the_repeat_that_differs(folders, tmp_path, cli):
     assert (doc["category"], doc["outliers"], doc["majority"]["replicas"]) == ("OUTLIER", [1], [0, 2])
     assert [p["outliers"] for p in doc["prompts"]] == [[], [1], []]  # only prompt 1 moved
     assert len(doc["identity"]["groups"]) == 1 and not doc["identity"]["mismatched"]
-    # a replica is compared with the first member of each group before it: (0, 1) differs, (0, 2) agrees
-    assert {(p["left"], p["right"]): p["status"] for p in doc["pairs"]} == {(0, 1): "FAIL", (0, 2): "PASS"}
+    # a replica is compared with every group it could join: (0, 1) differs, (0, 2) agrees, (1, 2) differs
+    assert {(p["left"], p["right"]): p["status"] for p in doc["pairs"]} == {(0, 1): "FAIL", (0, 2): "PASS", (1, 2): "FAIL"}
     bad = [p for p in doc["pairs"] if p["status"] == "FAIL"]
     assert all(p["first_divergence"]["token_index"] == 3 and p["first_divergence"]["prompt_index"] == 1 for p in bad)
     text = (out / "fleet.txt").read_text()
@@ -128,7 +128,7 @@ def test_fleet_out_must_be_a_fleet_folder(folders, cli):
 
 def _replicas(sides, unstable):
     from detllm.commands.diff import Selection, load_sides
-    from detllm.fleet.verdict import Replica, prompt_keys
+    from detllm.commands.fleetverdict import Replica, prompt_keys
 
     loaded = load_sides(*[Selection.parse(s) for s in sides])
     return [Replica(index=i, name=s.label, source=str(a), side=s, keys=prompt_keys(s.records),
@@ -137,7 +137,7 @@ def _replicas(sides, unstable):
 
 
 def test_unstable_replicas_name_no_outlier(folders):
-    from detllm.fleet.verdict import fleet_verdict
+    from detllm.commands.fleetverdict import fleet_verdict
 
     f = folders["one_off"]
     sides = [f"{f}::run_0", f"{f}::run_1", f"{f}::run_2"]  # replica 1 differs at prompt 1
@@ -149,14 +149,14 @@ def test_unstable_replicas_name_no_outlier(folders):
     assert doc["category"] == "OUTLIER" and doc["outliers"] == [1] and doc["replicas"][1]["unstable"]
 
 
-def test_a_replica_without_a_prompt_is_outside_its_majority(tmp_path):
+def test_a_replica_without_a_prompt_is_missing_not_an_outlier(tmp_path):
     sides = []
     for name, texts in (("a", PROMPTS), ("b", PROMPTS), ("c", [PROMPTS[0], PROMPTS[2]])):
         detllm.run(backend="fake", model="tiny", prompts=texts, max_new_tokens=4, out=tmp_path / name)
         sides.append(tmp_path / name)
     doc = detllm.fleet_diff(sides).report
-    assert doc["category"] == "OUTLIER" and doc["outliers"] == [2]
+    assert doc["category"] == "MISSING_PROMPTS" and doc["status"] == "FAIL" and doc["outliers"] == []
     p1 = doc["prompts"][1]
-    assert p1["missing"] == [2] and p1["outliers"] == [2] and [g["replicas"] for g in p1["groups"]] == [[0, 1]]
+    assert p1["missing"] == [2] and p1["outliers"] == [] and p1["majority"] == "A" and [g["replicas"] for g in p1["groups"]] == [[0, 1]]
     assert [p["outliers"] for p in (doc["prompts"][0], doc["prompts"][2])] == [[], []]  # aligned by prompt, not position
     assert doc["explanations"][0]["causes"][0]["code"] == "PROMPT_MISMATCH"

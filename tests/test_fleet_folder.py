@@ -186,6 +186,9 @@ def test_ctrl_c_stops_a_fleet_check_at_once(tmp_path, cli, probe_too):
     assert took < 5, took  # the grace for the replica threads is 2 s, not the servers' 30 s
     assert err.strip() == "detllm: interrupted"  # one line: no traceback, no thread's complaint
     assert _descendants(proc.pid) == []
+    if probe_too:  # interrupted in the first probe, before anything is written: no folder
+        assert not out.exists()
+        return
     assert (out / "detllm.partial").exists()  # an interrupted fleet folder says so, and verify refuses it
     r = cli("verify", out)
     assert r.exit_code == 5 and "incomplete" in r.output

@@ -116,8 +116,8 @@ def test_fleet_check_names_the_fa_off_server(fleet_run):
     assert doc["majority"]["replicas"] == [0, 1, 2] and [g["replicas"] for g in doc["groups"]] == [[0, 1, 2], [3]]
     assert len(doc["identity"]["groups"]) == 1  # the servers report the same model, build and props: -fa is not among them
     by = {(p["left"], p["right"]): p for p in doc["pairs"]}
-    assert sorted(by) == [(0, 1), (0, 2), (0, 3)]  # each compared with group A's first member only
-    assert by[(0, 1)]["status"] == by[(0, 2)]["status"] == "PASS"  # the three -fa on servers agree bit for bit
+    assert sorted(by) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]  # each with every member it could join
+    assert by[(0, 1)]["status"] == by[(0, 2)]["status"] == by[(1, 2)]["status"] == "PASS"  # the three -fa on servers agree bit for bit
     off = by[(0, 3)]  # -fa off: the same tokens, logprobs a little apart
     assert off["status"] == "FAIL" and off["first_divergence"]["kind"] != "token" and off["magnitude"] == "tokens_equal_logprobs_differ"
     assert 0 < off["max_abs_logprob_diff"] < 1e-2
@@ -142,6 +142,28 @@ def test_fleet_check_reports_dead_and_slow_endpoints(fleet_run):
     text = (root / "fc" / "fleet.txt").read_text()
     assert "replica_3    B*   B*   B*" in text and "ERR" in text
     assert "OUTLIER" in (root / "fc.html").read_text()
+
+
+def test_report_kld_of_each_replica_against_the_majority(fleet_run, cli):
+    """`report --format kld FLEET`: llama-perplexity's block per replica against the majority group's
+    first member; the -fa off replica's KLD is above the -fa on ones' (0: the same bits); the dead and
+    the slow endpoint are listed as not compared. JUnit names carry each replica's URL."""
+    _, root = fleet_run
+    r = cli("report", root / "fc", "--format", "kld")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("detllm fleet KLD: each replica against the reference, replica 0 replica_0 (http://127.0.0.1:")
+    blocks = {b.split()[0]: b for b in r.output.split("== replica ")[1:]}
+    assert sorted(blocks) == ["1", "2", "3", "4", "5"]
+
+    def stats(block):  # the statistics, without the header naming the sides
+        return block[block.index("Perplexity statistics"):]
+    for i in ("1", "2"):  # the same bits as the reference
+        assert "Maximum KLD:   0.000000" in blocks[i] and "Same top p: 100.000 ± 0.000 %" in blocks[i], blocks[i]
+    assert stats(blocks["3"]) != stats(blocks["1"])  # -fa off: logprobs a little apart
+    assert "not compared: it failed (unreachable" in blocks["4"] and "not compared: it failed (timeout" in blocks["5"]
+    assert " cpu " not in r.output  # a served replica's device is the remote server's, not claimed
+    names = [c.get("name") for c in ET.parse(root / "fc.xml").getroot().iter("testcase")]
+    assert all(n.startswith(f"replica {i} replica_{i} http://127.0.0.1:") for i, n in enumerate(names)), names
 
 
 def test_nway_diff_two_two_names_no_outlier(fleet_run):

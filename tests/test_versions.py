@@ -107,4 +107,4 @@ def test_every_change_names_a_version_this_detllm_reads():
         for c in table:
             assert c.since in versions.READABLE and c.since != "1", c
             assert c.field.split(".")[0] in ("run_config", "env", "trace_record", "report", "manifest", "diagnosis", "sweep",
-                                              "train_report", "train_replay", "train_diff"), c
+                                              "train_report", "train_replay", "train_diff", "fleet"), c

@@ -62,6 +62,7 @@ def report(
     fmt: Annotated[Optional[str], typer.Option("--format", "-f", help="txt, json, md, html, issue or kld (default: from --out's suffix, else txt).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the rendering to this file instead of stdout.")] = None,
     junit: JUnit = None,
+    reference: Annotated[Optional[str], typer.Option("--reference", metavar="replica_N", help="--format kld of a fleet folder: the replica the others are measured against (default: the majority group's first member).")] = None,
     validate_schema: Annotated[bool, typer.Option("--validate-schema", help="Accepted for compatibility: report.json is always validated.")] = False,
 ) -> None:
     def body() -> int:
@@ -71,7 +72,7 @@ def report(
             raise UsageError("give the report to render once: RUN_DIR or --in", hint="e.g. detllm report artifacts/check-1")
         check_output_file(out, "--out")
         check_output_file(junit, "--junit")
-        text = render_path(run_dir or report_in, fmt, out=out, junit=junit, right=right)
+        text = render_path(run_dir or report_in, fmt, out=out, junit=junit, right=right, reference=reference)
         if out is None:
             typer.echo(text, nl=False)
         return 0

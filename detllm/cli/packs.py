@@ -88,10 +88,12 @@ def pack_cmd(
     checkpoints: Annotated[Optional[Path], typer.Option("--checkpoints", help="Training packs: where the checkpoints are (default: beside the pack, where train-check wrote them).")] = None,
 ) -> None:
     def body() -> int:
-        from ..commands.pack import create_pack
+        from ..commands.pack import create_pack, fleet_failures
 
         path = create_pack(run_dir, dest, force=force, with_checkpoints=with_checkpoints, checkpoints=checkpoints)
         typer.echo(f"packed {run_dir} into {path} ({path.stat().st_size} bytes)")
+        for name, error in fleet_failures(run_dir).items():
+            typer.echo(f"{name}: failed ({error}); packed as it was left, marked incomplete by its detllm.partial")
         return 0
 
     guarded(body)

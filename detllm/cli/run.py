@@ -58,6 +58,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value (repeatable); see docs/backends/.")] = None,
         llama_bin: Annotated[Optional[Path], typer.Option("--llama-bin", help="llama.cpp bin folder or llama-server binary (llamacpp; else DETLLM_LLAMA_BIN, PATH, the build cache).")] = None,
         base_url: Annotated[Optional[list[str]], typer.Option("--base-url", metavar="URL", help="openai: the server's OpenAI-compatible root, e.g. http://127.0.0.1:8080/v1. check: repeat it for a fleet (N endpoints checked at once, OUT/replica_<i>/, one N-way verdict; docs/fleet.md).")] = None,
+        reference_url: Annotated[Optional[str], typer.Option("--reference-url", metavar="URL", help="fleet check: the replica (one of the --base-url) the others are judged against: outliers are those that differ from it (docs/fleet.md).")] = None,
         api_key_env: Annotated[Optional[str], typer.Option("--api-key-env", metavar="NAME", help="openai: the environment variable holding the API key (never recorded).")] = None,
         chat: Annotated[bool, typer.Option("--chat", help="openai: /v1/chat/completions with one user message.")] = False,
         concurrency: Annotated[Optional[str], typer.Option("--concurrency", help="openai: requests in flight, e.g. 1,8,32 (its --vary-batch); each level is compared with 1.")] = None,
@@ -83,7 +84,9 @@ def _gen_command(command: str, default_runs: int) -> Callable:
             )
             if base_url and len(base_url) > 1:  # a fleet: N endpoints, one N-way verdict (cli/fleet.py)
                 return fleet_check(command, cfg, base_url, prompts, prompt, prompt_file, out, progress and not as_json,
-                                   as_json, junit, html, redact_env, redact_env_var)
+                                   as_json, junit, html, redact_env, redact_env_var, reference_url)
+            if reference_url is not None:
+                raise UsageError("--reference-url names the reference replica of a fleet check (two or more --base-url)")
             check_output_file(junit, "--junit")  # before the run, not after it
             check_output_file(html, "--html")
             cfg.validate(command=command)
@@ -102,7 +105,8 @@ def _gen_command(command: str, default_runs: int) -> Callable:
     return cmd
 
 
-def fleet_check(command, cfg, urls, prompts, prompt, prompt_file, out, progress, as_json, junit, html, redact, redact_vars) -> int:
+def fleet_check(command, cfg, urls, prompts, prompt, prompt_file, out, progress, as_json, junit, html, redact, redact_vars,
+                reference_url=None) -> int:
     """`check --base-url U1 --base-url U2 ...`: detllm.fleet.fleet_check, then the fleet's outputs."""
     from ..fleet.endpoints import fleet_check as run_fleet
     from ..core.prompts import resolve_prompts
@@ -115,7 +119,7 @@ def fleet_check(command, cfg, urls, prompts, prompt, prompt_file, out, progress,
     prompt_set = resolve_prompts(prompts, texts=prompt or (), jsonl_file=prompt_file)
     with ProgressBar(progress) as bar:
         outcome = run_fleet(cfg, urls, prompt_set=prompt_set, out=out, progress=bar,
-                            redact=redact, redact_env_vars=redact_vars)
+                            redact=redact, redact_env_vars=redact_vars, reference_url=reference_url)
     return emit_fleet(outcome, as_json=as_json, junit=junit, html=html)
 
 

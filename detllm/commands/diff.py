@@ -235,11 +235,17 @@ def diff_report(left: Side, right: Side, *, atol: float = 0.0, tier: int | None 
     return report  # validated when written (artifacts.write_json); tests validate the rest
 
 
+def shown_device(cfg: dict[str, Any]) -> str:
+    """The device a side ran on, as far as detllm can see it: a served endpoint's (--backend openai)
+    is the remote server's, which a client cannot see, not the --device it was given."""
+    return "remote" if cfg["backend"] == "openai" else cfg["device"]
+
+
 def _side_summary(side: Side) -> dict[str, Any]:
     cfg = side.run_config["config"]
     return {"folder": side.folder, "label": side.label, "run_index": side.run_index, "batch_size": side.batch_size,
-            "backend": cfg["backend"], "model": cfg["model"], "dtype": effective_dtype(side), "device": cfg["device"],
+            "backend": cfg["backend"], "model": cfg["model"], "dtype": effective_dtype(side), "device": shown_device(cfg),
             "tier": side.applied["tier_effective"], "records": len(side.records or ())}
 
 
-__all__ = ["Selection", "diff", "diff_report", "load_sides"]
+__all__ = ["Selection", "diff", "diff_report", "load_sides", "shown_device"]

@@ -5,10 +5,12 @@ report no longer follows from its trace, is never packed.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ..runfolder.archive import ALLOWED_SUFFIXES, ARCHIVE_SUFFIXES, is_archive, write_tar_gz
+from ..runfolder.archive import ALLOWED_SUFFIXES, ARCHIVE_SUFFIXES, FAILED_REPLICA, is_archive, write_tar_gz
 from ..core.errors import UsageError
+from ..runfolder.fleetseal import FLEET
 from ..runfolder.integrity import SEAL_FILES, walk
 from .verify import verify_folder
 
@@ -36,10 +38,23 @@ def create_pack(run_dir: str | Path, dest: str | Path, *, force: bool = False, w
     extra = packed_checkpoints(run_dir, checkpoints) if training and with_checkpoints else {}
     files, _ = walk(run_dir)
     names = sorted(files) + [n for n in SEAL_FILES if (run_dir / n).is_file()]
+    failed = fleet_failures(run_dir)
     for rel in names:
-        if not rel.lower().endswith(ALLOWED_SUFFIXES):
-            raise UsageError(f"{rel} in {str(run_dir)!r} is not a detllm artifact ({', '.join(ALLOWED_SUFFIXES)})",
-                             hint="packs hold JSON and text only; move it out of the run folder and re-run")
+        if rel.lower().endswith(ALLOWED_SUFFIXES) or (FAILED_REPLICA.match(rel) and rel.split("/")[0] in failed):
+            continue  # a fleet's failed replica goes in as it was left, its detllm.partial marking it
+        raise UsageError(f"{rel} in {str(run_dir)!r} is not a detllm artifact ({', '.join(ALLOWED_SUFFIXES)})",
+                         hint="packs hold JSON and text only; move it out of the run folder and re-run")
     return write_tar_gz(run_dir, names, dest, extra)
+
+
+def fleet_failures(folder: str | Path) -> dict[str, str]:
+    """A fleet folder's replicas that failed (fleet.json: status error) by folder name, each with its
+    error's kind and line; {} for any other folder. verify has checked fleet.json by then."""
+    path = Path(folder) / FLEET
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_bytes())
+    return {r["folder"]: f"{r['error']['kind']}: {r['error']['message']}" for r in doc.get("replicas", [])
+            if r.get("status") == "error" and r.get("folder") and r.get("error")}
 
 

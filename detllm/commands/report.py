@@ -51,10 +51,28 @@ def _renderer(fmt: str) -> Callable[[dict[str, Any], Path | None], str]:
 
 
 def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, junit: Path | None = None,
-                right: str | Path | None = None) -> str:
+                right: str | Path | None = None, reference: str | None = None) -> str:
     """Render the report at `path`; with `out`, also write it there (atomically). `junit`
-    writes JUnit XML of the same report. `right`: the second run of --format kld. Returns the rendering."""
+    writes JUnit XML of the same report. `right`: the second run of --format kld. `reference`: a fleet
+    folder's reference replica for --format kld (fleetkld.py). Returns the rendering."""
     fmt = pick_format(fmt, out)
+    if reference is not None and fmt != "kld":
+        raise UsageError("--reference names the reference replica of --format kld on a fleet folder")
+    from ..runfolder.archive import is_archive  # lazy: tarfile and gzip load when a pack is read
+
+    if fmt == "kld" and right is None and junit is None and (Path(path).is_dir() or is_archive(path)):
+        with artifacts.open_run_path(Path(path)) as folder:  # a fleet folder or its pack: each replica's block
+            if (folder / "fleet.json").is_file() and not (folder / artifacts.REPORT).is_file():
+                from ..render.kld import render_kld
+                from .fleetkld import fleet_kld
+
+                artifacts.check_complete(folder)
+                text = fleet_kld(folder, reference, lambda a, b: render_kld(kld_document(a, b)))
+                if out is not None:
+                    artifacts.atomic_write_text(out, text)
+                return text
+    if reference is not None:
+        raise UsageError("--reference applies to a fleet folder (detllm report --format kld FLEET --reference replica_N)")
     if fmt == "kld" or right is not None:
         if fmt != "kld" or junit is not None:
             raise UsageError("a second run folder is read by --format kld only, and kld writes no JUnit" if fmt != "kld"
@@ -114,13 +132,15 @@ def kld_document(a: str | Path, b: str | Path | None = None) -> dict[str, Any]:
     read from where it recorded them (as given to diff, else next to the diff folder). The left
     run is the base (P)."""
     from ..compare.kld import positions, statistics
-    from .diff import Selection, effective_dtype, load_sides
+    from .diff import Selection, effective_dtype, load_sides, shown_device
 
     sels = (Selection.parse(a), Selection.parse(b)) if b is not None else _diff_sides(Path(a))
     left, right = load_sides(*sels)
     found, counts = positions(left.records or [], right.records or [])
     def side(s: Any) -> dict[str, Any]:
-        return {"label": s.label, "dtype": effective_dtype(s), **{k: s.run_config["config"][k] for k in ("backend", "model", "device")}}
+        cfg = s.run_config["config"]
+        return {"label": s.label, "dtype": effective_dtype(s), "backend": cfg["backend"], "model": cfg["model"],
+                "device": shown_device(cfg)}
 
     return {"left": side(left), "right": side(right), "counts": counts, "statistics": statistics(found),
             "top_k": min(s.run_config["config"]["logprobs"] for s in (left, right))}

@@ -37,7 +37,9 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: st
     from ..runfolder.fleetseal import is_fleet_seal, verify_fleet
 
     if is_fleet_seal(seal) and weights is None:  # a fleet folder: its own files, then each replica folder (docs/fleet.md)
-        return verify_fleet(seal, verify_folder)
+        from .fleetverify import rederive_fleet
+
+        return verify_fleet(seal, verify_folder, rederive_fleet)
     if weights is not None:
         from ..core.errors import UsageError
 

@@ -92,6 +92,13 @@ CONCLUDED: tuple[Change, ...] = (
     Change("train_diff.verdict", "version 4: PASS when the two reference runs are bitwise equal at every step even where "
            "train_config.json differs (config_differs names the keys); version 3 failed on any configuration "
            "difference, H(config) in the genesis differing", "4"),
+    Change("fleet.prompts.outliers", "version 4 (issue 31, C6): a prompt's majority is taken over the replicas that have "
+           "the prompt and a replica without it is listed in `missing` only; version 3 counted it against every group "
+           "and listed it as an outlier (so a 2-of-3 majority read NO_MAJORITY)", "4"),
+    Change("fleet.category", "version 4 (issue 31): MISSING_PROMPTS (the replicas agree where they overlap, some lack "
+           "prompts) is new; every pair is compared at one tier chosen before grouping and a group's members all equal "
+           "each other (`grouping`), where version 3 compared each pair at its own tier and a replica with a group's "
+           "first member only, so its groups and category could depend on the order of the sides", "4"),
 )
 
 

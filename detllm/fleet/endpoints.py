@@ -19,13 +19,14 @@ from ..pipeline.cacheprobe import probe_config, wants_probe
 from ..core.config import RunConfig
 from ..commands.diff import Selection, load_sides
 from ..runfolder.env import Redaction
-from ..core.errors import BackendError, DetllmError, UsageError
+from ..backends.registry import create_backend
+from ..core.errors import BackendUnavailableError, DetllmError, UsageError
 from ..core.prompts import PromptSet, resolve_prompts
 from ..pipeline.runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
 from ..runfolder.fleetseal import begin_fleet, seal_fleet
 from .stopping import run_replicas
-from .verdict import Replica, fleet_verdict, own_check, prompt_keys
+from ..commands.fleetverdict import Replica, fleet_verdict, own_check, prompt_keys
 
 Progress = Callable[[int, int, int], None]
 
@@ -48,9 +49,10 @@ def check_urls(urls: Sequence[str]) -> list[str]:
 
 
 def _error(exc: DetllmError) -> dict[str, Any]:
-    """How a replica failed: unreachable (exit 4), timeout (a request ran past request_timeout) or error."""
+    """How a replica failed: timeout (the server took the connection and did not answer within
+    request_timeout, at the first probe or later), unreachable (nothing answers: exit 4) or error."""
     cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else ""
-    kind = "timeout" if isinstance(exc, BackendError) and "Timeout" in cause else ("unreachable" if exc.exit_code == 4 else "error")
+    kind = "timeout" if "Timeout" in cause else ("unreachable" if exc.exit_code == 4 else "error")
     return {"kind": kind, "exit_code": exc.exit_code, "message": exc.one_line()}
 
 
@@ -74,11 +76,15 @@ class _Totals:
 
 def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = None, prompt_set: PromptSet | None = None,
                 out: str | Path | None = None, atol: float | None = None,
-                tier: int | None = None, progress: Progress | None = None, redact: bool = False, redact_env_vars: Sequence[str] | None = None) -> FleetOutcome:
+                tier: int | None = None, progress: Progress | None = None, redact: bool = False, redact_env_vars: Sequence[str] | None = None,
+                reference_url: str | None = None) -> FleetOutcome:
     """Check each endpoint (config with its own base_url) at once, then the N-way verdict. `prompts`
     as in detllm.check (a list of strings or a prompt file; `prompt_set` an already resolved one);
     `out` the fleet folder (default: a new folder under artifacts/). `redact` and `redact_env_vars`
-    as in detllm.check (each replica's env.json)."""
+    as in detllm.check (each replica's env.json). `reference_url`: one of `base_urls`, the replica the
+    others are judged against (outliers differ from it) instead of the majority. No endpoint answering
+    its first probe raises BackendUnavailableError (exit 4) with nothing written; once one has, the
+    fleet folder is written, each failed replica marked (exit 8 when none produced a verdict)."""
     names = tuple(redact_env_vars or ())
     redaction = Redaction(all_vars=bool(redact), names=names) if redact or names else None
     if config.backend != "openai":
@@ -92,16 +98,30 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
     prompt_set = prompt_set or resolve_prompts(prompts)
     out = Path(out) if out is not None else default_out_dir("fleet")
     check_fleet_out(out)
+    if reference_url is not None and reference_url.rstrip("/") not in urls:
+        raise UsageError(f"--reference-url {reference_url.split('?', 1)[0]!r} is not one of the --base-url",
+                         hint="give the reference replica's URL as one of the --base-url too")
+    # the first probe of every endpoint, before anything is written: none answers, nothing is written (exit 4)
+    backends = run_replicas(lambda i: _connect(configs[i]), len(urls))
+    if not any(b is not None for b, _ in backends):
+        first = backends[0][1] or {}
+        raise BackendUnavailableError(f"no endpoint of the fleet answered its first probe; replica 0: {first.get('message')}",
+                                      hint="nothing was written; check that the servers are up and each --base-url is its /v1 address")
     prepare_fleet_out(out)
     begin_fleet(out)
     totals = _Totals(len(urls), progress)
 
     def one(i: int) -> tuple[Any, dict[str, Any] | None]:
+        backend, err = backends[i]
+        if backend is None:
+            return None, err
         try:
             return execute(configs[i], command="check", out=out / REPLICA.format(i), prompt_set=prompt_set,
-                           progress=totals.of(i), redaction=redaction), None
+                           progress=totals.of(i), redaction=redaction, backend=backend), None
         except DetllmError as exc:
             return None, _error(exc)
+        finally:
+            backend.close()
 
     results = run_replicas(one, len(urls))
     replicas = []
@@ -113,14 +133,20 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
             (rep.side,) = load_sides(Selection(folder))
             rep.keys = prompt_keys(rep.side.records or [])
         replicas.append(rep)
-    if not any(r.side is not None for r in replicas):
-        first = next(r.error for r in replicas if r.error)
-        raise BackendError(f"no endpoint of the fleet answered; replica 0: {first['message']}",
-                           hint=f"each replica's error is in {str(out)!r}'s replica folders, where one was started")
-    report = fleet_verdict(replicas, command="check", atol=config.atol if atol is None else atol, tier=tier)
+    reference = urls.index(reference_url.rstrip("/")) if reference_url is not None else None
+    report = fleet_verdict(replicas, command="check", atol=config.atol if atol is None else atol, tier=tier, reference=reference)
     write_fleet(out, report)
     seal_fleet(out)
     return FleetOutcome(out, report)
+
+
+def _connect(config: RunConfig) -> tuple[Any, dict[str, Any] | None]:
+    """(backend, None) once the endpoint answered the backend's discovery and capability probe, or
+    (None, its error): the first probe, made before anything is written."""
+    try:
+        return create_backend(config), None
+    except DetllmError as exc:
+        return None, _error(exc)
 
 
 __all__ = ["check_urls", "fleet_check"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runfolder import artifacts
-from ..core.errors import EXIT_FAIL, EXIT_PASS, UsageError
+from ..core.errors import EXIT_FAIL, EXIT_PASS, BackendError, UsageError
 from ..render.fleet import render_markdown, render_text
 from ..runfolder.fleetseal import FLEET
 
@@ -34,6 +34,9 @@ class FleetOutcome:
 
     @property
     def exit_code(self) -> int:
+        """0 all agree, 1 otherwise; 8 (a backend error) when no replica produced a verdict."""
+        if not any(r["status"] == "ok" for r in self.report["replicas"]):
+            return BackendError.exit_code
         return EXIT_FAIL if self.status == "FAIL" else EXIT_PASS
 
 

@@ -5,7 +5,6 @@ is compared by its engine (verdict.py); with --out the fleet report is written t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from ..runfolder.seedlayout import refuse_seed_layout
 from ..commands.diffsides import as_folder, is_bare_trace
 from .folder import FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
 from ..runfolder.fleetseal import begin_fleet, seal_fleet
-from .verdict import Replica, fleet_verdict, own_check, prompt_keys
+from ..commands.fleetverdict import Replica, fleet_verdict, prompt_keys, side_own
 
 
 def fleet_diff(sides: Sequence[str | Path], *, out: str | Path | None = None, atol: float = 0.0,
@@ -42,7 +41,7 @@ def fleet_diff(sides: Sequence[str | Path], *, out: str | Path | None = None, at
             raise UsageError(f"--out {str(out_dir)!r} is one of the folders being compared", hint="choose another --out")
         check_fleet_out(out_dir)
     loaded = load_sides(*sels)
-    replicas = [Replica(index=i, name=side.label, source=arg, side=side, folder=str(sel.folder), own=_own(side, sel),
+    replicas = [Replica(index=i, name=side.label, source=arg, side=side, folder=str(sel.folder), own=side_own(side, sel),
                         keys=prompt_keys(side.records or [])) for i, (arg, sel, side) in enumerate(zip(args, sels, loaded))]
     report = fleet_verdict(replicas, command="diff", atol=atol, tier=tier)
     if out_dir is not None:
@@ -51,20 +50,6 @@ def fleet_diff(sides: Sequence[str | Path], *, out: str | Path | None = None, at
         write_fleet(out_dir, report)
         seal_fleet(out_dir)
     return FleetOutcome(out_dir, report)
-
-
-def _own(side, sel: Selection) -> dict | None:
-    """A check folder's own verdict (status, category), to tell replica variance apart. Whether its
-    repeats differ is judged only for a side given as the whole folder (run 0 at the base batch size):
-    a side that selects run_N or batch_B is itself one of the repeats being compared."""
-    try:
-        rep = json.loads((Path(side.folder) / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return None
-    own = own_check(rep) if isinstance(rep, dict) else None
-    if own is not None and (sel.run is not None or sel.batch is not None):
-        own["repeats_differ"] = None
-    return own
 
 
 __all__ = ["fleet_diff"]

@@ -1,5 +1,5 @@
 """A fleet report (fleet.json) as text, Markdown, a self-contained HTML page and JUnit XML: the
-verdict, the replica x prompt matrix (each cell the replica's group at that prompt: A the largest,
+verdict, the replica x prompt matrix (each cell the replica's group at that prompt: A the majority's,
 "-" no record, ERR a replica that failed), the groups, identity differences and errors. JUnit has
 one testcase per replica. Reads the report only; computes nothing.
 """
@@ -52,11 +52,23 @@ def _lines(doc: dict[str, Any]) -> list[str]:
     groups = ", ".join(f"{g['label']} = replicas {_ids(g['replicas'])}" for g in doc["groups"])
     out.append(f"replica groups (identical traces on every prompt): {groups or 'none'}")
     if doc["majority"]:
-        out.append(f"majority: group {doc['majority']['label']} (replicas {_ids(doc['majority']['replicas'])})")
+        whose = "reference group" if (doc.get("reference") or {}).get("used") else "majority"
+        out.append(f"{whose}: group {doc['majority']['label']} (replicas {_ids(doc['majority']['replicas'])})")
     if doc["outliers"]:
         out.append(f"outliers: replicas {_ids(doc['outliers'])}")
     if doc["no_majority_prompts"]:
         out.append(f"no majority at prompts {_ids(doc['no_majority_prompts'])}: no outlier named there")
+    ref = doc.get("reference")
+    if ref:
+        out.append(f"reference: replica {ref['replica']} (--reference-url): outliers are the replicas that differ from it"
+                   if ref["used"] else f"reference: replica {ref['replica']} failed: judged by the majority instead")
+    for p in doc["prompts"]:
+        name = f"p{p['prompt_index']}" if p["prompt_index"] is not None else p["prompt_id"][:8]
+        if p["missing"]:
+            out.append(f"{name}: replicas {_ids(p['missing'])} have no record of it (missing, not outliers)")
+        if p.get("chained"):
+            out.append(f"{name}: replicas {_ids(p['chained'])} agree in a chain within atol but not all with each "
+                       "other: no group, each stands alone")
     ident = doc["identity"]
     if len(ident["groups"]) > 1:
         out.append("identity groups: " + "; ".join(f"replicas {_ids(g['replicas'])}" for g in ident["groups"]))
@@ -93,7 +105,7 @@ def render_text(doc: dict[str, Any]) -> str:
         out.append(f"{r['name']:<{width}}  " + " ".join(f"{c:>4}" for c in cells))
     if len(doc["prompts"]) > MAX_COLUMNS:
         out.append(f"(first {MAX_COLUMNS} of {len(doc['prompts'])} prompts; fleet.json has all)")
-    out.append("cells: the replica's group at that prompt (A the largest); * outside the prompt's majority; - no record; ERR failed")
+    out.append("cells: the replica's group at that prompt (A the majority's or reference's, else the largest); * outside the prompt's majority; - no record; ERR failed")
     out.append("")
     out += [f"replica {r['index']} {r['name']} ({r['source']}): {_role(r)}" for r, _ in rows]
     out.append("")
@@ -107,7 +119,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
            "| replica | " + " | ".join(heads) + " | role |", "|---|" + "---|" * (len(heads) + 1)]
     for r, cells in rows:
         out.append(f"| {r['index']} `{r['name']}` | " + " | ".join(cells) + f" | {_role(r).replace('|', '/')} |")
-    out += ["", "Cells: the replica's group at that prompt (A the largest); `*` outside the prompt's majority; `-` no record; ERR failed.", ""]
+    out += ["", "Cells: the replica's group at that prompt (A the majority's or reference's, else the largest); `*` outside the prompt's majority; `-` no record; ERR failed.", ""]
     out += [f"- {line.strip()}" for line in _lines(doc)]
     return "\n".join(out) + "\n"
 
@@ -129,10 +141,15 @@ def render_html(doc: dict[str, Any]) -> str:
         tds = "".join(f"<td class='{_cell_class(c)}'>{esc(c)}</td>" for c in cells)
         body.append(f"<tr><td>{r['index']} {esc(r['name'])}<br><small class='muted'>{esc(r['source'])}</small></td>{tds}"
                     f"<td>{esc(_role(r))}</td></tr>")
-    body.append("</tbody></table><p class='muted'>Cells: the replica's group at that prompt (A the largest); * outside the "
+    body.append("</tbody></table><p class='muted'>Cells: the replica's group at that prompt (A the majority's or reference's, else the largest); * outside the "
                 "prompt's majority; - no record; ERR the replica failed.</p>")
     body.append("<h2>Findings</h2><ul>" + "".join(f"<li>{esc(line.strip())}</li>" for line in _lines(doc)) + "</ul>")
     return page(f"detllm fleet: {doc['status']} {doc['category']}", body)
+
+
+def _case(r: dict[str, Any]) -> str:
+    """A testcase's name: the replica and where it is (its URL, or the side as given), as a CI dashboard shows it."""
+    return f"replica {r['index']} {r['name']}" + (f" {r['source']}" if r["source"] != r["name"] else "")
 
 
 def render_junit(doc: dict[str, Any]) -> str:
@@ -142,7 +159,7 @@ def render_junit(doc: dict[str, Any]) -> str:
     suite = ET.Element("testsuite", {"name": f"detllm fleet {doc['command']}"})
     failures = errors = 0
     for r in doc["replicas"]:
-        case = ET.SubElement(suite, "testcase", {"classname": "detllm.fleet", "name": f"replica {r['index']} {r['name']}", "time": "0"})
+        case = ET.SubElement(suite, "testcase", {"classname": "detllm.fleet", "name": _case(r), "time": "0"})
         if r["status"] != "ok":
             errors += 1
             ET.SubElement(case, "error", {"type": r["error"]["kind"], "message": r["error"]["message"]})

@@ -31,6 +31,9 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 # its digest before it is read). Anything else (.pkl, .py, .so, ...) is refused at extraction,
 # so it can never reach a loader.
 ALLOWED_SUFFIXES = (".json", ".jsonl", ".txt", ".md", ".sig", ".png", ".svg", ".safetensors")
+# A fleet folder's replica that failed mid-run is packed as it was left (docs/fleet.md): its marker
+# (one line of text) and its unfinished trace (JSON lines), under replica_<i>/ only
+FAILED_REPLICA = re.compile(r"^replica_\d+/(detllm\.partial|trace\.jsonl\.partial)$")
 _CHUNK = 1 << 20  # 1 MiB copies
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
@@ -229,7 +232,7 @@ def _extract_members(tar: tarfile.TarFile, dest: Path, limits: Limits, label: st
             kind = "a symlink" if member.issym() else "a hard link" if member.islnk() else \
                 "a fifo" if member.isfifo() else "a device" if member.isdev() else "a special file"
             raise IntegrityError(f"{label}: member {member.name!r} is {kind}; a pack holds regular files only")
-        if not parts[-1].lower().endswith(ALLOWED_SUFFIXES):
+        if not parts[-1].lower().endswith(ALLOWED_SUFFIXES) and not FAILED_REPLICA.match("/".join(parts[-2:])):
             raise IntegrityError(f"{label}: member {member.name!r} is not a detllm artifact; packs hold only "
                                  f"{', '.join(ALLOWED_SUFFIXES)} files and nothing in them is ever executed or unpickled")
         if member.size > limits.max_member_bytes:

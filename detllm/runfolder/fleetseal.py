@@ -61,10 +61,12 @@ def is_fleet_seal(seal: Seal) -> bool:
     return any(f["path"] == FLEET for f in seal.manifest["files"]) and (seal.folder / FLEET).is_file()
 
 
-def verify_fleet(seal: Seal, verify_replica: Callable[[Path], Verification]) -> Verification:
+def verify_fleet(seal: Seal, verify_replica: Callable[[Path], Verification],
+                 rederive: Callable[[Path], str]) -> Verification:
     """The fleet's own files against its manifest (IntegrityError, exit 6, naming the first changed
     one), fleet.json against its schema, then each sealed replica folder by `verify_replica`
-    (verify_folder: its manifest, chain and re-derived verdict). The fleet verdict is not re-derived."""
+    (verify_folder: its manifest, chain and re-derived verdict), then the fleet verdict by `rederive`
+    (commands/fleetverify: from the replicas; handed in, as this layer sits below the verdict)."""
     folder, listed = seal.folder, {f["path"]: f for f in seal.manifest["files"]}
     if len(listed) != len(seal.manifest["files"]):
         raise ArtifactError(f"{MANIFEST}: lists a path twice")
@@ -92,7 +94,7 @@ def verify_fleet(seal: Seal, verify_replica: Callable[[Path], Verification]) -> 
             raise type(exc)(f"{name}/{exc.message}", hint=exc.hint) from exc
     notes = [] if seal.signature == "verified" else [UNSIGNED_NOTE]
     verdict = (f"{len(sealed)} replica folder(s) verified (their files, chains and re-derived verdicts); "
-               "the fleet verdict is as sealed, not re-derived")
+               + rederive(folder))
     return Verification(folder, len(listed), None, None, seal.signature, seal.key_sha256, notes, verdict)
 
 

@@ -22,7 +22,7 @@ from ...core.errors import BackendError, BackendUnavailableError, UsageError
 from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF
 from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
 from .answers import cached_tokens as _cached_tokens, choice as _choice, shape as _answers_shape, steps as _steps
-from .load import Endpoint, Reply, safe_url as _safe_url
+from .load import Endpoint, NoAnswer, Reply, safe_url as _safe_url
 from .options import OpenAIOptions, validate
 
 REMOTE = "weights not hashed: remote"
@@ -76,6 +76,8 @@ class OpenAIBackend(Backend):
 
     def _detect(self) -> str:
         status, props, _ = self.endpoint.get("/props", root=True)
+        if status == 0 and isinstance(props, NoAnswer):  # it took the connection and said nothing: a timeout (exit 4)
+            raise self.endpoint.unreachable(_safe_url(self.endpoint.url("/props", root=True)), props)
         if status == 0:  # nothing answers there: say so (exit 4), not what a server of unknown kind cannot do
             status, doc, _ = self.endpoint.get("/models", timeout=self.options.connect_timeout + 5)
             if status == 0:

@@ -108,11 +108,16 @@ class Endpoint:
     # -- one-off calls (probe, identity, tokenize) --
 
     def get(self, path: str, *, root: bool = False, timeout: float = 10.0) -> tuple[int, Any, dict[str, str]]:
-        """(status, JSON or text, headers); a transport failure is (0, None, {})."""
+        """(status, JSON or text, headers); a transport failure is (0, why, {}), `why` a NoAnswer when
+        the server took the connection and did not answer in time. Waits at most request_timeout."""
         httpx = _httpx()
+        timeout = min(timeout, self.timeout)
         try:
             with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout), verify=_tls()) as client:
                 resp = client.get(self.url(path, root=root))
+        except httpx.TimeoutException as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            return 0, (why if isinstance(exc, httpx.ConnectTimeout) else NoAnswer(why, timeout)), {}
         except httpx.HTTPError as exc:
             return 0, f"{type(exc).__name__}: {exc}", {}
         return resp.status_code, _body(resp), dict(resp.headers)
@@ -127,8 +132,10 @@ class Endpoint:
             return await self._send(client, path, body, root=root, what=what, t0=time.monotonic())
 
     def try_post(self, path: str, body: Any, *, root: bool = False, timeout: float = 30.0) -> tuple[int, Any]:
-        """(status, body) of an optional endpoint (tokenize, cache reset); (0, why) when unreachable."""
+        """(status, body) of an optional endpoint (tokenize, cache reset); (0, why) when unreachable.
+        Waits at most request_timeout."""
         httpx = _httpx()
+        timeout = min(timeout, self.timeout)
         try:
             with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout), verify=_tls()) as client:
                 resp = client.post(self.url(path, root=root), json=body)
@@ -258,11 +265,29 @@ class Endpoint:
             return Reply(_body(resp), dict(resp.headers), retries, started, (time.monotonic() - t0) * 1000)
 
     def unreachable(self, url: str, exc: object) -> Exception:
+        if isinstance(exc, NoAnswer):  # it took the connection: hung or overloaded, not unreachable
+            err = BackendUnavailableError(
+                f"{url} took the connection but did not answer within {exc.seconds:g} s ({exc})",
+                hint="the server is hung (stopped, deadlocked) or overloaded; raise --opt request_timeout if it is only slow")
+            err.__cause__ = TimeoutError(str(exc))  # its kind: timeout (a fleet's replica error)
+            return err
         if self.running:
             return BackendError(f"{url} stopped accepting connections mid-run ({exc or type(exc).__name__})",
                                 hint="the server went away; nothing of this run is complete")
         return BackendUnavailableError(f"cannot connect to {url} ({exc or type(exc).__name__})",
                                        hint="is the server running, and is --base-url its /v1 address?")
+
+
+class NoAnswer(str):
+    """Why a GET got no answer: the server accepted the connection and then said nothing within
+    `seconds` (a read, write or pool timeout; a connect timeout is unreachable)."""
+
+    seconds: float
+
+    def __new__(cls, why: str, seconds: float) -> "NoAnswer":
+        self = super().__new__(cls, why)
+        self.seconds = seconds
+        return self
 
 
 def _run(coro):

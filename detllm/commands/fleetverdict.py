@@ -1,36 +1,46 @@
 """The N-way verdict: N replicas' traces grouped per prompt, the majority and the outliers, an
 identity mismatch named first, and replicas that agree with each other but move with their own
-batch, concurrency or cache (their own check's verdict). Every pair is compared by diff.diff_report,
-the pairwise diff's engine; this module only groups what it found. Reads sides, writes nothing.
+batch, concurrency or cache (their own check's verdict). Every pair is compared by diff.diff_report
+at one tier chosen before grouping; this module only groups what it found. Reads sides, writes
+nothing; here, below fleet/, so that `verify` re-derives a fleet verdict with the same function.
 """
 
 from __future__ import annotations
 
+import json
 import string
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..runfolder import artifacts
 from ..compare.causes import Side
 from ..compare.causes.codes import TITLES
-from ..commands.diff import diff_report
+from ..compare.fleetidentity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS
+from ..compare.fleetidentity import identity_groups
 from ..runfolder.env import detllm_version
-from .identity import NOT_IDENTITY_OPTIONS as ADDRESS_FIELDS
-from .identity import identity_groups
+from .diff import Selection, diff_report
 
 # most fundamental first: the category a fleet report leads with (docs/fleet.md)
-CATEGORIES = ("IDENTITY_MISMATCH", "UNSTABLE", "OUTLIER", "NO_MAJORITY", "ENDPOINT_ERROR", "AGREE_BUT_VARIANT", "AGREE")
+CATEGORIES = ("IDENTITY_MISMATCH", "UNSTABLE", "OUTLIER", "NO_MAJORITY", "MISSING_PROMPTS", "ENDPOINT_ERROR",
+              "AGREE_BUT_VARIANT", "AGREE")
+# fleet.json's "grouping": the rule its groups were made by. Its presence says the verdict can be
+# re-derived by this module (verify); a fleet.json without it was grouped by an earlier rule
+GROUPING = "one_tier_every_member"
 VERDICTS = {
     "IDENTITY_MISMATCH": "replicas differ in what they serve (model, build or server settings); see identity",
     "UNSTABLE": "most replicas differ from their own repeats at this setting: differences between replicas are not "
                 "attributed to any of them (see each one's own check)",
     "OUTLIER": "the named replicas disagree with the majority",
     "NO_MAJORITY": "the replicas split with no majority: no outlier can be named; see the groups",
+    "MISSING_PROMPTS": "the replicas agree where they overlap, but some have no record of prompts others have "
+                       "(see each prompt's missing)",
     "ENDPOINT_ERROR": "the replicas that answered agree, but some failed or timed out",
     "AGREE_BUT_VARIANT": "all replicas agree with each other, but batch, concurrency, cache or repeats move each of them",
     "AGREE": "all replicas agree",
 }
 
+REFERENCE_OUTLIER = "the named replicas disagree with the reference replica (--reference-url)"
 
 # an outlier whose recorded identity and settings equal the majority's: what is left is unrecorded
 UNEXPLAINED = ("nothing recorded explains it: the identities match and the pairwise diff names no cause that tells "
@@ -62,6 +72,20 @@ def own_check(report: dict[str, Any]) -> dict[str, Any] | None:
             "repeats_differ": any(c["status"] != "PASS" for c in runs) if runs else None}
 
 
+def side_own(side: Side, sel: Selection) -> dict[str, Any] | None:
+    """A check folder's own verdict (status, category), to tell replica variance apart. Whether its
+    repeats differ is judged only for a side given as the whole folder (run 0 at the base batch size):
+    a side that selects run_N or batch_B is itself one of the repeats being compared."""
+    try:
+        rep = json.loads((Path(side.folder) / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    own = own_check(rep) if isinstance(rep, dict) else None
+    if own is not None and (sel.run is not None or sel.batch is not None):
+        own["repeats_differ"] = None
+    return own
+
+
 def prompt_keys(records: list[dict[str, Any]]) -> dict[int, tuple[str, int]]:
     """Each record's prompt as (prompt_id, occurrence): how compare.engine.align pairs them."""
     seen: dict[str, int] = {}
@@ -84,9 +108,8 @@ def _pair(a: Replica, b: Replica, atol: float, tier: int | None) -> tuple[dict[s
 
 
 class _Pairs:
-    """The pairs compared so far, each once (diff.diff_report, as `detllm diff A B` would): grouping
-    compares a replica only with the first member of each group before it, so N replicas that agree
-    cost N-1 comparisons, not N(N-1)/2."""
+    """The pairs compared so far, each once (diff.diff_report, as `detllm diff A B --tier T` would),
+    all at the one tier chosen before grouping, so "equal" is the same relation for every pair."""
 
     def __init__(self, replicas: dict[int, Replica], atol: float, tier: int | None) -> None:
         self.replicas, self.atol, self.tier = replicas, atol, tier
@@ -108,31 +131,64 @@ class _Pairs:
         return [_pair_summary(self.replicas[a], self.replicas[b], self.done[(a, b)][0]) for a, b in sorted(self.done)]
 
 
+def common_tier(sides: list[Side], tier: int | None) -> tuple[int | None, int | None]:
+    """(requested, effective) for every pair: --tier, else the lowest tier any side was recorded at;
+    logprobs only where every side recorded them. Chosen before grouping, whatever the order."""
+    if not sides:
+        return tier, None
+    requested = tier if tier is not None else max(1, min(s.applied["tier_effective"] for s in sides))
+    logprobs = all(s.applied["capabilities"]["logprobs"] for s in sides)
+    return requested, requested if requested < 2 or logprobs else 1
+
+
 def _labels(n: int) -> list[str]:
     letters = string.ascii_uppercase
     return [letters[i] if i < 26 else f"G{i}" for i in range(n)]
 
 
-def _cluster(members: list[int], equal) -> list[list[int]]:
-    """Replicas in groups: each joins the first group whose first member it equals; largest first."""
-    groups: list[list[int]] = []
-    for m in members:
-        g = next((g for g in groups if equal(g[0], m)), None)
-        if g is None:
-            groups.append([m])
+def _cluster(members: list[int], equal) -> tuple[list[list[int]], list[int]]:
+    """(groups, chained): the replicas that are equal to each other, whatever their order. Groups are
+    the connected parts of the "equal" relation in which every pair is equal (compared with every
+    member, not the first); a part where some pair differs (a chain within --atol: a~b, b~c, a!~c)
+    is not a group: each of its replicas stands alone and is listed in `chained`. Largest first."""
+    parts: list[list[int]] = []
+    for m in sorted(members):
+        joined = [p for p in parts if any(equal(x, m) for x in p)]
+        for p in joined:
+            parts.remove(p)
+        parts.append(sorted([m, *[x for p in joined for x in p]]))
+    groups, chained = [], []
+    for p in parts:
+        if all(equal(x, y) for i, x in enumerate(p) for y in p[i + 1:]):
+            groups.append(p)
         else:
-            g.append(m)
-    return sorted(groups, key=lambda g: (-len(g), g[0]))
+            groups.extend([x] for x in p)
+            chained.extend(p)
+    return sorted(groups, key=lambda g: (-len(g), g[0])), sorted(chained)
 
 
-def _majority(groups: list[list[int]], present: int) -> list[int] | None:
+def _majority(groups: list[list[int]], present: int, reference: int | None = None) -> list[int] | None:
+    """The group holding more than half of the `present` replicas; with a reference replica, the
+    group holding the reference (None when the reference is not among them)."""
+    if reference is not None:
+        return next((g for g in groups if reference in g), None)
     return groups[0] if groups and 2 * len(groups[0]) > present else None
 
 
-def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, tier: int | None = None) -> dict[str, Any]:
-    """fleet.json's body: per-prompt groups, replica groups, majority, outliers, identity, pairs."""
+def _first(groups: list[list[int]], major: list[int] | None) -> list[list[int]]:
+    """The majority (or the reference's) group first, so that it is labelled A."""
+    return ([major] + [g for g in groups if g is not major]) if major else groups
+
+
+def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, tier: int | None = None,
+                  reference: int | None = None) -> dict[str, Any]:
+    """fleet.json's body: per-prompt groups, replica groups, majority, outliers, identity, pairs.
+    `reference`: the index of the replica the others are judged against (check --reference-url);
+    None: the majority of the replicas that have each prompt."""
     ok = [r for r in replicas if r.side is not None]
-    pairs = _Pairs({r.index: r for r in ok}, atol, tier)
+    ref = reference if reference is not None and any(r.index == reference for r in ok) else None
+    requested, effective = common_tier([r.side for r in ok if r.side is not None], tier)
+    pairs = _Pairs({r.index: r for r in ok}, atol, effective)
     order: list[tuple[str, int]] = []
     for r in ok:
         for k in (r.keys[i] for i in sorted(r.keys)):
@@ -143,19 +199,24 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
     prompts = []
     for key in order:
         present = [r.index for r in ok if key in held[r.index]]
-        groups = _cluster(present, lambda x, y, key=key: key not in pairs.differ(x, y))
-        missing = [r.index for r in ok if r.index not in present]
-        major = _majority(groups, len(ok))  # a replica without the prompt counts against every group
+        groups, chained = _cluster(present, lambda x, y, key=key: key not in pairs.differ(x, y))
+        missing = [r.index for r in ok if r.index not in present]  # reported as missing, never as an outlier
+        major = _majority(groups, len(present), ref)  # over the replicas that have the prompt (docs/fleet.md)
+        groups = _first(groups, major)
         index = first_index.get(key)
-        prompts.append({"prompt_id": key[0], "occurrence": key[1], "prompt_index": index,
-                        "groups": [{"label": lab, "replicas": g} for lab, g in zip(_labels(len(groups)), groups)],
-                        "majority": "A" if major else None,
-                        "outliers": sorted([m for g in groups[1:] for m in g] + missing) if major else [],
-                        "missing": missing})
+        entry = {"prompt_id": key[0], "occurrence": key[1], "prompt_index": index,
+                 "groups": [{"label": lab, "replicas": g} for lab, g in zip(_labels(len(groups)), groups)],
+                 "majority": "A" if major else None,
+                 "outliers": sorted(m for g in groups[1:] for m in g) if major else [],
+                 "missing": missing}
+        if chained:
+            entry["chained"] = chained
+        prompts.append(entry)
     # replicas with the same group at every prompt hold identical traces: one replica group
     sig = {r.index: tuple(next((g["label"] for g in p["groups"] if r.index in g["replicas"]), "-") for p in prompts) for r in ok}
-    rgroups = _cluster([r.index for r in ok], lambda x, y: sig[x] == sig[y])
-    rmajor = _majority(rgroups, len(ok))
+    rgroups, _ = _cluster([r.index for r in ok], lambda x, y: sig[x] == sig[y])
+    rmajor = _majority(rgroups, len(ok), ref)
+    rgroups = _first(rgroups, rmajor)
     # a replica whose own repeats differ at the compared setting: most such, and no difference between
     # replicas can be told from run-to-run variation, so no outlier is named
     unstable = [r.index for r in ok if r.own and r.own.get("repeats_differ")]
@@ -165,7 +226,8 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
             p["outliers"] = []
     outliers = sorted({m for p in prompts for m in p["outliers"]})
     split = [p["prompt_index"] if p["prompt_index"] is not None else p["prompt_id"] for p in prompts
-             if len(p["groups"]) + bool(p["missing"]) > 1 and not p["majority"]]
+             if len(p["groups"]) > 1 and not p["majority"]]
+    missing = any(p["missing"] for p in prompts)
     ident = identity_groups({r.index: r.side for r in ok})
     errors = [r for r in replicas if r.error is not None]
     variant = [{"replica": r.index, **r.own} for r in ok if r.own and r.own.get("status") == "FAIL"]
@@ -177,6 +239,8 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
         category = "OUTLIER"
     elif split:
         category = "NO_MAJORITY"
+    elif missing:
+        category = "MISSING_PROMPTS"
     elif errors:
         category = "ENDPOINT_ERROR"
     elif variant:
@@ -195,11 +259,12 @@ def fleet_verdict(replicas: list[Replica], *, command: str, atol: float = 0.0, t
                      "own_check": r.own, "records": len(r.side.records or ()) if r.side is not None else 0,
                      "prompts_outside_majority": [p["prompt_index"] for p in prompts if r.index in p["outliers"]]})
     summaries = pairs.summaries()
-    tiers = [p["tier_effective"] for p in summaries]
     return artifacts.stamp("fleet", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "command": command,
-        "status": "PASS" if category == "AGREE" else "FAIL", "category": category, "verdict": VERDICTS[category],
-        "tier": {"requested": tier, "effective": min(tiers) if tiers else None}, "atol": atol,
+        "status": "PASS" if category == "AGREE" else "FAIL", "category": category,
+        "verdict": REFERENCE_OUTLIER if ref is not None and category == "OUTLIER" else VERDICTS[category],
+        "tier": {"requested": requested, "effective": effective}, "atol": atol, "grouping": GROUPING,
+        **({} if reference is None else {"reference": {"replica": reference, "used": ref is not None}}),
         "replicas": rows,
         "groups": [{"label": lab, "replicas": g} for lab, g in zip(_labels(len(rgroups)), rgroups)],
         "majority": ({"label": "A", "replicas": rmajor} if rmajor else None),
@@ -255,4 +320,4 @@ def _explain(rgroups: list[list[int]], rmajor: list[int] | None, pairs: _Pairs) 
     return out
 
 
-__all__ = ["CATEGORIES", "VERDICTS", "Replica", "fleet_verdict", "own_check", "prompt_keys"]
+__all__ = ["CATEGORIES", "GROUPING", "VERDICTS", "Replica", "common_tier", "fleet_verdict", "own_check", "prompt_keys", "side_own"]

@@ -17,7 +17,7 @@ from ..runfolder import artifacts
 from ..runfolder.archive import is_archive, open_run_path
 from ..runfolder.env import detllm_version
 from ..core.errors import UsageError
-from ..runfolder.integrity import open_seal
+from ..runfolder.integrity import open_seal, seal
 from .chain import STEPS, load_config
 from .pack import CHECKPOINTS_INDEX, TrainingOutcome, checkpoints_dir, is_training_pack, records, verify_training
 from .verdict import differing_parameters, first_divergence
@@ -202,6 +202,7 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
         out.mkdir(parents=True, exist_ok=True)
         artifacts.write_json(out, TRAIN_DIFF, doc)
         artifacts.atomic_write_text(out / "train_diff.txt", text)
+        seal(out)  # verify and pack take it (training/results.py re-derives its verdict)
     return TrainingOutcome(doc, out, text)
 
 

@@ -1,0 +1,118 @@
+"""The folders the training commands write beside training packs (issue 32, points 9, 10, 14):
+`parity --out` and `diff A B --out` of two training packs are sealed, so verify re-derives what
+it can and pack takes them; parity speaks RL terms (importance ratio, k3 mismatch KL) and takes
+--base-url; train-check and parity write JUnit. Real tiny model, real hf backend, real packs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from detllm.runfolder.integrity import seal
+from detllm.runfolder.schema_io import validate
+from detllm.training.check import train_check
+from detllm.training.paritystats import compare_path, rl_terms
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def two_packs(tmp_path_factory):
+    """Two 2-step packs of tiny that differ in the seed (one repeat each, in this process)."""
+    root = tmp_path_factory.mktemp("result-packs")
+    for name, seed in (("A", 0), ("B", 1)):
+        assert train_check(out=root / name, steps=2, seed=seed, repeats=1, fresh_process=0, threads=1).exit_code == 0
+    return root / "A", root / "B"
+
+
+@pytest.fixture(scope="module")
+def parity_folder(tmp_path_factory):
+    from typer.testing import CliRunner
+
+    from detllm.cli import app
+
+    root = tmp_path_factory.mktemp("parity")
+    res = CliRunner().invoke(app, ["parity", "--attn-implementation", "eager", "--max-new-tokens", "6", "--out", str(root / "p"),
+                                   "--junit", str(root / "p.xml")])
+    assert res.exit_code in (0, 1), res.output
+    return root / "p", res.output
+
+
+def test_rl_terms_by_hand():
+    """r = exp(logp_trainer - logp_engine); k3 = r - 1 - log r, averaged; the share outside [0.99, 1.01]."""
+    d = math.log(1.02)
+    got = rl_terms([(-1.0, -1.0), (-1.0 + d, -1.0), (-2.0, -2.0 + 1e-7)])
+    assert got["tokens"] == 3 and got["ratio_outside_share"] == pytest.approx(1 / 3)
+    assert got["ratio_max"] == pytest.approx(1.02) and got["ratio_min"] == pytest.approx(math.exp(-1e-7))
+    want = ((1.02 - 1 - d) + (math.exp(-1e-7) - 1 + 1e-7)) / 3
+    assert got["mismatch_kl_k3"] == pytest.approx(want, rel=1e-6)
+    assert rl_terms([(-1.0, -1.0)])["mismatch_kl_k3"] == 0.0  # bitwise equal: no mismatch
+    assert compare_path([[-1.0, None]], [[-1.0, -0.5]], atol=0.0)["rl"]["tokens"] == 1  # a null logprob has no ratio
+
+
+def test_parity_folder_is_sealed_and_rederived(parity_folder, cli, tmp_path):
+    folder, output = parity_folder
+    doc = json.loads((folder / "parity.json").read_text())
+    validate(doc, "parity")
+    dec = doc["paths"]["decode"]["rl"]
+    assert dec["tokens"] == doc["paths"]["decode"]["positions"] > 0 and dec["mismatch_kl_k3"] >= 0
+    assert "importance ratio r = exp(logp_trainer - logp_engine)" in output and "mismatch KL(engine || trainer)" in output
+    res = cli("verify", folder)
+    assert res.exit_code == 0, res.output
+    assert "parity verdict" in res.output and "re-derived from the" in res.output
+    res = cli("pack", folder, "-o", tmp_path / "p.tar.gz")
+    assert res.exit_code == 0, res.output
+    assert cli("verify", tmp_path / "p.tar.gz").exit_code == 0
+    # a figure edited and the folder re-sealed: the bytes match, the figure no longer follows from the logprobs
+    doc["paths"]["decode"]["max_abs_diff"] = doc["paths"]["decode"]["max_abs_diff"] / 2 + 1e-9
+    (folder / "parity.json").write_text(json.dumps(doc))
+    seal(folder)
+    res = cli("verify", folder)
+    assert res.exit_code == 6 and "paths.decode.max_abs_diff" in res.output, res.output
+
+
+def test_parity_junit(parity_folder):
+    folder, _ = parity_folder
+    suite = ET.parse(folder.parent / "p.xml").getroot().find("testsuite")
+    names = [c.get("name") for c in suite.findall("testcase")]
+    assert names == ["decode vs trainer (hf)", "prefill vs trainer (hf)"]
+    prefill = suite.findall("testcase")[1]
+    assert prefill.find("failure") is None  # the same eager kernel: bitwise (test_training_parity)
+    assert int(suite.get("failures")) == sum(c.find("failure") is not None for c in suite.findall("testcase"))
+
+
+def test_parity_base_url_is_the_openai_option(cli, tmp_path):
+    res = cli("parity", "--base-url", "http://127.0.0.1:9/v1", "--out", tmp_path / "x")
+    assert res.exit_code == 2 and "--base-url applies to --backend openai" in res.output and not (tmp_path / "x").exists()
+    res = cli("parity", "--backend", "openai", "--base-url", "http://127.0.0.1:9/v1", "--out", tmp_path / "y")
+    assert res.exit_code != 0 and "no option" not in res.output and not (tmp_path / "y" / "parity.json").exists(), res.output
+
+
+def test_train_diff_folder_is_sealed(two_packs, cli, tmp_path):
+    a, b = two_packs
+    res = cli("diff", a, b, "--out", tmp_path / "d")
+    assert res.exit_code == 1 and "cause: seed" in res.output, res.output
+    res = cli("verify", tmp_path / "d")
+    assert res.exit_code == 0 and "train_diff verdict FAIL follows from its first divergence" in res.output, res.output
+    assert cli("pack", tmp_path / "d", "-o", tmp_path / "d.tar.gz").exit_code == 0
+    doc = json.loads((tmp_path / "d" / "train_diff.json").read_text())
+    doc["verdict"] = "PASS"
+    (tmp_path / "d" / "train_diff.json").write_text(json.dumps(doc))
+    seal(tmp_path / "d")
+    assert cli("verify", tmp_path / "d").exit_code == 6
+
+
+def test_train_check_junit(cli, tmp_path):
+    res = cli("train-check", "--steps", "2", "--fresh-process", "0", "--threads", "1", "--test-option",
+              "repeat_seed=1", "--out", tmp_path / "t", "--junit", tmp_path / "t.xml")
+    assert res.exit_code == 1, res.output
+    suite = ET.parse(tmp_path / "t.xml").getroot().find("testsuite")
+    case = suite.find("testcase")
+    assert case.get("name") == "run 1 (same process) vs run 0" and case.find("failure").get("type") == "TRAIN_SEED"
+    assert "first differs at step 0" in case.find("failure").get("message")
+    res = cli("train-check", "--steps", "2", "--junit", tmp_path, "--out", tmp_path / "bad")
+    assert res.exit_code == 2 and not (tmp_path / "bad").exists()

@@ -110,9 +110,30 @@ def test_train_check_junit(cli, tmp_path):
     res = cli("train-check", "--steps", "2", "--fresh-process", "0", "--threads", "1", "--test-option",
               "repeat_seed=1", "--out", tmp_path / "t", "--junit", tmp_path / "t.xml")
     assert res.exit_code == 1, res.output
+    assert "checkpoints: 3 × ~5.51 MB = ~16.5 MB, every step (the default" in res.output  # said before training
+    assert json.loads((tmp_path / "t" / "train_config.json").read_text())["checkpoint_every"] == 1
     suite = ET.parse(tmp_path / "t.xml").getroot().find("testsuite")
     case = suite.find("testcase")
     assert case.get("name") == "run 1 (same process) vs run 0" and case.find("failure").get("type") == "TRAIN_SEED"
     assert "first differs at step 0" in case.find("failure").get("message")
     res = cli("train-check", "--steps", "2", "--junit", tmp_path, "--out", tmp_path / "bad")
     assert res.exit_code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_default_checkpoint_cadence():
+    """Before the first step, after the last and every k-th, k the smallest whose checkpoints stay
+    under max(2 checkpoints, 2 GB): every step for tiny's 8 steps (its config, H(config) and chain
+    head as before), only 0 and K for smollm2-135m's ~1.6 GB checkpoints."""
+    from detllm.models import resolve_model
+    from detllm.training import cadence
+    from detllm.training.check import _parameters
+    from detllm.training.loop import boundaries
+
+    for steps, every in ((8, 1), (8, 3), (1000, 3), (8, None), (1, 1)):
+        assert cadence.count(steps, every) == len(boundaries({"steps": steps, "checkpoint_every": every}))
+    tiny = cadence.checkpoint_bytes(sum(b for _, b in _parameters(resolve_model("tiny").path, "float32")))
+    assert 5e6 < tiny < 6e6  # model.safetensors 1.84 MB + optimizer.safetensors 3.68 MB, measured
+    assert cadence.default_every(8, tiny) == 1
+    k = cadence.default_every(1000, tiny)
+    assert k == 3 and cadence.count(1000, 3) * tiny <= cadence.BUDGET_BYTES < cadence.count(1000, 2) * tiny
+    assert cadence.default_every(8, 1_610_000_000) is None  # smollm2-135m: 2 checkpoints, not 9 (~14 GB)

@@ -30,7 +30,9 @@ def train_check(
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 32,
     grad_accumulation: Annotated[int, typer.Option(help="Micro-batches per step (divides --batch-size).")] = 1,
     dtype: Annotated[str, typer.Option(help="Training dtype: float32, bfloat16, float16, float64.")] = "float32",
-    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps (and at the last); 0: only before the first and after the last.")] = 1,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (and at the last); 0: only before the first "
+                                                            "and after the last. Default: the smallest N whose checkpoints stay under "
+                                                            "max(2 checkpoints, 2 GB) (every step for tiny); the size is printed first.")] = None,
     checkpoints: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (default: OUT.checkpoints beside the pack).")] = None,
     test_option: Annotated[Optional[list[str]], typer.Option("--test-option", help="TEST ONLY, recorded in the pack: change run 1 on purpose, "
                                                              "repeat_seed=SEED or grad_add=STEP:PARAMETER:VALUE.")] = None,
@@ -64,9 +66,9 @@ def train_check(
         check_output_file(junit, "--junit")
         outcome = run_train_check(model=model, steps=steps, seed=seed, out=out, threads=threads, repeats=repeats,
                                   fresh_process=fresh_process, batch_size=batch_size, seq_len=seq_len,
-                                  grad_accumulation=grad_accumulation, dtype=dtype, checkpoint_every=checkpoint_every or None,
+                                  grad_accumulation=grad_accumulation, dtype=dtype, checkpoint_every="auto" if checkpoint_every is None else checkpoint_every or None,
                                   checkpoints=checkpoints, test_options=parse_test_options(test_option), force=force, sign_key=sign_key,
-                                  script=script)
+                                  script=script, say=lambda line: typer.echo(line, err=True))
         if junit is not None:
             from ..training.junit import train_report_junit, write
 

@@ -13,13 +13,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..runfolder import artifacts, schema_io
 from ..runfolder.env import collect_env, detllm_version
 from ..core.errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
 from ..runfolder.folderlock import exclusive_writer
 from ..runfolder.integrity import seal
+from . import cadence
 from .chain import STEPS, TRAIN_CONFIG
 from .child import run_fresh
 from .digest import MAX_SAFE_INT, jcs
@@ -100,14 +101,16 @@ def _check_args(steps: int, seed: int, threads: int | None, repeats: int, fresh_
         raise UsageError("--test-option repeat_seed: the seed must be between 0 and 2^53-1")
 
 
-def _parameter_names(model_path: Path) -> list[str]:
-    """The model's parameter names, from its config on the meta device (no weights loaded)."""
+def _parameters(model_path: Path, dtype: str) -> list[tuple[str, int]]:
+    """The model's parameter names and their bytes in `dtype`, from its config on the meta device
+    (no weights loaded)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)))
-    return [n for n, _ in model.named_parameters()]
+    width = getattr(torch, dtype).itemsize
+    return [(n, p.numel() * width) for n, p in model.named_parameters()]
 
 
 def _check_out(out: Path, ckdir: Path, force: bool) -> None:
@@ -144,17 +147,21 @@ def _prepare(out: Path, ckdir: Path) -> None:
 
 def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str | Path | None = None, threads: int | None = None,
                 repeats: int = 1, fresh_process: int = 1, batch_size: int = 4, seq_len: int = 32, grad_accumulation: int = 1,
-                dtype: str = "float32", checkpoint_every: int | None = 1, checkpoints: str | Path | None = None,
+                dtype: str = "float32", checkpoint_every: int | None | str = "auto", checkpoints: str | Path | None = None,
                 test_options: dict[str, Any] | None = None, force: bool = False, sign_key: str | Path | None = None,
-                script: str | None = None) -> TrainOutcome:
+                script: str | None = None, say: Callable[[str], None] | None = None) -> TrainOutcome:
     """Run the built-in training task `1 + repeats + fresh_process` times and compare every step bit
-    for bit; write the training pack to `out` and its checkpoints beside it. Exit code 0 PASS, 1 FAIL."""
+    for bit; write the training pack to `out` and its checkpoints beside it. Exit code 0 PASS, 1 FAIL.
+    `checkpoint_every`: a cadence, None (before the first step and after the last only) or "auto"
+    (cadence.py: the smallest that keeps the checkpoints under max(2 checkpoints, 2 GB)); `say`
+    hears the checkpoints' number and size before training starts."""
     from ..core.hashing import folder_identity
     from ..models import resolve_model
     from ..runfolder.signing import load_signing_key
 
     opts = dict(test_options or {})
-    _check_args(steps, seed, threads, repeats, fresh_process, checkpoint_every, opts)
+    auto = checkpoint_every == "auto"
+    _check_args(steps, seed, threads, repeats, fresh_process, None if auto else checkpoint_every, opts)
     check_task_args(batch_size=batch_size, seq_len=seq_len, grad_accumulation=grad_accumulation, dtype=dtype)
     for key, o in opts.items():
         if o["run"] > repeats + fresh_process:
@@ -164,16 +171,23 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
     if script is not None:  # --script (script.py): the script's path stands for the model folder from here on
         from .script import script_setup
 
-        path, sections["task"], sections["optimizer"], names = script_setup(script)
+        path, sections["task"], sections["optimizer"], params = script_setup(script)
         model, identity = "script", {}
     else:
         resolved = resolve_model(model)
         if resolved.path is None or not resolved.path.is_dir():
             raise UsageError(f"--model {model!r}: train-check needs a built-in model or a local model folder")
         path = resolved.path
-    if "grad_add" in opts and opts["grad_add"]["parameter"] not in (names := names if script else _parameter_names(path)):
+    params = params if script else _parameters(path, dtype)
+    names = [n for n, _ in params]
+    if "grad_add" in opts and opts["grad_add"]["parameter"] not in names:
         raise UsageError(f"--test-option grad_add: the model has no parameter {opts['grad_add']['parameter']!r}",
                          hint=f"e.g. {names[-1]}")
+    each = cadence.checkpoint_bytes(sum(b for _, b in params))
+    if auto:
+        checkpoint_every = cadence.default_every(steps, each)
+    if say is not None:
+        say(cadence.plan_line(steps, checkpoint_every, each, auto))
     if script is None:
         identity = folder_identity(model, path).to_json()
     config = make_config(model_id=model, identity=identity, steps=steps, seed=seed, threads=threads, batch_size=batch_size,

@@ -236,9 +236,9 @@ def build_script_task(config: dict[str, Any], script_path: Path) -> ScriptRun:
         config, script_path)
 
 
-def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
+def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[tuple[str, int]]]:
     """train-check --script: (the script's path, standing for the model folder; the config's
-    task and optimizer sections; the model's parameter names), from one run of make()."""
+    task and optimizer sections; the model's parameter names and bytes), from one run of make()."""
     from .rng import Saved, seed_all
 
     with Saved():  # the caller's random state is put back
@@ -253,7 +253,8 @@ def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[
         optimizer["scheduler"] = type(parts.scheduler).__name__
     if parts.scaler is not None:
         optimizer["scaler"] = type(parts.scaler).__name__
-    return Path(parts.entry.rpartition(":")[0]), parts.config_task(), optimizer, [n for n, _ in parts.model.named_parameters()]
+    params = [(n, p.numel() * p.element_size()) for n, p in parts.model.named_parameters()]
+    return Path(parts.entry.rpartition(":")[0]), parts.config_task(), optimizer, params
 
 
 def copy_script(script_path: Path, folder: Path) -> None:

@@ -137,3 +137,29 @@ def test_default_checkpoint_cadence():
     k = cadence.default_every(1000, tiny)
     assert k == 3 and cadence.count(1000, 3) * tiny <= cadence.BUDGET_BYTES < cadence.count(1000, 2) * tiny
     assert cadence.default_every(8, 1_610_000_000) is None  # smollm2-135m: 2 checkpoints, not 9 (~14 GB)
+
+
+def test_train_run_records_one_run_that_verify_takes_and_diff_compares(cli, tmp_path):
+    """train-run: run 0 alone, RECORDED (nothing compared, never PASS); verify re-derives it from
+    the chain, pack packs it, diff compares two (another seed names the seed); a report edited to
+    PASS and re-sealed is refused."""
+    for name, seed in (("n1", 0), ("n2", 1)):
+        res = cli("train-run", "--steps", "2", "--threads", "1", "--seed", seed, "--out", tmp_path / name)
+        assert res.exit_code == 0 and res.output.startswith("checkpoints: 3 ×") and "RECORDED: one run of 2 steps" in res.output, res.output
+    report = json.loads((tmp_path / "n1" / "train_report.json").read_text())
+    validate(report, "train_report")
+    assert report["command"] == "train-run" and [r["run"] for r in report["runs"]] == [0] and report["comparisons"] == []
+    assert not (tmp_path / "n1" / "repeats").exists()
+    res = cli("verify", tmp_path / "n1")
+    assert res.exit_code == 0 and "verdict RECORDED (one run, nothing compared) follows from steps.jsonl" in res.output, res.output
+    assert cli("pack", tmp_path / "n1", "-o", tmp_path / "n1.tar.gz").exit_code == 0
+    assert cli("verify", tmp_path / "n1.tar.gz").exit_code == 0
+    res = cli("diff", tmp_path / "n1", tmp_path / "n2")
+    assert res.exit_code == 1 and "cause: seed" in res.output and "max |Δ| at lm_head.weight" in res.output, res.output
+    report["verdict"] = "PASS"
+    (tmp_path / "n1" / "train_report.json").write_text(json.dumps(report))
+    seal(tmp_path / "n1")
+    res = cli("verify", tmp_path / "n1")
+    assert res.exit_code == 6 and "a train-run report holds run 0 alone" in res.output, res.output
+    res = cli("train-run", "--steps", "2", "--out", tmp_path / "bad", "--checkpoint-every", "-1")
+    assert res.exit_code == 2 and not (tmp_path / "bad").exists()

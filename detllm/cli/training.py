@@ -79,6 +79,41 @@ def train_check(
     guarded(body)
 
 
+@app.command("train-run", help="Record one training run alone (as `run` is to `check`): train-check's run 0 with no repeat, "
+                                 "written as a sealed training pack (verdict RECORDED) with its checkpoints beside it, to compare with "
+                                 "another node's by `detllm diff A B`. Exit 0 when recorded.")
+def train_run(
+    model: Model = "tiny",
+    steps: Annotated[int, typer.Option("--steps", help="Training steps K.")] = 8,
+    seed: Annotated[int, typer.Option(help="The seed of every RNG (Python, NumPy, torch, data order).")] = 0,
+    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads (default: torch's).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 4,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 32,
+    grad_accumulation: Annotated[int, typer.Option(help="Micro-batches per step (divides --batch-size).")] = 1,
+    dtype: Annotated[str, typer.Option(help="Training dtype: float32, bfloat16, float16, float64.")] = "float32",
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="As train-check's (default: by size, printed first).")] = None,
+    checkpoints: Annotated[Optional[Path], typer.Option(help="Checkpoint folder (default: OUT.checkpoints beside the pack).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Training pack folder (default: a new folder under artifacts/).")] = None,
+    force: Annotated[bool, typer.Option(help="Write into an existing non-detllm folder.")] = False,
+    sign_key: SignKey = None,
+    script: Annotated[Optional[str], typer.Option("--script", metavar="PATH.py[:make]", help="Train your own setup, as train-check's.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print train_report.json instead of the verdict.")] = False,
+) -> None:
+    def body() -> int:
+        from ..runfolder.schema_io import dumps
+        from ..training.trainrun import train_run as run_one
+
+        outcome = run_one(model=model, steps=steps, seed=seed, out=out, threads=threads, batch_size=batch_size, seq_len=seq_len,
+                          grad_accumulation=grad_accumulation, dtype=dtype,
+                          checkpoint_every="auto" if checkpoint_every is None else checkpoint_every or None,
+                          checkpoints=checkpoints, force=force, sign_key=sign_key, script=script,
+                          say=lambda line: typer.echo(line, err=True))
+        typer.echo(dumps({"out_dir": str(outcome.out_dir), **outcome.report}) if as_json else outcome.text().rstrip("\n"))
+        return outcome.exit_code
+
+    guarded(body)
+
+
 @app.command(help="Trainer <-> engine logprob parity: roll prompts out on --backend, then score the same tokens teacher-forced "
                   "with the training model (transformers forward, --dtype, model.eval()) and compare per token with the engine's "
                   "rollout (decode) and score() (prefill) logprobs: first differing position, max |Δ|, bitwise equality. "

@@ -101,7 +101,7 @@ def train_run(
 ) -> None:
     def body() -> int:
         from ..runfolder.schema_io import dumps
-        from ..training.trainrun import train_run as run_one
+        from ..training.check import train_run as run_one
 
         outcome = run_one(model=model, steps=steps, seed=seed, out=out, threads=threads, batch_size=batch_size, seq_len=seq_len,
                           grad_accumulation=grad_accumulation, dtype=dtype,

@@ -211,6 +211,14 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
             raise
 
 
+def train_run(**kw: Any) -> TrainOutcome:
+    """`detllm train-run`: train_check's run 0 alone (the same arguments, no repeats or test options),
+    a pack whose verdict is RECORDED (trainrun.py)."""
+    if kw.pop("test_options", None):
+        raise UsageError("train-run records one run: --test-option changes a repeat, and there is none")
+    return train_check(**kw, repeats=0, fresh_process=0, command="train-run")
+
+
 def _execute(config: dict[str, Any], model_path: Path, out: Path, ckdir: Path, repeats: int, fresh: int, signer: Any,
              command: str = "train-check") -> TrainOutcome:
     _prepare(out, ckdir)
@@ -319,4 +327,4 @@ def render_text(report: dict[str, Any], out: Path, ckdir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["TrainOutcome", "make_config", "make_report", "max_abs_diff", "parse_test_options", "render_text", "train_check"]
+__all__ = ["TrainOutcome", "make_config", "make_report", "max_abs_diff", "parse_test_options", "render_text", "train_check", "train_run"]

@@ -1,7 +1,7 @@
-"""`detllm train-run`: one training run recorded alone (as `run` is to `check`), a training pack
-with run 0 and no repeat, to compare with another node's by `detllm diff A B`. Owns its verdict
-(RECORDED: nothing was compared, so nothing passed) and verify's check of it; the run itself,
-the pack and the chain are train-check's (check.py, chain.py).
+"""`detllm train-run`'s pack: one training run recorded alone (as `run` is to `check`), run 0 and
+no repeat, to compare with another node's by `detllm diff A B`. Owns its verdict (RECORDED:
+nothing was compared, so nothing passed), its words and verify's check of it; the run itself
+(check.train_run), the pack and the chain are train-check's (check.py, chain.py).
 """
 
 from __future__ import annotations
@@ -22,17 +22,6 @@ def recorded_summary(steps: int, head: str) -> str:
 def recorded_scope(config: dict[str, Any]) -> str:
     return (f"run 0 alone in this process; threads {config['threads'] or 'torch default'}; no repeat, so this pack says "
             "nothing about repeatability by itself (train-check does)")
-
-
-def train_run(**kw: Any) -> Any:
-    """train_check's run 0 alone (the same arguments, without repeats or test options)."""
-    from .check import train_check
-
-    if kw.pop("test_options", None):
-        from ..core.errors import UsageError
-
-        raise UsageError("train-run records one run: --test-option changes a repeat, and there is none")
-    return train_check(**kw, repeats=0, fresh_process=0, command="train-run")
 
 
 def rederive_recorded(folder: Path, report: dict[str, Any], head: str) -> str:
@@ -58,4 +47,4 @@ def is_train_run(folder: Path) -> bool:
         return False
 
 
-__all__ = ["RECORDED", "is_train_run", "rederive_recorded", "train_run"]
+__all__ = ["RECORDED", "is_train_run", "recorded_scope", "recorded_summary", "rederive_recorded"]

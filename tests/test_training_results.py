@@ -163,3 +163,29 @@ def test_train_run_records_one_run_that_verify_takes_and_diff_compares(cli, tmp_
     assert res.exit_code == 6 and "a train-run report holds run 0 alone" in res.output, res.output
     res = cli("train-run", "--steps", "2", "--out", tmp_path / "bad", "--checkpoint-every", "-1")
     assert res.exit_code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_diff_of_two_script_packs_takes_script(cli, tmp_path):
+    """`diff A B --script`: two --script packs whose scheduler differs (StepLR step 2 vs 3, so the
+    rate first differs at step 2): each side re-runs from checkpoint 2 with its own script (its
+    batches fast-forwarded, landing on its own commitments), max |Δ| is given and no module is
+    blamed for an optimizer difference; without --script it says how; a changed script is refused."""
+    from .test_training_script import SCRIPT
+
+    (tmp_path / "a.py").write_text(SCRIPT)
+    (tmp_path / "b.py").write_text(SCRIPT.replace("step_size=2", "step_size=3"))
+    for name in ("a", "b"):
+        res = cli("train-run", "--script", f"{tmp_path / name}.py:make", "--steps", "4", "--out", tmp_path / name)
+        assert res.exit_code == 0, res.output
+    res = cli("diff", tmp_path / "a", tmp_path / "b")
+    assert res.exit_code == 1 and "diff A B --script PATH[:make]" in res.output and "max |Δ| at" not in res.output, res.output
+    res = cli("diff", tmp_path / "a", tmp_path / "b", "--script", tmp_path / "a.py", "--script", tmp_path / "b.py", "--out", tmp_path / "d")
+    assert res.exit_code == 1 and "first divergent step: step 2" in res.output, res.output
+    assert "A re-run from checkpoint boundary 2 to step 2, landed on its commitments; B re-run from checkpoint boundary 2" in res.output
+    doc = json.loads((tmp_path / "d" / "train_diff.json").read_text())
+    assert doc["at_divergence"]["max_abs_grad_diff"] == 0 and doc["at_divergence"]["max_abs_value_diff"] > 0
+    assert doc["at_divergence"]["first_op"]["found"] is None  # every module's output and gradient equal: the optimizer
+    res = cli("diff", tmp_path / "a", tmp_path / "b", "--script", tmp_path / "a.py", "--out", tmp_path / "d2")
+    assert res.exit_code == 6 and "is not the script the pack was made with" in res.output and not (tmp_path / "d2").exists()
+    res = cli("diff", tmp_path / "a", tmp_path / "b", *["--script", tmp_path / "a.py"] * 3)
+    assert res.exit_code == 2 and "once for both sides, or twice" in res.output

@@ -287,3 +287,17 @@ def script_for_replay(pack: Path, config: dict[str, Any], script: str | None, al
     if not copy.is_file():
         raise UsageError(f"the pack holds no copy of its script ({SCRIPT_COPY})", hint="give it with --script PATH")
     return _run(copy, func, f"{SCRIPT_COPY}:{func}", expect)
+
+
+def side_script(folder: Path, config: dict[str, Any], scripts: list[str] | None, side: int) -> str | None:
+    """`diff A B --script PATH[:make]` (once for both sides, or once per side): the script this side
+    re-runs; None for a built-in pack, or a --script pack when none was given (then not re-run)."""
+    if config["task"]["kind"] != "script" or not scripts:
+        return None
+    return scripts[side] if len(scripts) > 1 else scripts[0]
+
+
+def script_runner(folder: Path, config: dict[str, Any], spec: str, fast_forward: int) -> tuple[Path, Callable[[dict[str, Any], Path], ScriptRun]]:
+    """(the path standing for the model, loop.run_steps's make_task) to re-run a --script pack from the
+    checkpoint at `fast_forward`: the given script, refused (exit 6) when its bytes are not the recorded ones."""
+    return parse_spec(spec)[0], script_task_maker(lambda: script_for_replay(folder, config, spec, ()), fast_forward=fast_forward)

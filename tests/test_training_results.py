@@ -189,3 +189,22 @@ def test_diff_of_two_script_packs_takes_script(cli, tmp_path):
     assert res.exit_code == 6 and "is not the script the pack was made with" in res.output and not (tmp_path / "d2").exists()
     res = cli("diff", tmp_path / "a", tmp_path / "b", *["--script", tmp_path / "a.py"] * 3)
     assert res.exit_code == 2 and "once for both sides, or twice" in res.output
+
+
+def test_axes_and_replay_folders_are_sealed(two_packs, cli, tmp_path):
+    """train-check --axis and replay of a training pack write sealed folders; verify re-derives what
+    the folder holds (the base's repeat from its cells; each segment's head from its records)."""
+    res = cli("train-check", "--axis", "threads=1,2", "--steps", "1", "--out", tmp_path / "ax")
+    assert res.exit_code == 0, res.output
+    res = cli("verify", tmp_path / "ax")
+    assert res.exit_code == 0 and "axes verdict PASS (the base repeats itself) re-derived from its cells" in res.output, res.output
+    res = cli("replay", two_packs[0], "--out", tmp_path / "rp")
+    assert res.exit_code == 0, res.output
+    res = cli("verify", tmp_path / "rp")
+    assert res.exit_code == 0 and "replay verdict PASS follows from the 1 segments' re-run records" in res.output, res.output
+    assert cli("pack", tmp_path / "rp", "-o", tmp_path / "rp.tar.gz").exit_code == 0
+    doc = json.loads((tmp_path / "rp" / "train_replay.json").read_text())
+    doc["segments"][0]["head"] = doc["segments"][0]["committed_head"] = "0" * 64  # a forged head, re-sealed
+    (tmp_path / "rp" / "train_replay.json").write_text(json.dumps(doc))
+    seal(tmp_path / "rp")
+    assert cli("verify", tmp_path / "rp").exit_code == 6

@@ -1,7 +1,7 @@
 """verify of the sealed folders the training commands write beside training packs: parity (its
 per-path figures and verdict re-derived from the per-token logprobs it holds), train_diff (its
-verdict against its first divergence; the two packs it compared are not in it) and train-check
---axis (the base's repeat re-derived from its cells). Reads JSON only, no torch. The seal itself is
+verdict against its first divergence; the two packs it compared are not in it), train-check
+--axis (the base's repeat re-derived from its cells) and a training replay (its segments' heads). Reads JSON only, no torch. The seal itself is
 integrity.py's; training packs are pack.py's.
 """
 
@@ -16,13 +16,13 @@ from ..runfolder.schema_io import finite
 from .paritystats import compare_path, verdict_of
 from .verdict import first_divergence
 
-PARITY, TRAIN_DIFF, AXES = "parity.json", "train_diff.json", "axes.json"
+PARITY, TRAIN_DIFF, AXES, TRAIN_REPLAY = "parity.json", "train_diff.json", "axes.json", "train_replay.json"
 _EDITED = "the result does not follow from the sealed data"
 
 
 def result_kind(folder: Path) -> str | None:
     """Which training result a sealed folder holds (its JSON file's artifact_type), or None."""
-    for name, kind in ((PARITY, "parity"), (TRAIN_DIFF, "train_diff"), (AXES, "train_axes")):
+    for name, kind in ((PARITY, "parity"), (TRAIN_DIFF, "train_diff"), (AXES, "train_axes"), (TRAIN_REPLAY, "train_replay")):
         p = Path(folder) / name
         if p.is_file():
             try:
@@ -82,11 +82,27 @@ def rederive_axes(folder: Path) -> str:
     return f"axes verdict {doc['verdict']} (the base repeats itself) re-derived from its cells"
 
 
+def rederive_replay(folder: Path) -> str:
+    """A training replay's folder: each segment's head is the last h of its re-run records, landed only
+    where that head is the committed one, PASS only when every segment landed (the pack is not in it)."""
+    doc = json.loads((folder / TRAIN_REPLAY).read_bytes())
+    for row in doc["segments"]:
+        p = folder / f"segment_{row['start']:06d}_{row['stop']:06d}.jsonl"
+        steps = [json.loads(line) for line in p.read_bytes().splitlines() if line.strip()] if p.is_file() else []
+        last = next((r["h"] for r in reversed(steps) if r.get("artifact_type") == "train_step"), None)
+        if last != row["head"] or (row["landed"] and row["head"] != row["committed_head"]):
+            raise IntegrityError(f"{TRAIN_REPLAY}: segment {row['start']}..{row['stop'] - 1} does not follow from {p.name}", hint=_EDITED)
+    if (doc["verdict"] == "PASS") != all(r["landed"] for r in doc["segments"]):
+        raise IntegrityError(f"{TRAIN_REPLAY}: verdict {doc['verdict']} does not follow from its segments", hint=_EDITED)
+    return (f"replay verdict {doc['verdict']} follows from the {len(doc['segments'])} segments' re-run records; the pack's "
+            "commitments are not in the folder")
+
+
 def rederive_result(folder: Path) -> str | None:
     """What verify prints for a training result folder after its bytes matched; None: not one."""
     kind = result_kind(folder)
     return None if kind is None else {"parity": rederive_parity, "train_diff": rederive_train_diff,
-                                      "train_axes": rederive_axes}[kind](Path(folder))
+                                      "train_axes": rederive_axes, "train_replay": rederive_replay}[kind](Path(folder))
 
 
 __all__ = ["rederive_result", "result_kind"]

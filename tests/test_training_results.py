@@ -85,11 +85,16 @@ def test_parity_junit(parity_folder):
     assert int(suite.get("failures")) == sum(c.find("failure") is not None for c in suite.findall("testcase"))
 
 
-def test_parity_base_url_is_the_openai_option(cli, tmp_path):
-    res = cli("parity", "--base-url", "http://127.0.0.1:9/v1", "--out", tmp_path / "x")
+def test_parity_base_url_is_the_openai_option(cli, tmp_path, llama_served):
+    """`parity --backend openai --base-url URL` against the session's real llama-server, as check takes it."""
+    res = cli("parity", "--base-url", llama_served.url, "--out", tmp_path / "x")
     assert res.exit_code == 2 and "--base-url applies to --backend openai" in res.output and not (tmp_path / "x").exists()
-    res = cli("parity", "--backend", "openai", "--base-url", "http://127.0.0.1:9/v1", "--out", tmp_path / "y")
-    assert res.exit_code != 0 and "no option" not in res.output and not (tmp_path / "y" / "parity.json").exists(), res.output
+    res = cli("parity", "--backend", "openai", "--base-url", llama_served.url, "--model", "tiny", "--max-new-tokens", "8",
+              "--attn-implementation", "eager", "--out", tmp_path / "o")
+    assert res.exit_code in (0, 1), res.output
+    doc = json.loads((tmp_path / "o" / "parity.json").read_text())
+    assert doc["engine"]["backend"] == "openai" and doc["paths"]["decode"]["available"], doc["paths"]
+    assert doc["paths"]["decode"]["rl"]["tokens"] > 0 and "importance ratio" in res.output
 
 
 def test_train_diff_folder_is_sealed(two_packs, cli, tmp_path):

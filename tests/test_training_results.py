@@ -213,3 +213,11 @@ def test_axes_and_replay_folders_are_sealed(two_packs, cli, tmp_path):
     (tmp_path / "rp" / "train_replay.json").write_text(json.dumps(doc))
     seal(tmp_path / "rp")
     assert cli("verify", tmp_path / "rp").exit_code == 6
+
+
+def test_a_refusal_stays_one_line(cli, tmp_path):
+    """The checkpoints' size is said only once every refusal is behind: a bad --out is one line."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    res = cli("train-check", "--steps", "2", "--out", tmp_path / "full")
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and res.output.startswith("detllm: error: "), res.output

@@ -188,8 +188,6 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
     each = cadence.checkpoint_bytes(sum(b for _, b in params))
     if auto:
         checkpoint_every = cadence.default_every(steps, each)
-    if say is not None:
-        say(cadence.plan_line(steps, checkpoint_every, each, auto))
     if script is None:
         identity = folder_identity(model, path).to_json()
     config = make_config(model_id=model, identity=identity, steps=steps, seed=seed, threads=threads, batch_size=batch_size,
@@ -198,6 +196,8 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
     out = Path(out) if out is not None else artifacts.default_out_dir("train-check")
     ckdir = Path(checkpoints) if checkpoints is not None else out.parent / (out.name + ".checkpoints")
     _check_out(out, ckdir, force)
+    if say is not None:  # every refusal is behind us: the plan is the first line, before any training
+        say(cadence.plan_line(steps, checkpoint_every, each, auto))
     with exclusive_writer(out):
         try:
             return _execute(config, path, out, ckdir, repeats, fresh_process, signer, command)

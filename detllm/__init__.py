@@ -19,12 +19,12 @@ _EXPORTS = {
     "replay": ".commands.replay",
     "Outcome": ".pipeline.runner",
     "fleet_check": ".fleet.endpoints", "fleet_diff": ".fleet.nway",
-    "train_check": ".training.check",
+    "train_check": ".training.check", "train_run": ".training.check",
     "parity": ".training.parity", "train_diff": ".training.diffing",
 }
 
 __all__ = ["Decoding", "DetllmError", "Outcome", "RunConfig", "Verification", "check", "create_pack", "diff", "fleet_check", "fleet_diff",
-           "make_config", "parity", "replay", "run", "train_check", "train_diff", "verify"]
+           "make_config", "parity", "replay", "run", "train_check", "train_diff", "train_run", "verify"]
 
 if TYPE_CHECKING:
     from .api import check, make_config, run
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .training.check import train_check
     from .training.diffing import train_diff
     from .training.parity import parity
+    from .training.check import train_run
 
 
 def __getattr__(name: str) -> Any:

@@ -193,7 +193,9 @@ def test_parity_scores_a_checkpoints_trained_weights(packs, tmp_path):
     from detllm.models import builtin_path
     from detllm.training.parity import trainer_logprobs
 
-    trained = parity(backend="hf", attn_implementation="eager", max_new_tokens=4, checkpoint=ckpt, out=tmp_path / "t").doc
+    outcome = parity(backend="hf", attn_implementation="eager", max_new_tokens=4, checkpoint=ckpt, out=tmp_path / "t")
+    trained = outcome.doc
+    assert f"weights: the checkpoint {ckpt} (checked by digest), on both sides" in outcome.text  # said, not only recorded
     assert trained["checkpoint"] == str(ckpt) and trained["paths"]["prefill"]["bitwise_equal"]
     seqs = [(s["prompt_ids"], s["token_ids"]) for s in trained["sequences"]]
     untrained = trainer_logprobs(builtin_path("tiny"), "float32", seqs, attn_implementation="eager")

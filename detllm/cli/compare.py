@@ -35,10 +35,15 @@ def diff(
     as_json: Annotated[bool, typer.Option("--json", help="Print report.json instead of the verdict.")] = False,
     locate: Annotated[bool, typer.Option("--locate", help="Then run `detllm locate` on the two sides (into --out when given): the only "
                                                           "path on which diff loads an engine, to re-run each side's recorded batch.")] = False,
+    script: Annotated[Optional[list[str]], typer.Option("--script", metavar="PATH.py[:make]", help="Two training packs made with "
+                                                        "--script: their script (once for both, or A's then B's; sha256 checked), "
+                                                        "to re-run the divergent step for max |Δ| and the first op.")] = None,
 ) -> None:
     def body() -> int:
         from ..commands.diffsides import diff_any, pick_sides
 
+        if more and script:
+            raise UsageError("--script applies to a diff of two training packs")
         if more:  # N sides: the fleet's N-way verdict (detllm/fleet/nway.py)
             return nway(a, b, more, left, right, out, atol, tier, junit, plot, html, as_json)
         left_arg, right_arg = pick_sides(a, b, left, right)
@@ -48,7 +53,7 @@ def diff(
 
             if is_training_side(left_arg) or is_training_side(right_arg):
                 raise UsageError("--html does not apply to training packs")
-        outcome = diff_any(left_arg, right_arg, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot)
+        outcome = diff_any(left_arg, right_arg, out=out, force=force, atol=atol, tier=tier, junit=junit, plot=plot, script=script)
         if not hasattr(outcome, "report"):  # two training packs (training/diffing.py)
             from .training import emit_training
 

@@ -60,6 +60,8 @@ def diff_any(a: str, b: str, **kw: Any) -> Outcome:
 
     if is_training_side(a) or is_training_side(b):  # two training packs (docs/training.md)
         return diff_training_sides(a, b, **kw)
+    if kw.pop("script", None):
+        raise UsageError("--script applies to two training packs made with --script (docs/training.md)")
     if not (is_bare_trace(a) or is_bare_trace(b)):
         return diff(a, b, **kw)
     junit, plot = kw.get("junit"), kw.get("plot")

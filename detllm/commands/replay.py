@@ -88,13 +88,16 @@ def replay(
 
 
 def _replay_training(folder: Path, label: str, *, sign_key: str | Path | None, served: tuple[str | None, str | None], **kw: Any) -> Any:
+    from ..runfolder.integrity import seal
+    from ..runfolder.signing import load_signing_key
     from ..training.replay import replay_folder
 
-    if sign_key is not None:
-        raise UsageError("--sign-key: a training replay writes train_replay.json, which is not sealed; replay without it")
     if any(v is not None for v in served):
         raise UsageError("--base-url and --api-key-env apply to packs of a served endpoint, not to a training pack")
-    return replay_folder(folder, label=label, **kw)
+    signer = load_signing_key(sign_key) if sign_key is not None else None  # a bad key is refused before anything runs
+    outcome = replay_folder(folder, label=label, **kw)
+    seal(outcome.out_dir, signer)  # train_replay.json and the segments' records: verify and pack take the folder
+    return outcome
 
 
 # Options through which a pack could make replay run code of its choosing. Replay takes none of

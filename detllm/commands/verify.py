@@ -44,6 +44,12 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: st
         from ..core.errors import UsageError
 
         raise UsageError("--weights applies to a training pack (detllm train-check): a run pack commits no weights")
+    from ..training.results import rederive_result, result_kind
+
+    if seal.manifest["trace"] is None and result_kind(seal.folder) is not None:  # parity, train_diff, axes (training/results.py)
+        result = check_bytes(seal)
+        result.verdict = rederive_result(seal.folder) or ""
+        return result
     # the verdict is re-derived on the other core while the bytes are checked; its answer is read
     # only once the bytes check out, so a changed file is still the first problem named
     ahead = Ahead.start(seal.folder) if seal.manifest["trace"] is not None else None

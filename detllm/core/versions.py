@@ -122,6 +122,9 @@ EXTENDED: tuple[Change, ...] = (
            "which), top_logprobs pairs [token string, logprob]; a record may carry an evidence object. Came within "
            "version 2, against the rule (an early version-2 reader takes every element for an id); a version-3 reader "
            "reads evidence.tokens_as in either version", "2"),
+    Change("train_report.verdict", "may be RECORDED, with command train-run and runs holding run 0 alone and no "
+           "comparison: one training run recorded to be compared with another pack by diff; never PASS, since nothing "
+           "was compared (a version-3 reader knows only PASS and FAIL, and at least 2 runs)", "4"),
 )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..runfolder import artifacts
 from ..core.config import parse_axes
 from ..runfolder.env import detllm_version
+from ..runfolder.integrity import seal
 from ..core.errors import UsageError
 from .pack import TrainingOutcome
 from .verdict import first_divergence
@@ -112,6 +113,7 @@ def run_axes(config: dict[str, Any], model_path: Path, specs: list[str], *, out:
     artifacts.write_json(out, AXES_JSON, doc)
     text = render_axes(doc)
     artifacts.atomic_write_text(out / "axes.txt", text)
+    seal(out)  # verify and pack take it (training/results.py re-derives the base's repeat)
     return TrainingOutcome(doc, out, text)
 
 

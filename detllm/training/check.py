@@ -13,13 +13,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..runfolder import artifacts, schema_io
 from ..runfolder.env import collect_env, detllm_version
 from ..core.errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
 from ..runfolder.folderlock import exclusive_writer
 from ..runfolder.integrity import seal
+from . import cadence
 from .chain import STEPS, TRAIN_CONFIG
 from .child import run_fresh
 from .digest import MAX_SAFE_INT, jcs
@@ -82,15 +83,16 @@ def make_config(*, model_id: str, identity: dict[str, Any], steps: int, seed: in
 
 
 def _check_args(steps: int, seed: int, threads: int | None, repeats: int, fresh_process: int, checkpoint_every: int | None,
-                opts: dict[str, Any]) -> None:
+                opts: dict[str, Any], one_run: bool = False) -> None:
     if not 1 <= steps <= 1_000_000:
         raise UsageError(f"--steps {steps}: must be between 1 and 1000000")
     if not 0 <= seed <= MAX_SAFE_INT:
         raise UsageError(f"--seed {seed}: must be between 0 and 2^53-1 (it is hashed as an exact JSON integer)")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
-    if repeats < 0 or fresh_process < 0 or repeats + fresh_process < 1:
-        raise UsageError("train-check needs at least one repeat to compare with run 0", hint="--repeats 1 or --fresh-process 1")
+    if repeats < 0 or fresh_process < 0 or (repeats + fresh_process < 1 and not one_run):
+        raise UsageError("train-check needs at least one repeat to compare with run 0",
+                         hint="--repeats 1 or --fresh-process 1; `detllm train-run` records one run alone")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every {checkpoint_every}: must be at least 1")
     grad = opts.get("grad_add")
@@ -100,14 +102,16 @@ def _check_args(steps: int, seed: int, threads: int | None, repeats: int, fresh_
         raise UsageError("--test-option repeat_seed: the seed must be between 0 and 2^53-1")
 
 
-def _parameter_names(model_path: Path) -> list[str]:
-    """The model's parameter names, from its config on the meta device (no weights loaded)."""
+def _parameters(model_path: Path, dtype: str) -> list[tuple[str, int]]:
+    """The model's parameter names and their bytes in `dtype`, from its config on the meta device
+    (no weights loaded)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)))
-    return [n for n, _ in model.named_parameters()]
+    width = getattr(torch, dtype).itemsize
+    return [(n, p.numel() * width) for n, p in model.named_parameters()]
 
 
 def _check_out(out: Path, ckdir: Path, force: bool) -> None:
@@ -144,17 +148,22 @@ def _prepare(out: Path, ckdir: Path) -> None:
 
 def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str | Path | None = None, threads: int | None = None,
                 repeats: int = 1, fresh_process: int = 1, batch_size: int = 4, seq_len: int = 32, grad_accumulation: int = 1,
-                dtype: str = "float32", checkpoint_every: int | None = 1, checkpoints: str | Path | None = None,
+                dtype: str = "float32", checkpoint_every: int | None | str = "auto", checkpoints: str | Path | None = None,
                 test_options: dict[str, Any] | None = None, force: bool = False, sign_key: str | Path | None = None,
-                script: str | None = None) -> TrainOutcome:
+                script: str | None = None, say: Callable[[str], None] | None = None, command: str = "train-check") -> TrainOutcome:
     """Run the built-in training task `1 + repeats + fresh_process` times and compare every step bit
-    for bit; write the training pack to `out` and its checkpoints beside it. Exit code 0 PASS, 1 FAIL."""
+    for bit; write the training pack to `out` and its checkpoints beside it. Exit code 0 PASS, 1 FAIL.
+    `checkpoint_every`: a cadence, None (before the first step and after the last only) or "auto"
+    (cadence.py: the smallest that keeps the checkpoints under max(2 checkpoints, 2 GB)); `say`
+    hears the checkpoints' number and size before training starts. `command` "train-run": run 0
+    alone, nothing compared (trainrun.py)."""
     from ..core.hashing import folder_identity
     from ..models import resolve_model
     from ..runfolder.signing import load_signing_key
 
     opts = dict(test_options or {})
-    _check_args(steps, seed, threads, repeats, fresh_process, checkpoint_every, opts)
+    auto = checkpoint_every == "auto"
+    _check_args(steps, seed, threads, repeats, fresh_process, None if auto else checkpoint_every, opts, command == "train-run")
     check_task_args(batch_size=batch_size, seq_len=seq_len, grad_accumulation=grad_accumulation, dtype=dtype)
     for key, o in opts.items():
         if o["run"] > repeats + fresh_process:
@@ -164,16 +173,21 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
     if script is not None:  # --script (script.py): the script's path stands for the model folder from here on
         from .script import script_setup
 
-        path, sections["task"], sections["optimizer"], names = script_setup(script)
+        path, sections["task"], sections["optimizer"], params = script_setup(script)
         model, identity = "script", {}
     else:
         resolved = resolve_model(model)
         if resolved.path is None or not resolved.path.is_dir():
             raise UsageError(f"--model {model!r}: train-check needs a built-in model or a local model folder")
         path = resolved.path
-    if "grad_add" in opts and opts["grad_add"]["parameter"] not in (names := names if script else _parameter_names(path)):
+    params = params if script else _parameters(path, dtype)
+    names = [n for n, _ in params]
+    if "grad_add" in opts and opts["grad_add"]["parameter"] not in names:
         raise UsageError(f"--test-option grad_add: the model has no parameter {opts['grad_add']['parameter']!r}",
                          hint=f"e.g. {names[-1]}")
+    each = cadence.checkpoint_bytes(sum(b for _, b in params))
+    if auto:
+        checkpoint_every = cadence.default_every(steps, each)
     if script is None:
         identity = folder_identity(model, path).to_json()
     config = make_config(model_id=model, identity=identity, steps=steps, seed=seed, threads=threads, batch_size=batch_size,
@@ -182,9 +196,11 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
     out = Path(out) if out is not None else artifacts.default_out_dir("train-check")
     ckdir = Path(checkpoints) if checkpoints is not None else out.parent / (out.name + ".checkpoints")
     _check_out(out, ckdir, force)
+    if say is not None:  # every refusal is behind us: the plan is the first line, before any training
+        say(cadence.plan_line(steps, checkpoint_every, each, auto))
     with exclusive_writer(out):
         try:
-            return _execute(config, path, out, ckdir, repeats, fresh_process, signer)
+            return _execute(config, path, out, ckdir, repeats, fresh_process, signer, command)
         except (DetllmError, OSError) as exc:
             if not (out / artifacts.PARTIAL).exists():
                 raise
@@ -195,7 +211,16 @@ def train_check(*, model: str = "tiny", steps: int = 8, seed: int = 0, out: str 
             raise
 
 
-def _execute(config: dict[str, Any], model_path: Path, out: Path, ckdir: Path, repeats: int, fresh: int, signer: Any) -> TrainOutcome:
+def train_run(**kw: Any) -> TrainOutcome:
+    """`detllm train-run`: train_check's run 0 alone (the same arguments, no repeats or test options),
+    a pack whose verdict is RECORDED (trainrun.py)."""
+    if kw.pop("test_options", None):
+        raise UsageError("train-run records one run: --test-option changes a repeat, and there is none")
+    return train_check(**kw, repeats=0, fresh_process=0, command="train-run")
+
+
+def _execute(config: dict[str, Any], model_path: Path, out: Path, ckdir: Path, repeats: int, fresh: int, signer: Any,
+             command: str = "train-check") -> TrainOutcome:
     _prepare(out, ckdir)
     schema_io.write_json(out, TRAIN_CONFIG, config)
     if config["task"]["kind"] == "script":
@@ -218,12 +243,12 @@ def _execute(config: dict[str, Any], model_path: Path, out: Path, ckdir: Path, r
         results[r] = run_steps(req) if r <= repeats else run_fresh(req)
     schema_io.write_json(out, CHECKPOINTS, schema_io.stamp("train_checkpoints", {
         "location": _relative(ckdir, out), "every": config["checkpoint_every"], "checkpoints": results[0].checkpoints}))
-    report = make_report(config, results, repeats)
+    report = make_report(config, results, repeats, command)
     schema_io.write_json(out, TRAIN_REPORT, report)
     schema_io.atomic_write_text(out / REPORT_TXT, render_text(report, out, ckdir))
     seal(out, signer)
     artifacts.mark_complete(out)
-    return TrainOutcome(report, out, ckdir, EXIT_PASS if report["verdict"] == "PASS" else EXIT_FAIL)
+    return TrainOutcome(report, out, ckdir, EXIT_FAIL if report["verdict"] == "FAIL" else EXIT_PASS)
 
 
 def _relative(path: Path, start: Path) -> str:
@@ -238,7 +263,7 @@ def max_abs_diff(a: Any, b: Any) -> float | None:
     return d if math.isfinite(d) else None
 
 
-def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: int) -> dict[str, Any]:
+def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: int, command: str = "train-check") -> dict[str, Any]:
     ref = results[0]
     runs, comparisons, first = [], [], None
     for r, res in sorted(results.items()):
@@ -265,8 +290,12 @@ def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: 
                   else "; none in a fresh process, so what is fixed per process was not varied")
     scope = (f"run 0 and {n_same} repeat(s) in this process{fresh_text}; threads {config['threads'] or 'torch default'}; "
              f"not varied: the machine, library versions, thread count, dtype")
+    if command == "train-run":  # one run, nothing compared: recorded, never PASS (trainrun.py)
+        from .trainrun import RECORDED, recorded_scope, recorded_summary
+
+        verdict, summary, scope = RECORDED, recorded_summary(k, ref.records[-1]["h"]), recorded_scope(config)
     return schema_io.stamp("train_report", {
-        "detllm_version": detllm_version(), "created_at": schema_io.utc_now(), "command": "train-check", "verdict": verdict,
+        "detllm_version": detllm_version(), "created_at": schema_io.utc_now(), "command": command, "verdict": verdict,
         "model": config["model"]["id"], "steps": k, "seed": config["seed"], "runs": runs, "comparisons": comparisons,
         "first_divergence": first, "summary": summary(first, len(results), k), "scope": scope, "test_options": config["test_options"],
     })
@@ -285,4 +314,4 @@ def render_text(report: dict[str, Any], out: Path, ckdir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["TrainOutcome", "make_config", "make_report", "max_abs_diff", "parse_test_options", "render_text", "train_check"]
+__all__ = ["TrainOutcome", "make_config", "make_report", "max_abs_diff", "parse_test_options", "render_text", "train_check", "train_run"]

@@ -17,12 +17,13 @@ from ..runfolder import artifacts
 from ..runfolder.archive import is_archive, open_run_path
 from ..runfolder.env import detllm_version
 from ..core.errors import UsageError
-from ..runfolder.integrity import open_seal
+from ..runfolder.integrity import open_seal, seal
 from .chain import STEPS, load_config
 from .pack import CHECKPOINTS_INDEX, TrainingOutcome, checkpoints_dir, is_training_pack, records, verify_training
 from .verdict import differing_parameters, first_divergence
 
 TRAIN_DIFF = "train_diff.json"
+NO_SCRIPT = "a --script pack: not re-run here without its script (give it: diff A B --script PATH[:make], its sha256 checked)"
 
 
 def is_training_side(arg: str) -> bool:
@@ -47,7 +48,7 @@ def diff_training_sides(a: str, b: str, **kw: Any) -> TrainingOutcome:
             raise UsageError(f"{flag} does not apply to training packs (they are compared bit for bit, step by step)")
     if kw.get("atol"):
         raise UsageError("--atol does not apply to training packs: they are compared bit for bit")
-    return diff_packs(a, b, out=kw.get("out"), force=kw.get("force", False))
+    return diff_packs(a, b, out=kw.get("out"), force=kw.get("force", False), scripts=kw.get("script"))
 
 
 def growth(ref: list[dict[str, Any]], other: list[dict[str, Any]], start: int) -> list[dict[str, Any]]:
@@ -88,27 +89,39 @@ def _nearest(folder: Path, checkpoints: str | Path | None, step: int) -> dict[st
 
 
 def replay_tensors(folder: Path, config: dict[str, Any], committed: list[dict[str, Any]], step: int, names: list[str],
-                   checkpoints: str | Path | None, tmp: Path) -> tuple[dict[str, tuple[Any, Any]] | None, str]:
+                   checkpoints: str | Path | None, tmp: Path, script: str | None = None) -> tuple[dict[str, tuple[Any, Any]] | None, str]:
     """Re-run one side to `step` from its nearest checkpoint and return name -> (gradient, value)
     at that step, with a note; None when it cannot (no checkpoint, a script pack, or the re-run did
     not land on the side's own commitments: its tensors would not be the recorded ones)."""
     from .loop import RunRequest, run_steps
     from .replay import starting_weights  # the architecture only: the checkpoint's parameters replace the weights
 
-    if config["task"]["kind"] != "builtin":
-        return None, "a --script pack: its tensors are not re-run here (give the script to `detllm replay`)"
+    if config["task"]["kind"] == "script" and script is None:
+        return None, NO_SCRIPT
     resume = _nearest(folder, checkpoints, step)
     if resume is None:
         return None, "no checkpoint at or before that step was found"
     b = resume.pop("boundary")
-    req = RunRequest(config=config, model_path=str(starting_weights(config, None, True)), run=0, seed=config["seed"], stop=step + 1,
+    model, make = _runner(folder, config, script, b)
+    req = RunRequest(config=config, model_path=str(model), run=0, seed=config["seed"], stop=step + 1,
                      steps_file=str(tmp / f"replay_{id(folder)}.jsonl"), resume=resume, keep_tensors=True)
-    got = run_steps(req)
+    got = run_steps(req, make)
     ref = {r["step"]: r["h"] for r in committed[1:]}
     if any(r["h"] != ref.get(r["step"]) for r in got.records if r["artifact_type"] == "train_step"):
         return None, f"re-running from boundary {b} did not land on this pack's own commitments"
     kept = got.kept.get(step, {})
     return {n: kept[n] for n in names if n in kept}, f"re-run from checkpoint boundary {b} to step {step}, landed on its commitments"
+
+
+def _runner(folder: Path, config: dict[str, Any], script: str | None, boundary: int) -> tuple[Path, Any]:
+    """(model path, make_task) to re-run a side from `boundary`: the recorded weights, or a --script pack's script."""
+    from .loop import build_task
+    from .replay import starting_weights  # the architecture only: the checkpoint's parameters replace the weights
+    from .script import script_runner
+
+    if config["task"]["kind"] == "script":
+        return script_runner(folder, config, script, boundary)
+    return starting_weights(config, None, True), build_task
 
 
 NUMERIC_KEYS = frozenset({"threads", "dtype", "grad_accumulation"})  # same data and randomness, other arithmetic
@@ -128,20 +141,22 @@ def _config_cause(ca: dict[str, Any], cb: dict[str, Any], keys: list[str]) -> di
 
 
 def first_op(fa: Path, ca: dict[str, Any], sa: dict[str, Any], ck_a: Any, fb: Path, cb: dict[str, Any], sb: dict[str, Any],
-             ck_b: Any, t: int) -> dict[str, Any]:
+             ck_b: Any, t: int, scripts: tuple[str | None, str | None] = (None, None)) -> dict[str, Any]:
     """The first module or op (forward, then backward) whose tensor differs at step t, from both
     sides re-run under taps (opdiff.py); only where both drew the same batch at t."""
     from .opdiff import first_differing, tapped_step
-    from .replay import starting_weights
 
     if sa["batch_sha256"] != sb["batch_sha256"]:
         return {"found": None, "why": f"the two batches of step {t} differ: the inputs are the first difference"}
-    if "builtin" != ca["task"]["kind"] or "builtin" != cb["task"]["kind"]:
-        return {"found": None, "why": "a --script pack: not re-run here"}
+    if any(c["task"]["kind"] == "script" and s is None for c, s in ((ca, scripts[0]), (cb, scripts[1]))):
+        return {"found": None, "why": NO_SCRIPT}
     ra, rb = _nearest(fa, ck_a, t), _nearest(fb, ck_b, t)
     if ra is None or rb is None:
         return {"found": None, "why": "no checkpoint at or before that step on both sides"}
-    taps = [tapped_step(c, starting_weights(c, None, True), r, t) for c, r in ((ca, ra), (cb, rb))]
+    taps = []
+    for f, c, r, script in ((fa, ca, ra, scripts[0]), (fb, cb, rb, scripts[1])):
+        model, make = _runner(f, c, script, r["boundary"])
+        taps.append(tapped_step(c, model, r, t, make))
     found = first_differing(*taps)
     why = "" if found is not None else "every captured module output and gradient is equal (the difference is outside the modules)"
     return {"found": found, "why": why, "captured": [len(x.tensors) for x in taps]}
@@ -156,8 +171,9 @@ def _max_abs(x: Any, y: Any) -> float | None:
 
 def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, force: bool = False,
                checkpoints_a: str | Path | None = None, checkpoints_b: str | Path | None = None,
-               magnitude: bool = True) -> TrainingOutcome:
-    """Compare two training packs' reference runs step by step. PASS: bitwise equal at every step."""
+               magnitude: bool = True, scripts: list[str] | None = None) -> TrainingOutcome:
+    """Compare two training packs' reference runs step by step. PASS: bitwise equal at every step.
+    `scripts`: the script of --script packs (one for both sides, or A's then B's), checked by sha256."""
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not ((out / TRAIN_DIFF).is_file() and force))):
         raise UsageError(f"--out {str(out)!r} is not an empty folder", hint="choose another --out (or --force over an earlier diff)")
@@ -166,6 +182,7 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
         for f in (fa, fb):
             verify_training(open_seal(f))  # a changed pack is refused before it is compared
         (ca, _), (cb, _) = load_config(fa), load_config(fb)
+        ss = _scripts(fa, ca, fb, cb, scripts)
         ra, rb = records(fa / STEPS), records(fb / STEPS)
         div = first_divergence(ra, rb, run=1, test_options={}, dtype=ca["dtype"])
         config_keys = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
@@ -184,15 +201,15 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
             param = div["parameter"]
             if magnitude and param is not None and sb is not None:
                 with tempfile.TemporaryDirectory(prefix="detllm-train-diff-") as tmp:
-                    ta, note_a = replay_tensors(fa, ca, ra, t, [param], checkpoints_a, Path(tmp))
-                    tb, note_b = replay_tensors(fb, cb, rb, t, [param], checkpoints_b, Path(tmp))
+                    ta, note_a = replay_tensors(fa, ca, ra, t, [param], checkpoints_a, Path(tmp), ss[0])
+                    tb, note_b = replay_tensors(fb, cb, rb, t, [param], checkpoints_b, Path(tmp), ss[1])
                 detail["replay"] = {"a": note_a, "b": note_b}
                 if ta and tb and param in ta and param in tb:
                     detail["max_abs_grad_diff"] = _max_abs(ta[param][0], tb[param][0])
                     detail["max_abs_value_diff"] = _max_abs(ta[param][1], tb[param][1])
                     div["max_abs_diff"] = detail["max_abs_grad_diff"] if param in grads else detail["max_abs_value_diff"]
             if magnitude and sb is not None:
-                detail["first_op"] = first_op(fa, ca, sa, checkpoints_a, fb, cb, sb, checkpoints_b, t)
+                detail["first_op"] = first_op(fa, ca, sa, checkpoints_a, fb, cb, sb, checkpoints_b, t, ss)
     start = div["step"] if div is not None and div["step"] is not None else 0
     doc = artifacts.stamp("train_diff", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "a": str(a), "b": str(b),
@@ -204,7 +221,16 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
         out.mkdir(parents=True, exist_ok=True)
         artifacts.write_json(out, TRAIN_DIFF, doc)
         artifacts.atomic_write_text(out / "train_diff.txt", text)
+        seal(out)  # verify and pack take it (training/results.py re-derives its verdict)
     return TrainingOutcome(doc, out, text)
+
+
+def _scripts(fa: Path, ca: dict[str, Any], fb: Path, cb: dict[str, Any], given: list[str] | None) -> tuple[str | None, str | None]:
+    from .script import side_script
+
+    if given and (len(given) > 2 or "script" not in (ca["task"]["kind"], cb["task"]["kind"])):
+        raise UsageError("--script applies to packs made with --script: once for both sides, or twice (A's, then B's)")
+    return side_script(fa, ca, given, 0), side_script(fb, cb, given, 1)
 
 
 def render_diff(doc: dict[str, Any]) -> str:

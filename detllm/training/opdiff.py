@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..taps import Tap, tap
 from . import rng
@@ -22,11 +22,13 @@ from .task import build_task
 MAX_BYTES = 256 << 20  # a capture past this keeps layer boundaries only (taps' bound)
 
 
-def tapped_step(config: dict[str, Any], model_path: Path, resume: dict[str, Any], step: int) -> Tap:
+def tapped_step(config: dict[str, Any], model_path: Path, resume: dict[str, Any], step: int,
+                make_task: Callable[[dict[str, Any], Path], Any] = build_task) -> Tap:
     """Re-run steps [checkpoint boundary, step] as loop.run_steps would (this process, the caller's
-    RNG and threads put back), capturing step `step` whole, forward and backward."""
+    RNG and threads put back), capturing step `step` whole, forward and backward. `make_task`: a
+    --script pack's (script.script_runner, its batches fast-forwarded to the checkpoint)."""
     with rng.Saved(), torch_threads(config["threads"]):
-        task = build_task(config, model_path)
+        task = make_task(config, model_path)
         data = rng.seed_all(config["seed"])
         ckpt = load_checkpoint(resume["dir"], resume.get("descriptor_sha256"))
         apply_checkpoint(task, ckpt, data)

@@ -18,6 +18,7 @@ from ..core.errors import EXIT_FAIL, EXIT_PASS, IntegrityError, UsageError
 from ..runfolder.integrity import Seal, Verification, check_bytes, open_seal
 from .rederive import TRAIN_REPORT, rederive_report
 from .digest import rng_digest
+from .trainrun import is_train_run, rederive_recorded
 from .chain import STEPS, TRAIN_CONFIG, ChainCheck, check_chain, read_records, safetensors_digest
 
 CHECKPOINTS_INDEX = "checkpoints.json"
@@ -175,7 +176,10 @@ def verify_training(seal: Seal, *, checkpoints: str | Path | None = None, weight
     folder = seal.folder
     result = check_bytes(seal, beside=PACKED_CHECKPOINTS)
     chain = check_chain(folder, weights=weights)
-    verdict = rederive_report(folder, chain) if (folder / TRAIN_REPORT).is_file() else ""
+    if is_train_run(folder):  # one run alone: RECORDED, nothing to compare (trainrun.py)
+        verdict = rederive_recorded(folder, json.loads((folder / TRAIN_REPORT).read_bytes()), chain.runs[0].head)
+    else:
+        verdict = rederive_report(folder, chain) if (folder / TRAIN_REPORT).is_file() else ""
     notes = list(chain.lines())
     where = checkpoints_dir(folder, checkpoints)
     if (folder / PACKED_CHECKPOINTS).exists() and not (folder / CHECKPOINTS_INDEX).is_file():

@@ -18,11 +18,12 @@ from typing import Any, Callable, Sequence
 from ..runfolder import artifacts
 from ..backends.base import Request
 from ..backends.registry import create_backend
-from ..compare.steps import abs_diff
 from ..core.config import Decoding, RunConfig
 from ..runfolder.env import detllm_version
+from ..runfolder.integrity import seal
 from ..core.errors import UsageError
 from .pack import TrainingOutcome
+from .paritystats import compare_path, verdict_of
 
 PARITY = "parity.json"
 TRAIN_DTYPES = ("float32", "bfloat16", "float16")
@@ -30,26 +31,6 @@ PATHS = ("decode", "prefill")  # decode: the rollout's own logprobs; prefill: ba
 
 
 ParityOutcome = TrainingOutcome  # parity.json, its folder and parity.txt; exit 0 on PASS
-
-
-def compare_path(trainer: list[list[float]], engine: list[list[float] | None], *, atol: float) -> dict[str, Any]:
-    """Per-token |Δlogprob| of one engine path against the trainer over every sequence: positions,
-    bitwise-equal positions, max/mean |Δ|, the first position (sequence, position) with |Δ| > atol."""
-    n = eq = 0
-    worst, total, first = 0.0, 0.0, None
-    for s, (tr, en) in enumerate(zip(trainer, engine)):
-        if en is None:
-            continue
-        for p, (x, y) in enumerate(zip(tr, en)):
-            d = abs_diff(x, y)
-            n += 1
-            eq += x == y and math.isfinite(x)
-            if math.isfinite(d):
-                worst, total = max(worst, d), total + d
-            if d > atol and (first is None or p < first["position"]):
-                first = {"sequence": s, "position": p, "trainer": x, "engine": y, "abs_diff": d if math.isfinite(d) else None}
-    return {"available": True, "positions": n, "bitwise_equal_positions": eq, "bitwise_equal": n > 0 and eq == n,
-            "max_abs_diff": worst, "mean_abs_diff": total / n if n else 0.0, "first_difference": first}
 
 
 def trainer_logprobs(model_path: Path, dtype: str, sequences: Sequence[tuple[list[int], list[int]]], *,
@@ -192,8 +173,7 @@ def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: 
             paths[name] = {"available": False, "reason": why}
         else:
             paths[name] = compare_path(trainer, got, atol=atol)
-    ran = [p for p in paths.values() if p["available"]]
-    verdict = "PASS" if ran and all(p["first_difference"] is None for p in ran) else "FAIL"
+    verdict = verdict_of(paths)
     import torch
 
     doc = artifacts.stamp("parity", {
@@ -214,4 +194,5 @@ def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: 
     artifacts.write_json(folder, PARITY, doc)
     text = render_text(doc)
     artifacts.atomic_write_text(folder / "parity.txt", text)
+    seal(folder)  # verify and pack take it like any folder detllm writes; verify re-derives the figures (results.py)
     return ParityOutcome(doc, folder, text)

@@ -236,9 +236,9 @@ def build_script_task(config: dict[str, Any], script_path: Path) -> ScriptRun:
         config, script_path)
 
 
-def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[str]]:
+def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[tuple[str, int]]]:
     """train-check --script: (the script's path, standing for the model folder; the config's
-    task and optimizer sections; the model's parameter names), from one run of make()."""
+    task and optimizer sections; the model's parameter names and bytes), from one run of make()."""
     from .rng import Saved, seed_all
 
     with Saved():  # the caller's random state is put back
@@ -253,7 +253,8 @@ def script_setup(spec: str) -> tuple[Path, dict[str, Any], dict[str, Any], list[
         optimizer["scheduler"] = type(parts.scheduler).__name__
     if parts.scaler is not None:
         optimizer["scaler"] = type(parts.scaler).__name__
-    return Path(parts.entry.rpartition(":")[0]), parts.config_task(), optimizer, [n for n, _ in parts.model.named_parameters()]
+    params = [(n, p.numel() * p.element_size()) for n, p in parts.model.named_parameters()]
+    return Path(parts.entry.rpartition(":")[0]), parts.config_task(), optimizer, params
 
 
 def copy_script(script_path: Path, folder: Path) -> None:
@@ -286,3 +287,17 @@ def script_for_replay(pack: Path, config: dict[str, Any], script: str | None, al
     if not copy.is_file():
         raise UsageError(f"the pack holds no copy of its script ({SCRIPT_COPY})", hint="give it with --script PATH")
     return _run(copy, func, f"{SCRIPT_COPY}:{func}", expect)
+
+
+def side_script(folder: Path, config: dict[str, Any], scripts: list[str] | None, side: int) -> str | None:
+    """`diff A B --script PATH[:make]` (once for both sides, or once per side): the script this side
+    re-runs; None for a built-in pack, or a --script pack when none was given (then not re-run)."""
+    if config["task"]["kind"] != "script" or not scripts:
+        return None
+    return scripts[side] if len(scripts) > 1 else scripts[0]
+
+
+def script_runner(folder: Path, config: dict[str, Any], spec: str, fast_forward: int) -> tuple[Path, Callable[[dict[str, Any], Path], ScriptRun]]:
+    """(the path standing for the model, loop.run_steps's make_task) to re-run a --script pack from the
+    checkpoint at `fast_forward`: the given script, refused (exit 6) when its bytes are not the recorded ones."""
+    return parse_spec(spec)[0], script_task_maker(lambda: script_for_replay(folder, config, spec, ()), fast_forward=fast_forward)

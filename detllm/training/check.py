@@ -290,14 +290,15 @@ def make_report(config: dict[str, Any], results: dict[int, RunResult], repeats: 
                   else "; none in a fresh process, so what is fixed per process was not varied")
     scope = (f"run 0 and {n_same} repeat(s) in this process{fresh_text}; threads {config['threads'] or 'torch default'}; "
              f"not varied: the machine, library versions, thread count, dtype")
+    text = summary(first, len(results), k)
     if command == "train-run":  # one run, nothing compared: recorded, never PASS (trainrun.py)
         from .trainrun import RECORDED, recorded_scope, recorded_summary
 
-        verdict, summary, scope = RECORDED, recorded_summary(k, ref.records[-1]["h"]), recorded_scope(config)
+        verdict, text, scope = RECORDED, recorded_summary(k, ref.records[-1]["h"]), recorded_scope(config)
     return schema_io.stamp("train_report", {
         "detllm_version": detllm_version(), "created_at": schema_io.utc_now(), "command": command, "verdict": verdict,
         "model": config["model"]["id"], "steps": k, "seed": config["seed"], "runs": runs, "comparisons": comparisons,
-        "first_divergence": first, "summary": summary(first, len(results), k), "scope": scope, "test_options": config["test_options"],
+        "first_divergence": first, "summary": text, "scope": scope, "test_options": config["test_options"],
     })
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runfolder.artifacts import atomic_write_text
+from .verdict import describe
 
 
 def _xml(suite: ET.Element, failures: int, skipped: int = 0) -> str:
@@ -25,8 +26,6 @@ def _xml(suite: ET.Element, failures: int, skipped: int = 0) -> str:
 
 def train_report_junit(report: dict[str, Any]) -> str:
     """train-check: testcase `run R (process)` per repeat; a FAIL names the step, field and parameter."""
-    from .check import _describe
-
     suite = ET.Element("testsuite", {"name": f"detllm {report['command']} {report['model']}"})
     processes = {r["run"]: r["process"] for r in report["runs"]}
     failures = 0
@@ -39,7 +38,7 @@ def train_report_junit(report: dict[str, Any]) -> str:
             continue
         failures += 1
         code = f"TRAIN_{(d['cause'] or 'unknown').upper()}"
-        ET.SubElement(case, "failure", {"type": code, "message": _describe(d)}).text = f"{report['summary']}\nscope: {report['scope']}"
+        ET.SubElement(case, "failure", {"type": code, "message": describe(d)}).text = f"{report['summary']}\nscope: {report['scope']}"
     return _xml(suite, failures)
 
 

@@ -62,3 +62,22 @@ def test_hf_against_vllm_is_located_to_an_op_with_its_shapes(clean, tmp_path):
     assert op["module"].startswith("model.layers.") and op["step"] == 0
     assert op["output_shape"]["left"][0] == 1 and len(op["output_shape"]["right"]) == len(op["output_shape"]["left"]) - 1  # flattened rows
     assert doc["right"]["backend"] == "vllm" and doc["left"]["reproduced"] and doc["right"]["reproduced"]
+
+
+PROMPTS3 = ["The capital of France is", "Once upon a time there was a small village by the sea where", "def fib(n):"]
+
+
+def test_a_batch_run_in_waves_is_cut_to_the_prompt_and_located(tmp_path):
+    """Review E1: with max_num_seqs below the batch size each forward holds one request, so every kept
+    tensor is the prompt's rows and nothing else; the capture says it cut them, and a perturbed up_proj
+    is located, not reported as "kept whole ... not compared" (the shape coincidence of hf's batch axis)."""
+    need_vllm()
+    common = dict(backend="vllm", model="tiny", max_new_tokens=2, tier=2, prompts=PROMPTS3)
+    detllm.run(out=tmp_path / "c", batch_size=1, options={"max_num_seqs": 1}, **common)
+    detllm.run(out=tmp_path / "p", batch_size=3, options={"max_num_seqs": 1, "perturb": "model.layers.1.mlp.up_proj:weight:1e-2"},
+               **common)
+    doc = locate(str(tmp_path / "c"), str(tmp_path / "p"), out=tmp_path / "loc", reference=False).doc
+    assert doc["status"] == "located", doc["line"]
+    assert doc["first_bitwise_op"]["module"].startswith("model.layers.1.mlp.up_proj"), doc["first_bitwise_op"]
+    assert not any("kept whole" in n for n in doc["not_captured"]), doc["not_captured"]
+    assert not any(r.get("kept_whole") for r in doc["layers"])

@@ -150,9 +150,13 @@ def _decode_prefill_inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool |
 
 def whole(t: CapturedTensor, rows: int) -> bool:
     """A tensor of a batch of `rows` > 1 the capture kept whole (not cut to the prompt's row: an op with no
-    batch axis, e.g. a blocked GEMM over 64 rows of several sequences): no row of it can be compared."""
+    batch axis, e.g. a blocked GEMM over 64 rows of several sequences): no row of it can be compared.
+    What the capture says it did decides (`CapturedTensor.whole`: vLLM's first axis is the forward's
+    flattened tokens, which a forward holding only the prompt's request matches); else the shapes."""
     import numpy as np
 
+    if t.whole is not None:
+        return t.whole
     return rows > 1 and bool(t.output_shape) and tuple(np.shape(t.output)) == tuple(t.output_shape) and t.output_shape[0] != 1
 
 

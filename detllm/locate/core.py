@@ -20,7 +20,7 @@ from .align import pair_up
 from .folder import Located, check_out, write_locate
 from .rule import FACTOR, growth, judge, op_json, row_json, tolerance
 from .warm import caches_across_batches
-from .sides import compared_tier, first_step, forced_step, load, resolve, side_json
+from .sides import compared_tier, first_step, forced_step, lengths_apart, load, resolve, side_json
 
 DEFAULT_BOUND = 512 * 2**20  # bytes of captured tensors, both sides together
 RULE = ("the first op, in execution order, whose inputs agree bitwise (cached K/V included) but whose output differs; "
@@ -67,8 +67,12 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
                      "bound_bytes": max_bytes, "reference": reference},
         "not_captured": [], "cost": {},
     }
+    apart = lengths_apart(left, right)
+    if apart:
+        doc["not_captured"].append(apart)
     if step is None:
-        doc["line"] = "the two sides agree in everything recorded: nothing to locate"
+        doc["line"] = ("the two sides agree bitwise over every step both recorded: nothing to locate" if apart else
+                       "the two sides agree in everything recorded: nothing to locate")
         return write_locate(target, artifacts.stamp("locate", doc))
     doc["step"] = {"prompt": step.prompt_index, "right_prompt": step.right_prompt_index, "prompt_id": step.prompt_id,
                    "step": step.step, "what": step.what, "left": step.left, "right": step.right}

@@ -75,7 +75,7 @@ def first_step(left: Side, right: Side, *, tier: int, prompt: int | None = None)
     for lrec, rrec in pairs:
         if prompt is not None and lrec["prompt_index"] != prompt:
             continue
-        found = _record_step(lrec, rrec, tier)
+        found = _record_step(lrec, rrec, tier, _budget(left), _budget(right))
         if found is not None and (best is None or (found[0], lrec["prompt_index"]) < (best.step, best.prompt_index)):
             best = Step(lrec["prompt_index"], rrec["prompt_index"], lrec["prompt_id"], *found)
     if prompt is not None and not any(l["prompt_index"] == prompt for l, _ in pairs):
@@ -97,7 +97,23 @@ def forced_step(left: Side, right: Side, step: int, prompt: int | None) -> Step:
     return Step(l["prompt_index"], r["prompt_index"], l["prompt_id"], step, "asked", None, None)
 
 
-def _record_step(a: dict[str, Any], b: dict[str, Any], tier: int) -> tuple[int, str, Any, Any] | None:
+def _budget(side: Side) -> int | None:
+    """The side's recorded --max-new-tokens (None: not recorded)."""
+    return (side.run_config or {}).get("config", {}).get("decoding", {}).get("max_new_tokens")
+
+
+def lengths_apart(left: Side, right: Side) -> str | None:
+    """When the sides recorded different --max-new-tokens, the line that says locate compares only the
+    steps both have (a record that stops at its own limit is no difference); else None."""
+    a, b = _budget(left), _budget(right)
+    if a is None or b is None or a == b:
+        return None
+    return (f"the sides recorded different --max-new-tokens ({a} vs {b}): only the steps both recorded are compared; "
+            "a record that stopped at its own limit is not a difference")
+
+
+def _record_step(a: dict[str, Any], b: dict[str, Any], tier: int, budget_a: int | None = None,
+                 budget_b: int | None = None) -> tuple[int, str, Any, Any] | None:
     ta, tb = a["token_ids"], b["token_ids"]
     for i in range(min(len(ta), len(tb))):
         if ta[i] != tb[i]:
@@ -110,7 +126,10 @@ def _record_step(a: dict[str, Any], b: dict[str, Any], tier: int) -> tuple[int, 
             if not _same(ka, kb):
                 return i, "top_logprobs", ka, kb
     if len(ta) != len(tb):
-        return min(len(ta), len(tb)), "length", len(ta), len(tb)
+        short = min(len(ta), len(tb))
+        if (budget_a if len(ta) == short else budget_b) == short:
+            return None  # the shorter record stopped at its own --max-new-tokens: no step of it to compare
+        return short, "length", len(ta), len(tb)
     return None
 
 

@@ -54,7 +54,7 @@ def diff(
 
             return emit_training(outcome, as_json)
         write_html(outcome, html)
-        code = emit(outcome, as_json=as_json)  # the library wrote --junit
+        code = emit(outcome, as_json=as_json, folder_line=not locate)  # the library wrote --junit; --locate: the folder last
         if locate:
             from .locate import after_diff
 

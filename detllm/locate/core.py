@@ -14,6 +14,7 @@ from ..runfolder import artifacts
 from ..runfolder.env import detllm_version
 from ..commands.diff import Selection
 from ..core.errors import UsageError
+from . import nextstep as nextsteps
 from . import prefill as prefills
 from . import rerun as reruns
 from .align import pair_up
@@ -190,6 +191,9 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
             for r2, k2 in zip(sides, ("left", "right")):
                 doc[k2]["reruns"] = r2.runs
             return None
+    for (cap, differs), r, key in zip(got, sides, ("left", "right")):  # both sides' facts before a stop (each was re-run)
+        doc[key].update(reruns=r.runs, level=cap.level, notes=r.notes + list(cap.notes), reproduced=differs is None)
+    for (cap, differs), r, key in zip(got, sides, ("left", "right")):
         doc[key].update(reruns=r.runs, level=cap.level, notes=r.notes + list(cap.notes), reproduced=differs is None)
         if r.warm or caches_across_batches(r.config):
             doc[key]["warmed_by"] = {"batches": len(r.warm), "recorded": r.warmed_by,
@@ -197,8 +201,12 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
                                                             if "cached_prefix" in e), 0)}
         if differs is not None:
             doc[key]["not_reproduced"] = differs
+            apart = nextsteps.env_apart(r.side)
             doc.update(status="not_reproduced", line=f"not reproduced here: the {key} side's re-run differs from its "
-                                                     f"own recorded trace at {differs}; nothing is located")
+                                                     f"own recorded trace at {differs}; nothing is located"
+                                                     + (f"; its recorded environment differs from this one in {len(apart)} "
+                                                        f"field(s), first {apart[0]['field']}" if apart else ""),
+                       next=nextsteps.not_reproduced(key, apart, doc))
             return None
     return [cap for cap, _ in got]
 

@@ -125,3 +125,26 @@ def test_diff_locate_prints_its_folder_once_and_last(tmp_path, cli):
     lines = r.stdout.strip().splitlines()
     assert lines[-1] == f"run folder: {d} (the diff and the locate files)", lines[-3:]
     assert sum(line.startswith("run folder:") for line in lines) == 1
+
+
+def test_one_argument_picks_the_comparison_the_check_recorded_as_drifting(tmp_path, cli):
+    """Issue 32 point 6: a PASSing check whose logprobs moved with the batch (INFO) located from the folder
+    alone, or from its pack: the drifting comparison is chosen and named."""
+    folder = _check(tmp_path)
+    assert json.loads((folder / "report.json").read_text())["status"] == "PASS"
+    doc = locate(str(folder), out=tmp_path / "o").doc
+    assert doc["status"] == "located" and doc["left"]["batch_size"] == 1 and doc["right"]["batch_size"] == 4
+    assert "recorded as drifting: batch 4 vs batch 1 (logprobs)" in doc["chose"], doc["chose"]
+    assert cli("pack", folder, "-o", tmp_path / "c.tar.gz").exit_code == 0
+    r = cli("locate", tmp_path / "c.tar.gz", "--out", tmp_path / "p")
+    assert r.exit_code == 0, r.output
+    assert "chose: the check PASS recorded no failing comparison" in r.stdout and "LOCATED" in r.stdout
+
+
+def test_one_argument_on_a_check_that_recorded_no_difference_is_refused(tmp_path, cli):
+    folder = tmp_path / "same"
+    detllm.check(backend="fake", vary_batch=(1, 4), runs=2, tier=2, max_new_tokens=4, out=folder)
+    before = sorted(p.name for p in folder.iterdir())
+    r = cli("locate", folder)
+    assert r.exit_code == 2 and "recorded a difference" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in folder.iterdir()) == before

@@ -52,7 +52,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     if prefill:
         return _prefill(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_bytes, ops=ops,
                         reference=reference, step=step)
-    left_sel, right_sel, source = resolve(a, b)
+    left_sel, right_sel, source, chosen = resolve(a, b)
     left, right = load(left_sel, right_sel)
     target = check_out(out, force, left_sel, right_sel, source, given=a)
     tier = compared_tier(left, right)
@@ -68,6 +68,8 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
                      "bound_bytes": max_bytes, "reference": reference},
         "not_captured": [], "cost": {},
     }
+    if chosen:
+        doc["chose"] = chosen
     apart = lengths_apart(left, right)
     if apart:
         doc["not_captured"].append(apart)

@@ -53,7 +53,7 @@ def check_out(out: str | Path | None, force: bool, left: Selection, right: Selec
               given: str | None = None) -> Target:
     """The folder to write, refused now (UsageError) when it cannot be written."""
     if out is None:
-        home = Path(given) if source != "selections" and given else _home(left, right, source)
+        home = Path(given) if source != "selections" and given and Path(given).is_dir() else _home(left, right, source)
         out = home if home is not None else artifacts.default_out_dir("locate")
     out = Path(out)
     if out.exists() and not out.is_dir():

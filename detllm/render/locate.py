@@ -111,7 +111,7 @@ def render_text(doc: dict[str, Any], *, rows: int | None = TABLE_ROWS, module: s
     """locate.txt; `rows`: the most table rows (None: all), `module`: the rows of the modules matching a glob."""
     head = {"located": "LOCATED", "not_located": "NOT LOCATED", "no_difference": "NO DIFFERENCE",
             "not_reproduced": "NOT REPRODUCED"}[doc["status"]]
-    lines = [f"{head}  {doc['line']}"] + _sides(doc)
+    lines = [f"{head}  {doc['line']}"] + ([f"chose: {doc['chose']}"] if doc.get("chose") else []) + _sides(doc)
     st = doc["step"]
     if st is not None:
         what = "asked with --step, whatever was recorded" if st["what"] == "asked" else _apart(st["what"], st["left"], st["right"])

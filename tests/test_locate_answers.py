@@ -148,3 +148,23 @@ def test_one_argument_on_a_check_that_recorded_no_difference_is_refused(tmp_path
     r = cli("locate", folder)
     assert r.exit_code == 2 and "recorded a difference" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_report_txt_shows_the_locate_finding(tmp_path, cli):
+    """Issue 32 point 8: `report FOLDER` (txt) shows what html and issue show: the located op and the next step."""
+    folder = _check(tmp_path)
+    d = tmp_path / "d"
+    assert cli("diff", f"{folder}::batch_1", f"{folder}::batch_4", "--out", d, "--locate").exit_code == 0
+    doc = json.loads((d / "locate.json").read_text())
+    text = cli("report", d).stdout
+    assert "where the bits part (detllm locate" in text and f"LOCATED  {doc['line']}" in text
+    assert "first_bitwise_op: model.layers.0.mlp.down_proj (gemm)" in text and f"next: {doc['next']}" in text
+
+
+def test_the_sensitivity_line_names_a_pair_once(tmp_path, cli):
+    """Issue 32 point 8: batch 4 vs batch 1 and its logprob comparison are one pair."""
+    r = cli("check", "--backend", "fake", "--vary-batch", "1,4", "--tier", "2", "--runs", "2", "--opt", "batch_drift=1e-6",
+            "--out", tmp_path / "c")
+    assert r.exit_code == 0, r.output
+    line = next(s for s in r.stdout.splitlines() if s.startswith("sensitivity:"))
+    assert line.startswith("sensitivity: drift observed in batch 4 vs batch 1 (") and line.count("batch 4 vs batch 1") == 1, line

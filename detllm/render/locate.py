@@ -226,6 +226,16 @@ def html_section(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """The finding for `report FOLDER` (txt): status and line, the two ops, the next step; locate.txt has the rest."""
+    head = doc["status"].replace("_", " ").upper()
+    out = ["where the bits part (detllm locate, full text in locate.txt):", f"  {head}  {doc['line']}"]
+    out += [f"  {key}: {op_line(doc[key])}" for key in ("first_bitwise_op", "first_beyond_tolerance_op") if doc[key] is not None]
+    if doc.get("next"):
+        out.append(f"  next: {doc['next']}")
+    return out
+
+
 def issue_lines(doc: dict[str, Any]) -> list[str]:
     """The located op for a bug report (`report --format issue`): the finding, the op with its shapes,
     and the per-layer plot as text bars (max |Δ| on a log scale, one row per layer boundary)."""

@@ -168,3 +168,17 @@ def test_the_sensitivity_line_names_a_pair_once(tmp_path, cli):
     assert r.exit_code == 0, r.output
     line = next(s for s in r.stdout.splitlines() if s.startswith("sensitivity:"))
     assert line.startswith("sensitivity: drift observed in batch 4 vs batch 1 (") and line.count("batch 4 vs batch 1") == 1, line
+
+
+def test_the_issue_of_a_pack_based_diff_keeps_the_selections_and_reads_env_from_the_pack(tmp_path, cli, monkeypatch):
+    """Issue 32 point 3: `report --format issue` of `diff pack::batch_1 pack::batch_4`: the title names the
+    engine, the environment is read from the pack, and the Reproduce block keeps both selections."""
+    folder = _check(tmp_path)
+    assert cli("pack", folder, "-o", tmp_path / "pack.tar.gz").exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    r = cli("diff", "pack.tar.gz::batch_1", "pack.tar.gz::batch_4", "--out", "d")
+    assert r.exit_code == 0, r.output
+    issue = cli("report", "d", "--format", "issue").stdout
+    assert "### [detllm] diff PASS: fake" in issue, issue.splitlines()[:3]
+    assert "is not at hand" not in issue and "OS: " in issue, issue
+    assert "detllm diff pack.tar.gz::run_0@batch_1 pack.tar.gz::run_0@batch_4" in issue, issue

@@ -330,3 +330,22 @@ def test_locating_a_llamacpp_batch_is_refused_up_front_with_what_to_do(dumper, t
     assert len(line.splitlines()) == 1 and "batch has 2 rows" in line and "cannot be located yet" in line, line
     assert "on hf or vllm" in line and "--locate" in line, line
     assert not (tmp_path / "loc").exists()
+
+
+def test_a_tied_embedding_model_keeps_its_logits(dumper):
+    """Review E4: SmolLM2's output projection reads token_embd.weight (tied embeddings); its MUL_MAT is the
+    logits (lm_head), not a second embedding dropped as already taken, at module and layer level alike."""
+    from detllm.backends.llamacpp.names import node_name
+
+    names = NameMap("llama", 30)
+    rec = {"name": "result_output", "op": "MUL_MAT", "src": [{"name": "token_embd.weight"}, {"name": "result_norm"}]}
+    assert node_name(rec, names) == ("lm_head", "logits", "token_embd")
+    lookup = {"name": "inp_embd", "op": "GET_ROWS", "src": [{"name": "token_embd.weight"}, {"name": "inp_tokens"}]}
+    assert node_name(lookup, names)[:2] == ("model.embed_tokens", "embedding")
+    with LlamaCppBackend("smollm2-135m", PARITY, slots=1) as b:
+        req = Request(0, tuple(b.tokenize(PROMPT)), PROMPT)
+        for level in ("modules", "layers"):
+            cap = b.capture([req], Decoding(max_new_tokens=2), seed=0, n_logprobs=0, spec=CaptureSpec(step=1, row=0, level=level))
+            kinds = {t.name: t.kind for t in cap.tensors}
+            assert kinds.get("lm_head") == "logits" and kinds.get("model.embed_tokens") == "embedding", (level, sorted(kinds)[-5:])
+            assert cap.tensors[-1].name == "lm_head" and cap.tensors[-1].output.shape[-1] == 49152

@@ -25,8 +25,10 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.append(f"  {label}: {state}, max |Δlogprob| {_num(p['max_abs_diff'])}, mean {_num(p['mean_abs_diff'])}")
         f = p["first_difference"]
         if f is not None:
+            delta = (f", Δ {f['engine'] - f['trainer']:.3g}" if isinstance(f["engine"], float) and isinstance(f["trainer"], float)
+                     else "")  # the two values print alike at 3 digits: the difference is what moved
             lines.append(f"    first difference: sequence {f['sequence']}, token {f['position']}: trainer {_num(f['trainer'])}, "
-                         f"engine {_num(f['engine'])}")
+                         f"engine {_num(f['engine'])}{delta}")
     for seq in doc["sequences"]:
         if seq.get("excluded"):
             lines.append(f"  sequence {seq['index']} not compared: {seq['excluded']}")

@@ -7,6 +7,7 @@ prints its folder last."""
 
 from __future__ import annotations
 
+import html
 import json
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import detllm
 from detllm.locate import locate
 from detllm.locate.align import measure
-from detllm.render.locate import render_text
+from detllm.render.locate import html_section, render_text
 
 INJECT = "prompt=1,pos=2,batch=4,what=logprob"
 
@@ -39,6 +40,7 @@ def test_every_outcome_has_a_next_step_in_json_txt_and_md(tmp_path):
         doc, txt, md = _files(out)
         assert doc["next"] and words in doc["next"], (doc["status"], doc["next"])
         assert f"next: {doc['next']}" in txt and f"Next: {doc['next']}" in md
+        assert html.escape(doc["next"]) in "".join(html_section(doc))
 
 
 def test_not_reproduced_names_the_env_difference_and_the_pin_command(tmp_path, monkeypatch):

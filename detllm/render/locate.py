@@ -222,6 +222,8 @@ def html_section(doc: dict[str, Any]) -> list[str]:
         out.append("<table><tr><th>from the op to the logits</th><th>kind</th><th>max |Δ|</th><th>rel</th></tr>" +
                    "".join(f"<tr><td class='mono'>{e(g['module'])}</td><td>{e(g['kind'])}</td><td>{e(_g(g['max_abs_diff']))}</td>"
                            f"<td>{e(_g(_rel(g)))}</td></tr>" for g in doc["growth"]) + "</table>")
+    if doc.get("next"):
+        out.append(f"<p><b>next</b>: {e(doc['next'])}</p>")
     out.append(f"<p class='muted'>rule: {e(doc['rule'])}; tolerance {e(doc['tolerance']['formula'])}</p>")
     return out
 

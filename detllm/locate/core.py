@@ -196,7 +196,6 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
     for (cap, differs), r, key in zip(got, sides, ("left", "right")):  # both sides' facts before a stop (each was re-run)
         doc[key].update(reruns=r.runs, level=cap.level, notes=r.notes + list(cap.notes), reproduced=differs is None)
     for (cap, differs), r, key in zip(got, sides, ("left", "right")):
-        doc[key].update(reruns=r.runs, level=cap.level, notes=r.notes + list(cap.notes), reproduced=differs is None)
         if r.warm or caches_across_batches(r.config):
             doc[key]["warmed_by"] = {"batches": len(r.warm), "recorded": r.warmed_by,
                                      "cached_prefix": next((e["cached_prefix"] for e in (cap.engine or {}).get("schedule", [])

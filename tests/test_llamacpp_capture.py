@@ -312,3 +312,40 @@ def test_past_the_memory_bound_only_layer_boundaries_are_kept(backend, request_)
     assert cap.level == "layers" and any("byte bound" in n for n in cap.notes)
     assert [t.name for t in cap.tensors] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
     assert [t.order for t in cap.tensors] == [0, 1, 2, 3] and all(type(t.output) is np.ndarray for t in cap.tensors), "copies, not views of the mapped dump"
+
+
+def test_locating_a_llamacpp_batch_is_refused_up_front_with_what_to_do(dumper, tmp_path, cli):
+    """Issue 32 point 7: a batched llama.cpp side is refused before any server starts (exit 4, one line),
+    and the refusal says what to do instead: the same pair on hf or vllm, or a batch-1 run with diff --locate."""
+    import detllm
+
+    from .conftest import write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", [PROMPT, "def fib(n):"])
+    folder = detllm.run(backend="llamacpp", model="tiny", prompts=prompts, tier=2, max_new_tokens=2, batch_size=2,
+                        out=tmp_path / "b2").out_dir
+    r = cli("locate", folder, folder, "--step", "0", "--out", tmp_path / "loc")
+    assert r.exit_code == 4, r.output
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "batch has 2 rows" in line and "cannot be located yet" in line, line
+    assert "on hf or vllm" in line and "--locate" in line, line
+    assert not (tmp_path / "loc").exists()
+
+
+def test_a_tied_embedding_model_keeps_its_logits(dumper):
+    """Review E4: SmolLM2's output projection reads token_embd.weight (tied embeddings); its MUL_MAT is the
+    logits (lm_head), not a second embedding dropped as already taken, at module and layer level alike."""
+    from detllm.backends.llamacpp.names import node_name
+
+    names = NameMap("llama", 30)
+    rec = {"name": "result_output", "op": "MUL_MAT", "src": [{"name": "token_embd.weight"}, {"name": "result_norm"}]}
+    assert node_name(rec, names) == ("lm_head", "logits", "token_embd")
+    lookup = {"name": "inp_embd", "op": "GET_ROWS", "src": [{"name": "token_embd.weight"}, {"name": "inp_tokens"}]}
+    assert node_name(lookup, names)[:2] == ("model.embed_tokens", "embedding")
+    with LlamaCppBackend("smollm2-135m", PARITY, slots=1) as b:
+        req = Request(0, tuple(b.tokenize(PROMPT)), PROMPT)
+        for level in ("modules", "layers"):
+            cap = b.capture([req], Decoding(max_new_tokens=2), seed=0, n_logprobs=0, spec=CaptureSpec(step=1, row=0, level=level))
+            kinds = {t.name: t.kind for t in cap.tensors}
+            assert kinds.get("lm_head") == "logits" and kinds.get("model.embed_tokens") == "embedding", (level, sorted(kinds)[-5:])
+            assert cap.tensors[-1].name == "lm_head" and cap.tensors[-1].output.shape[-1] == 49152

@@ -135,12 +135,12 @@ def test_cli_writes_html_and_json(tmp_path, cli):
 
 @pytest.mark.parametrize("args, code, words", [
     (["nowhere"], 2, "locate needs two sides"),
+    (["{f}::batch_4"], 2, "locate needs two sides"),
     (["{f}::batch_x", "{f}::batch_4"], 2, "cannot read the selection"),
     (["{f}::batch_1", "{f}::batch_16"], 2, "has no records for run_0@batch_16"),
     (["{f}::batch_1", "{f}::batch_4", "--max-memory", "0"], 2, "--max-memory"),
     (["{f}::batch_1", "{f}::batch_4", "--prompt", "-1"], 2, "--prompt"),
     (["{f}::batch_1", "{f}::batch_4", "--prompt", "9"], 2, "no common record"),
-    (["{f}"], 2, "not a failing check folder"),
 ])
 def test_bad_input_one_line_nothing_written(tmp_path, cli, args, code, words):
     folder = _check(tmp_path, diverge="prompt=1,pos=2,batch=4,what=logprob")

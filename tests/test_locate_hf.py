@@ -135,3 +135,14 @@ def test_model_files_changed_since_the_run_exit_7(tmp_path, cli):
     assert r.exit_code == 7, r.output
     assert "weights" in r.stderr and r.stderr.startswith("detllm: error:") and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "l").exists()
+
+
+def test_different_max_new_tokens_compare_the_steps_both_have(clean, tmp_path):
+    """Review E5: one side recorded a 3rd token the other was never asked for; steps 0-1 are bitwise
+    equal, so there is nothing to locate (no step that does not exist is asked of a re-run), and it says why."""
+    longer = tmp_path / "longer"
+    detllm.run(backend="hf", model="tiny", max_new_tokens=3, tier=2, prompts=PROMPT, out=longer)
+    doc = locate(str(longer), str(clean), out=tmp_path / "loc").doc
+    assert doc["status"] == "no_difference" and "every step both recorded" in doc["line"], doc["line"]
+    assert any("different --max-new-tokens (3 vs 2)" in n for n in doc["not_captured"]), doc["not_captured"]
+    assert doc["cost"] == {} and doc["step"] is None  # nothing re-run

@@ -62,3 +62,43 @@ def test_hf_against_vllm_is_located_to_an_op_with_its_shapes(clean, tmp_path):
     assert op["module"].startswith("model.layers.") and op["step"] == 0
     assert op["output_shape"]["left"][0] == 1 and len(op["output_shape"]["right"]) == len(op["output_shape"]["left"]) - 1  # flattened rows
     assert doc["right"]["backend"] == "vllm" and doc["left"]["reproduced"] and doc["right"]["reproduced"]
+
+
+PROMPTS3 = ["The capital of France is", "Once upon a time there was a small village by the sea where", "def fib(n):"]
+
+
+def test_a_batch_run_in_waves_is_cut_to_the_prompt_and_located(tmp_path):
+    """Review E1: with max_num_seqs below the batch size each forward holds one request, so every kept
+    tensor is the prompt's rows and nothing else; the capture says it cut them, and a perturbed up_proj
+    is located, not reported as "kept whole ... not compared" (the shape coincidence of hf's batch axis)."""
+    need_vllm()
+    common = dict(backend="vllm", model="tiny", max_new_tokens=2, tier=2, prompts=PROMPTS3)
+    detllm.run(out=tmp_path / "c", batch_size=1, options={"max_num_seqs": 1}, **common)
+    detllm.run(out=tmp_path / "p", batch_size=3, options={"max_num_seqs": 1, "perturb": "model.layers.1.mlp.up_proj:weight:1e-2"},
+               **common)
+    doc = locate(str(tmp_path / "c"), str(tmp_path / "p"), out=tmp_path / "loc", reference=False).doc
+    assert doc["status"] == "located", doc["line"]
+    assert doc["first_bitwise_op"]["module"].startswith("model.layers.1.mlp.up_proj"), doc["first_bitwise_op"]
+    assert not any("kept whole" in n for n in doc["not_captured"]), doc["not_captured"]
+    assert not any(r.get("kept_whole") for r in doc["layers"])
+
+
+def test_a_tp2_side_is_refused_up_front_naming_tp(clean, tmp_path, cli):
+    """Review E7: a side recorded with tensor_parallel_size=2 is refused before either side's engine
+    starts (the capability is known from the recorded config), in one line naming TP=2 and what to do."""
+    import json
+    import shutil
+
+    from detllm.backends.vllm import engine
+
+    tp2 = tmp_path / "tp2"
+    shutil.copytree(clean, tp2)
+    cfg = json.loads((tp2 / "run_config.json").read_text())
+    cfg["config"]["options"]["tensor_parallel_size"] = "2"  # as a TP=2 run records it (its records are not read)
+    (tp2 / "run_config.json").write_text(json.dumps(cfg))
+    before = engine._ENGINE
+    r = cli("locate", clean, tp2, "--step", "0", "--out", tmp_path / "loc")
+    assert r.exit_code == 4, r.output
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "tensor_parallel_size=2" in line and "tensor_parallel_size=1" in line, line
+    assert engine._ENGINE is before and not (tmp_path / "loc").exists()  # no engine started or restarted

@@ -44,6 +44,16 @@ def test_binding_is_explicit_one_core_per_rank_by_default():
     assert "needs 4 cores" in err.value.one_line() and "cpu_threads_bind" in err.value.one_line()
 
 
+def test_a_default_binding_is_chosen_by_the_machine_a_given_one_by_the_user():
+    """Review E6: detllm's default binding is not the user's (diff counts a user value as CONFIG)."""
+    from detllm.backends.vllm.options import _binding
+
+    ranks = [{"rank": 0, "cpus": [0], "omp_threads": 1}, {"rank": 1, "cpus": [1], "omp_threads": 1}]
+    assert _binding("0|1", ranks, user=False).chosen_by == "machine"
+    assert "chosen by detllm" in _binding("0|1", ranks, user=False).note
+    assert _binding("0|1", ranks, user=True).chosen_by == "user"
+
+
 def test_tensor_parallel_is_no_longer_refused_on_cpu_and_bad_bindings_are():
     validate(VLLMOptions(tensor_parallel_size=2), "cpu")
     validate(VLLMOptions(tensor_parallel_size=2, cpu_threads_bind="auto"), "cpu")
@@ -142,6 +152,7 @@ def test_sweep_compares_tp2_with_tp1_and_records_the_binding(tp_sweep):
     assert settings["tensor_parallel_size"]["value"] == 2 and settings["tensor_parallel_size"]["applied"]
     bind = settings["VLLM_CPU_OMP_THREADS_BIND"]
     assert bind["requested"] == "0|1" and bind["value"] == "0|1" and bind["applied"], bind  # as the workers report it
+    assert bind["chosen_by"] == "machine", bind  # review E6: no cpu_threads_bind was given, detllm chose it
     assert "rank 0: cores 0, 1 thread(s); rank 1: cores 1, 1 thread(s)" in bind["note"]
     assert settings["threads"]["value"] == 1 and settings["threads"]["applied"]
     assert "2 worker processes" in settings["VLLM_ENABLE_V1_MULTIPROCESSING"]["note"]

@@ -152,6 +152,13 @@ class Backend(ABC):
         `spec.row` (`detllm locate`). Only where `capabilities().capture` is not "none"."""
         raise NotImplementedError(f"backend {self.name!r} cannot capture its internals")
 
+    @classmethod
+    def capture_refusal(cls, config: RunConfig, rows: int) -> tuple[str, str] | None:
+        """Why `capture` would refuse to re-run a batch of `rows` recorded with `config`, known from the
+        config alone ((what, what to do instead)), so locate refuses before any engine loads; None:
+        nothing known up front."""
+        return None
+
     def context_limit(self) -> int | None:
         """Most tokens (prompt + generated) one sequence may hold; None: no known limit.
         The runner refuses a prompt that would not fit before anything is written."""

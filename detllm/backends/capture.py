@@ -53,6 +53,8 @@ class CapturedTensor:
     cached_steps: list[int] = field(default_factory=list)  # attention: per cached position kept, the step that wrote it
     positions: list[int] | None = None  # the sequence positions `output`'s token axis holds (None: every position
     # of the step, in order); llama.cpp's last layer, e.g., keeps only the rows that yield logits
+    whole: bool | None = None  # True: kept whole, other prompts' rows included (no row of the prompt to cut); False: only
+    # the prompt's rows (the capture cut them, or the forward held no other); None: not said (locate judges by shape)
 
 
 @dataclass

@@ -59,7 +59,7 @@ def diff(
 
             return emit_training(outcome, as_json)
         write_html(outcome, html)
-        code = emit(outcome, as_json=as_json)  # the library wrote --junit
+        code = emit(outcome, as_json=as_json, folder_line=not locate)  # the library wrote --junit; --locate: the folder last
         if locate:
             from .locate import after_diff
 
@@ -93,6 +93,8 @@ def diagnose(
     fresh_repeats: Annotated[int, typer.Option(help="Fresh processes per fresh-process probe and confirmation.")] = 3,
     probe: Annotated[Optional[list[str]], typer.Option("--probe", help="Run only these probes (repeatable): a knob (kv_type, threads, batch_invariant...) or ladder, needle, fresh_process, prefill.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print diagnosis.json instead of the text.")] = False,
+    tier: Annotated[Optional[int], typer.Option("--tier", help="Judge the divergence at this tier instead of the recorded one (3: logprobs across batch sizes).")] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Logprob tolerance at tier >= 2 instead of the recorded one (0 = bitwise).")] = None,
 ) -> None:
     def body() -> int:
         from ..diagnose import diagnose as run_diagnosis
@@ -104,7 +106,7 @@ def diagnose(
             raise UsageError("diagnose needs a failing run folder or check's options", hint="e.g. detllm diagnose RUN_DIR")
         say = None if as_json else (lambda text: typer.echo(f"detllm: {text}", err=True))
         result = run_diagnosis(run_dir=run_dir, check_args=None if run_dir else args, out=out, force=force, budget=budget,
-                               fresh_repeats=fresh_repeats, progress=say, only=probe)
+                               fresh_repeats=fresh_repeats, progress=say, only=probe, tier=tier, atol=atol)
         typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"diagnosis folder: {result.out_dir}")
         return 0
 

@@ -28,6 +28,8 @@ def locate(
     max_memory: Annotated[int, typer.Option("--max-memory", help="Bound on captured tensors, MB, both sides together; past it, layer boundaries only.")] = 512,
     no_ops: Annotated[bool, typer.Option("--no-ops", help="Stop at modules: no second re-run to descend into aten ops.")] = False,
     no_reference: Annotated[bool, typer.Option("--no-reference", help="Skip the float64 re-evaluation of each op (faster; no tolerance is judged).")] = False,
+    rows: Annotated[str, typer.Option("--rows", help="Per-layer table rows printed: a number, or all (locate.json holds every row).")] = "40",
+    module: Annotated[Optional[str], typer.Option("--module", help="Print the table rows of the modules matching this glob, e.g. 'model.layers.1.*'.")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Also write a self-contained HTML page of the finding here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print locate.json instead of the text.")] = False,
     prefill: Annotated[bool, typer.Option("--prefill", help="Prefill vs decode of ONE side (A alone): its recorded decode at the first step s whose "
@@ -39,6 +41,8 @@ def locate(
         from ..render.locate import render_text
 
         check_output_file(html, "--html")
+        if rows != "all" and not (rows.isdigit() and int(rows) >= 1):
+            raise UsageError(f"--rows is a number of table rows (>= 1) or all, got {rows!r}")
         if max_memory < 1 or max_memory > 1 << 20:
             raise UsageError(f"--max-memory is in MB, from 1 to 1048576, got {max_memory}")
         result = run_locate(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_memory * 2**20,
@@ -49,7 +53,8 @@ def locate(
             from ..runfolder.schema_io import atomic_write_text
 
             atomic_write_text(html, page(f"detllm locate: {result.doc['status']}", html_section(result.doc)))
-        typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"locate folder: {result.out_dir}")
+        text = render_text(result.doc, rows=None if rows == "all" else int(rows), module=module)
+        typer.echo(json.dumps(result.doc, indent=2) if as_json else text + f"locate folder: {result.out_dir}")
         return result.exit_code
 
     guarded(body)
@@ -61,5 +66,8 @@ def after_diff(a: str, b: str, out_dir: Path | None, *, quiet: bool) -> None:
     from ..render.locate import render_text
 
     result = run_locate(a, b, out=out_dir)
-    if not quiet:
-        typer.echo(render_text(result.doc) + f"locate folder: {result.out_dir}")
+    if not quiet:  # the diff's verdict, then the locate block, then the folder(s), last
+        same = out_dir is not None and Path(out_dir) == Path(result.out_dir)
+        typer.echo(render_text(result.doc) + (f"run folder: {out_dir} (the diff and the locate files)" if same else
+                                               (f"run folder: {out_dir}\n" if out_dir is not None else "")
+                                               + f"locate folder: {result.out_dir}"))

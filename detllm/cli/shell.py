@@ -98,7 +98,7 @@ def _console(stderr: bool = False):
     return _Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
-def print_verdict(report: dict, out_dir: Path | None) -> None:
+def print_verdict(report: dict, out_dir: Path | None, *, folder_line: bool = True) -> None:
     from ..render.text import render_text
 
     con = _console()
@@ -107,7 +107,7 @@ def print_verdict(report: dict, out_dir: Path | None) -> None:
     con.print(f"[bold {colour}]{text[0]}[/]")
     for line in text[1:]:
         con.print(line, markup=False)
-    if out_dir is not None:
+    if out_dir is not None and folder_line:
         con.print(f"run folder: {out_dir}", markup=False)
 
 
@@ -135,15 +135,15 @@ def publish(report: dict, junit: Path | None) -> None:
         warn(warning)
 
 
-def emit(outcome, *, as_json: bool, junit: Path | None = None) -> int:
+def emit(outcome, *, as_json: bool, junit: Path | None = None, folder_line: bool = True) -> int:
     """Publish CI outputs, print report.json (with out_dir, the folder written, first) or the
-    verdict, return the exit code."""
+    verdict, return the exit code. `folder_line` False: the caller prints the folder last (diff --locate)."""
     publish(outcome.report, junit)
     if as_json:
         out_dir = None if outcome.out_dir is None else str(outcome.out_dir)
         typer.echo(to_json({"out_dir": out_dir, **outcome.report}))  # json.dumps(indent=2)'s bytes, faster on a large report
     else:
-        print_verdict(outcome.report, outcome.out_dir)
+        print_verdict(outcome.report, outcome.out_dir, folder_line=folder_line)
     return outcome.exit_code
 
 

@@ -47,7 +47,15 @@ def _renderer(fmt: str) -> Callable[[dict[str, Any], Path | None], str]:
         return render_issue
     from ..render.text import render_text
 
-    return lambda r, _: render_text(r)
+    return lambda r, folder: render_text(r) + _located(folder)
+
+
+def _located(folder: Path | None) -> str:
+    """txt: the folder's locate finding (html and issue show it too), in a few lines; "" without one."""
+    from ..render.locate import load_located, summary_lines
+
+    doc = load_located(folder)
+    return "".join(line + "\n" for line in summary_lines(doc)) if doc is not None else ""
 
 
 def render_path(path: Path, fmt: str | None = None, *, out: Path | None = None, junit: Path | None = None,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..runfolder import artifacts
 from ..runfolder.archive import is_archive, open_run_path
-from ..core.config import RunConfig
+from ..core.config import RunConfig, check_atol
 from ..runfolder.env import detllm_version
 from ..core.errors import ArtifactError, UsageError
 from . import evidence, recorded, served
@@ -132,21 +132,48 @@ def _selected(probe: Probe, only: list[str]) -> bool:
 
 def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = None, prompts: str | Path | None = None,
              out: str | Path | None = None, force: bool = False, budget: str | int | None = None, fresh_repeats: int = 3,
-             progress: Progress | None = None, check_args: list[str] | None = None, only: list[str] | None = None) -> Diagnosis:
+             progress: Progress | None = None, check_args: list[str] | None = None, only: list[str] | None = None,
+             tier: int | None = None, atol: float | None = None) -> Diagnosis:
     """Diagnose a failing check folder or diff folder (`run_dir`, or a .tar.gz pack of a check
     folder), or run the check `config` first; write diagnosis.json/.txt/.md under `out` and return
-    it. `only` keeps the probes whose knob, name or kind is listed (e.g. ["ladder", "kv_type", "prefill"])."""
+    it. `only` keeps the probes whose knob, name or kind is listed (e.g. ["ladder", "kv_type", "prefill"]).
+    `tier`/`atol`: judge the divergence at this tier and logprob tolerance instead of the recorded ones
+    (tier 3 diagnoses logprobs that move with the batch size, which a tier-2 check records without failing)."""
+    if tier is not None and tier not in (1, 2, 3):
+        raise UsageError(f"--tier must be 1, 2 or 3, got {tier}")
+    if atol is not None:
+        check_atol(atol)
     if run_dir is not None and is_archive(run_dir):  # a pack: read from a temporary extraction, nothing written into it
         with open_run_path(run_dir) as folder:
             return _diagnose(config, run_dir=folder, prompts=prompts, out=out, force=force, budget=budget, fresh_repeats=fresh_repeats,
-                             progress=progress, check_args=check_args, only=only, shown=str(run_dir))
+                             progress=progress, check_args=check_args, only=only, shown=str(run_dir), tier_asked=tier, atol=atol)
     return _diagnose(config, run_dir=run_dir, prompts=prompts, out=out, force=force, budget=budget, fresh_repeats=fresh_repeats,
-                     progress=progress, check_args=check_args, only=only)
+                     progress=progress, check_args=check_args, only=only, tier_asked=tier, atol=atol)
+
+
+def _drift_recorded(run_dir: Path | None, tier: int) -> str | None:
+    """What a passing check recorded without failing on: its comparisons that diverged although not
+    required at its tier (logprobs that moved with the batch size), in one sentence; None without any."""
+    if run_dir is None or not (Path(run_dir) / artifacts.REPORT).is_file():
+        return None
+    rep = artifacts.read_json(Path(run_dir) / artifacts.REPORT, "report")
+    moved = [c for c in rep.get("comparisons", []) if not c.get("required") and c.get("prompts_diverged")]
+    if not moved:
+        return None
+    c = moved[0]
+    worst = (c.get("drift") or {}).get("max_abs_logprob_diff")
+    codes = sorted({x["code"] for x in rep.get("info", []) if isinstance(x, dict) and x.get("code")})
+    return (f"Nothing failed at tier {tier}, but the check recorded a difference that does not fail at that tier: {c['name']}: "
+            f"{c['prompts_diverged']}/{c['prompts_compared']} prompts diverged"
+            + (f", max |dlogprob| {worst:.3g}" if isinstance(worst, float) else "")
+            + (f" ({', '.join(codes)})" if codes else "")
+            + ". To diagnose that drift: detllm diagnose FOLDER --tier 3 (logprobs across batch sizes), or --atol to set the "
+              "logprob tolerance.")
 
 
 def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: str | Path | None, out: str | Path | None,
               force: bool, budget: str | int | None, fresh_repeats: int, progress: Progress | None, check_args: list[str] | None,
-              only: list[str] | None, shown: str | None = None) -> Diagnosis:
+              only: list[str] | None, shown: str | None = None, tier_asked: int | None = None, atol: float | None = None) -> Diagnosis:
     if sum(x is not None for x in (config, run_dir, check_args)) != 1:
         raise UsageError("diagnose takes a failing run folder or check's options, not both")
     limits = Budget.parse(budget)
@@ -194,6 +221,11 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
         base, tier, records = config, config.tier, None
         source = {"kind": "diff" if prompts_list else "check", "path": str(diff_dir) if prompts_list else None, "status": None,
                   "recorded_causes": []}
+    drift = _drift_recorded(Path(run_dir), tier) if run_dir is not None and tier_asked is None and atol is None else None
+    if tier_asked is not None:
+        tier = tier_asked
+    if atol is not None:
+        base = dataclasses.replace(base, atol=atol)
     server = served.identify(base)  # a served check: the live server's kind; unreachable is exit 4 before any write
     for name in OWNED:
         if name == "baseline" and check_args is not None:
@@ -306,6 +338,6 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
         "layers": layers,
         "isolated": isolated_by is not None,
         "conclusion": conclusion(knobs, passing, baseline["kinds"], confirmation) + cannot_text if baseline["diverged"]
-        else unreproduced or f"Nothing to diagnose: the check passes at tier {tier} (every comparison agreed).",
+        else unreproduced or drift or f"Nothing to diagnose: the check passes at tier {tier} (every comparison agreed).",
     })
     return write_diagnosis(out, doc)

@@ -57,14 +57,14 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 
 
 def measure(a: Any, b: Any) -> dict[str, Any]:
-    """max |Δ| (coordinate, both values), mean |Δ|, relative difference 1 - 2Σxy/(Σx²+Σy²) and
-    cosine, in float64. Non-finite values count as a difference of inf at their coordinate."""
+    """max |Δ| (coordinate, both values), mean |Δ|, relative difference 1 - 2Σxy/(Σx²+Σy²) (squared,
+    clamped at 0), relative L2 ‖x−y‖/max(‖x‖, ‖y‖) and cosine, in float64. Non-finite values count as a difference of inf at their coordinate."""
     import numpy as np
 
     x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if x.size == 0:
         return {"max_abs_diff": 0.0, "at": [], "left_value": None, "right_value": None, "mean_abs_diff": 0.0,
-                "rel_diff": 0.0, "cosine": 1.0}
+                "rel_diff": 0.0, "rel_l2": 0.0, "cosine": 1.0}
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(x - y)
     same_nonfinite = (~np.isfinite(x)) & (x == y)  # inf == inf: no difference
@@ -73,10 +73,13 @@ def measure(a: Any, b: Any) -> dict[str, Any]:
     finite = np.isfinite(x) & np.isfinite(y)
     xf, yf = np.where(finite, x, 0.0), np.where(finite, y, 0.0)
     sxy, sxx, syy = float((xf * yf).sum()), float((xf * xf).sum()), float((yf * yf).sum())
-    rel = 0.0 if sxx + syy == 0 else 1.0 - 2.0 * sxy / (sxx + syy)
+    rel = 0.0 if sxx + syy == 0 else max(0.0, 1.0 - 2.0 * sxy / (sxx + syy))  # cancellation can give -2e-16: clamped
     cos = 1.0 if sxx == 0 and syy == 0 else (0.0 if sxx == 0 or syy == 0 else sxy / (sxx * syy) ** 0.5)
+    norm = max(sxx, syy) ** 0.5
+    l2 = 0.0 if norm == 0 else float(np.sqrt(((xf - yf) ** 2).sum())) / norm  # from the differences: no cancellation
     return {"max_abs_diff": _num(float(diff[at])), "at": [int(i) for i in at], "left_value": _num(float(x[at])),
-            "right_value": _num(float(y[at])), "mean_abs_diff": _num(float(diff.mean())), "rel_diff": rel, "cosine": cos}
+            "right_value": _num(float(y[at])), "mean_abs_diff": _num(float(diff.mean())), "rel_diff": rel, "rel_l2": l2,
+            "cosine": cos}
 
 
 def _num(v: float) -> float | str:
@@ -150,9 +153,13 @@ def _decode_prefill_inputs(a: CapturedTensor, b: CapturedTensor) -> tuple[bool |
 
 def whole(t: CapturedTensor, rows: int) -> bool:
     """A tensor of a batch of `rows` > 1 the capture kept whole (not cut to the prompt's row: an op with no
-    batch axis, e.g. a blocked GEMM over 64 rows of several sequences): no row of it can be compared."""
+    batch axis, e.g. a blocked GEMM over 64 rows of several sequences): no row of it can be compared.
+    What the capture says it did decides (`CapturedTensor.whole`: vLLM's first axis is the forward's
+    flattened tokens, which a forward holding only the prompt's request matches); else the shapes."""
     import numpy as np
 
+    if t.whole is not None:
+        return t.whole
     return rows > 1 and bool(t.output_shape) and tuple(np.shape(t.output)) == tuple(t.output_shape) and t.output_shape[0] != 1
 
 

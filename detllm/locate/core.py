@@ -14,13 +14,14 @@ from ..runfolder import artifacts
 from ..runfolder.env import detllm_version
 from ..commands.diff import Selection
 from ..core.errors import UsageError
+from . import nextstep as nextsteps
 from . import prefill as prefills
 from . import rerun as reruns
 from .align import pair_up
 from .folder import Located, check_out, write_locate
 from .rule import FACTOR, growth, judge, op_json, row_json, tolerance
 from .warm import caches_across_batches
-from .sides import compared_tier, first_step, forced_step, load, resolve, side_json
+from .sides import compared_tier, first_step, forced_step, lengths_apart, load, resolve, side_json
 
 DEFAULT_BOUND = 512 * 2**20  # bytes of captured tensors, both sides together
 RULE = ("the first op, in execution order, whose inputs agree bitwise (cached K/V included) but whose output differs; "
@@ -51,7 +52,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     if prefill:
         return _prefill(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_bytes, ops=ops,
                         reference=reference, step=step)
-    left_sel, right_sel, source = resolve(a, b)
+    left_sel, right_sel, source, chosen = resolve(a, b)
     left, right = load(left_sel, right_sel)
     target = check_out(out, force, left_sel, right_sel, source, given=a)
     tier = compared_tier(left, right)
@@ -67,8 +68,14 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
                      "bound_bytes": max_bytes, "reference": reference},
         "not_captured": [], "cost": {},
     }
+    if chosen:
+        doc["chose"] = chosen
+    apart = lengths_apart(left, right)
+    if apart:
+        doc["not_captured"].append(apart)
     if step is None:
-        doc["line"] = "the two sides agree in everything recorded: nothing to locate"
+        doc["line"] = ("the two sides agree bitwise over every step both recorded: nothing to locate" if apart else
+                       "the two sides agree in everything recorded: nothing to locate")
         return write_locate(target, artifacts.stamp("locate", doc))
     doc["step"] = {"prompt": step.prompt_index, "right_prompt": step.right_prompt_index, "prompt_id": step.prompt_id,
                    "step": step.step, "what": step.what, "left": step.left, "right": step.right}
@@ -186,15 +193,21 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
             for r2, k2 in zip(sides, ("left", "right")):
                 doc[k2]["reruns"] = r2.runs
             return None
+    for (cap, differs), r, key in zip(got, sides, ("left", "right")):  # both sides' facts before a stop (each was re-run)
         doc[key].update(reruns=r.runs, level=cap.level, notes=r.notes + list(cap.notes), reproduced=differs is None)
+    for (cap, differs), r, key in zip(got, sides, ("left", "right")):
         if r.warm or caches_across_batches(r.config):
             doc[key]["warmed_by"] = {"batches": len(r.warm), "recorded": r.warmed_by,
                                      "cached_prefix": next((e["cached_prefix"] for e in (cap.engine or {}).get("schedule", [])
                                                             if "cached_prefix" in e), 0)}
         if differs is not None:
             doc[key]["not_reproduced"] = differs
+            apart = nextsteps.env_apart(r.side)
             doc.update(status="not_reproduced", line=f"not reproduced here: the {key} side's re-run differs from its "
-                                                     f"own recorded trace at {differs}; nothing is located")
+                                                     f"own recorded trace at {differs}; nothing is located"
+                                                     + (f"; its recorded environment differs from this one in {len(apart)} "
+                                                        f"field(s), first {apart[0]['field']}" if apart else ""),
+                       next=nextsteps.not_reproduced(key, apart, doc))
             return None
     return [cap for cap, _ in got]
 

@@ -16,6 +16,7 @@ from ..core.errors import UsageError
 from ..runfolder.folderlock import exclusive_writer
 from ..runfolder.integrity import MANIFEST, SIG, seal
 from ..render.locate import render_markdown, render_text
+from .nextstep import next_step
 
 LOCATE = "locate.json"
 OWNED = (LOCATE, "locate.txt", "locate.md")
@@ -52,7 +53,7 @@ def check_out(out: str | Path | None, force: bool, left: Selection, right: Selec
               given: str | None = None) -> Target:
     """The folder to write, refused now (UsageError) when it cannot be written."""
     if out is None:
-        home = Path(given) if source != "selections" and given else _home(left, right, source)
+        home = Path(given) if source != "selections" and given and Path(given).is_dir() else _home(left, right, source)
         out = home if home is not None else artifacts.default_out_dir("locate")
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -71,6 +72,7 @@ def check_out(out: str | Path | None, force: bool, left: Selection, right: Selec
 
 def write_locate(target: Target, doc: dict[str, Any]) -> Located:
     """Write locate.json (validated), locate.txt and locate.md; seal the folder again where it was sealed."""
+    doc["next"] = next_step(doc)
     target.path.mkdir(parents=True, exist_ok=True)
     with exclusive_writer(target.path):
         artifacts.write_json(target.path, LOCATE, doc)

@@ -45,14 +45,18 @@ class Rerun:
     own_check: Any = None  # (Capture) -> what differs or None: the check of a side with no recorded trace (a prefill)
 
 
-def check_capture(config: RunConfig, label: str) -> None:
+def check_capture(config: RunConfig, label: str, rows: int = 1) -> None:
     """BackendUnavailableError (exit 4) for a backend without internals to capture (served
-    endpoints), before anything is loaded or written."""
+    endpoints), or one whose recorded config its capture refuses for a batch of `rows` (vLLM at
+    tensor_parallel_size > 1, a llama.cpp batch), before anything is loaded or written."""
     cls = backend_class(config.backend)
     if cls.capture is Backend.capture:
         raise BackendUnavailableError(f"{label}: backend {config.backend!r} has no internals locate can capture",
                                       hint="locate re-runs a batch in-process (hf, or the engines that declare capture); "
                                            "a served endpoint only answers requests")
+    refused = cls.capture_refusal(config, rows)
+    if refused is not None:
+        raise BackendUnavailableError(f"{label}: {refused[0]}", hint=refused[1])
 
 
 def side_config(side: Side) -> RunConfig:
@@ -64,7 +68,7 @@ def prepare(side: Side, prompt_index: int) -> Rerun:
     """The recorded batch of (side, prompt) as Requests: every member with its recorded input ids,
     fillers tokenized by the backend when it is made (start). Nothing is loaded yet."""
     config = side_config(side)
-    check_capture(config, side.label)
+    check_capture(config, side.label, side.batch_size)
     count = side.run_config["prompts"]["count"]
     texts: dict[int, str] = {}
     ids: dict[int, tuple[int, ...]] = {}

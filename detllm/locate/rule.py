@@ -124,4 +124,5 @@ def growth(pairs: list[Pair], start: Pair | None) -> list[dict[str, Any]]:
         return []
     rows = [start] + [p for p in pairs if p.left.order > start.left.order and p.left.kind in BOUNDARY_KINDS]
     return [{"module": p.left.name, "kind": p.left.kind, "max_abs_diff": p.metrics.get("max_abs_diff"),
-             "mean_abs_diff": p.metrics.get("mean_abs_diff"), "rel_diff": p.metrics.get("rel_diff")} for p in rows]
+             "mean_abs_diff": p.metrics.get("mean_abs_diff"), "rel_diff": p.metrics.get("rel_diff"),
+             "rel_l2": p.metrics.get("rel_l2")} for p in rows]

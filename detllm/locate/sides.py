@@ -30,30 +30,50 @@ class Step:
     right: Any
 
 
-def resolve(a: str, b: str | None) -> tuple[Selection, Selection, str]:
-    """Two selections (FOLDER, FOLDER::batch_8, ...), or the sides of one diff folder or failing
-    check folder; returns them with where they came from ("selections", "diff folder", "check folder")."""
+def resolve(a: str, b: str | None) -> tuple[Selection, Selection, str, str | None]:
+    """Two selections (FOLDER, FOLDER::batch_8, ...), or the sides of one diff folder or check folder
+    or pack; returns them with where they came from ("selections", "diff folder", "check folder") and,
+    where locate chose the comparison, which one and why (else None)."""
     if b is not None:
-        return Selection.parse(a), Selection.parse(b), "selections"
+        return Selection.parse(a), Selection.parse(b), "selections", None
     folder = Path(a)
-    if "::" in a or not folder.is_dir():
-        raise UsageError(f"locate needs two sides, or one diff or failing check folder; got only {a!r}",
+    if "::" in a or not (folder.is_dir() or (folder.is_file() and a.endswith((".tar.gz", ".tgz")))):
+        raise UsageError(f"locate needs two sides, or one diff folder, check folder or pack; got only {a!r}",
                          hint="detllm locate A B (FOLDER::batch_1 FOLDER::batch_8), or detllm locate DIFF_FOLDER")
-    artifacts.check_complete(folder)
-    if artifacts.is_diff_folder(folder):
-        _, left, right = folder_sides(folder)  # the diff folder's sides, each folder resolved
-        return (Selection(Path(left["path"]), left["run_index"], left["batch_size"]),
-                Selection(Path(right["path"]), right["run_index"], right["batch_size"]), "diff folder")
-    if not artifacts.is_detllm_folder(folder):
-        raise UsageError(f"{a!r} is neither a run folder nor a diff folder", hint="pass two run folders or selections")
-    report = artifacts.read_json(folder / artifacts.REPORT, "report") if (folder / artifacts.REPORT).is_file() else {}
-    failing = [c for c in report.get("comparisons", []) if c.get("status") == "FAIL" and c.get("first_divergence")]
-    if report.get("command") != "check" or not failing:
-        raise UsageError(f"{a!r} is not a failing check folder, so it names no two sides to locate",
+    if folder.is_dir():
+        artifacts.check_complete(folder)
+        if artifacts.is_diff_folder(folder):
+            _, left, right = folder_sides(folder)  # the diff folder's sides, each folder resolved
+            return (Selection(Path(left["path"]), left["run_index"], left["batch_size"]),
+                    Selection(Path(right["path"]), right["run_index"], right["batch_size"]), "diff folder", None)
+    with artifacts.open_run_path(folder) as real:
+        if not artifacts.is_detllm_folder(real):
+            raise UsageError(f"{a!r} is neither a run folder nor a diff folder", hint="pass two run folders or selections")
+        report = artifacts.read_json(real / artifacts.REPORT, "report") if (real / artifacts.REPORT).is_file() else {}
+    comp, why = _comparison(report)
+    if comp is None:
+        raise UsageError(f"{a!r} is not a check whose comparisons recorded a difference, so it names no two sides to locate",
                          hint="pass two selections, e.g. detllm locate FOLDER::batch_1 FOLDER::batch_8")
-    comp = failing[0]
     (lr, lb), (rr, rb) = parse_label(comp["left"]), parse_label(comp["right"])
-    return Selection(folder, lr, lb), Selection(folder, rr, rb), "check folder"
+    return Selection(folder, lr, lb), Selection(folder, rr, rb), "check folder", why
+
+
+def _comparison(report: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """The check's comparison to locate: its first failing one; else, on a passing check, the first
+    whose records differ although it did not fail the verdict (logprobs that moved with the batch size,
+    recorded INFO), said so."""
+    if report.get("command") != "check":
+        return None, None
+    comps = [c for c in report.get("comparisons", []) if c.get("first_divergence")]
+    failing = [c for c in comps if c.get("status") == "FAIL"]
+    if failing:
+        return failing[0], None
+    if not comps:
+        return None, None
+    c = comps[0]
+    return c, (f"the check {report.get('status', '')} recorded no failing comparison; located the one it recorded as drifting: "
+               f"{c.get('name', c['left'] + ' vs ' + c['right'])} ({c.get('prompts_diverged', '?')}/"
+               f"{c.get('prompts_compared', '?')} prompts diverged, {c.get('status')})")
 
 
 def load(left: Selection, right: Selection) -> tuple[Side, Side]:
@@ -75,7 +95,7 @@ def first_step(left: Side, right: Side, *, tier: int, prompt: int | None = None)
     for lrec, rrec in pairs:
         if prompt is not None and lrec["prompt_index"] != prompt:
             continue
-        found = _record_step(lrec, rrec, tier)
+        found = _record_step(lrec, rrec, tier, _budget(left), _budget(right))
         if found is not None and (best is None or (found[0], lrec["prompt_index"]) < (best.step, best.prompt_index)):
             best = Step(lrec["prompt_index"], rrec["prompt_index"], lrec["prompt_id"], *found)
     if prompt is not None and not any(l["prompt_index"] == prompt for l, _ in pairs):
@@ -97,7 +117,23 @@ def forced_step(left: Side, right: Side, step: int, prompt: int | None) -> Step:
     return Step(l["prompt_index"], r["prompt_index"], l["prompt_id"], step, "asked", None, None)
 
 
-def _record_step(a: dict[str, Any], b: dict[str, Any], tier: int) -> tuple[int, str, Any, Any] | None:
+def _budget(side: Side) -> int | None:
+    """The side's recorded --max-new-tokens (None: not recorded)."""
+    return (side.run_config or {}).get("config", {}).get("decoding", {}).get("max_new_tokens")
+
+
+def lengths_apart(left: Side, right: Side) -> str | None:
+    """When the sides recorded different --max-new-tokens, the line that says locate compares only the
+    steps both have (a record that stops at its own limit is no difference); else None."""
+    a, b = _budget(left), _budget(right)
+    if a is None or b is None or a == b:
+        return None
+    return (f"the sides recorded different --max-new-tokens ({a} vs {b}): only the steps both recorded are compared; "
+            "a record that stopped at its own limit is not a difference")
+
+
+def _record_step(a: dict[str, Any], b: dict[str, Any], tier: int, budget_a: int | None = None,
+                 budget_b: int | None = None) -> tuple[int, str, Any, Any] | None:
     ta, tb = a["token_ids"], b["token_ids"]
     for i in range(min(len(ta), len(tb))):
         if ta[i] != tb[i]:
@@ -110,7 +146,10 @@ def _record_step(a: dict[str, Any], b: dict[str, Any], tier: int) -> tuple[int, 
             if not _same(ka, kb):
                 return i, "top_logprobs", ka, kb
     if len(ta) != len(tb):
-        return min(len(ta), len(tb)), "length", len(ta), len(tb)
+        short = min(len(ta), len(tb))
+        if (budget_a if len(ta) == short else budget_b) == short:
+            return None  # the shorter record stopped at its own --max-new-tokens: no step of it to compare
+        return short, "length", len(ta), len(tb)
     return None
 
 

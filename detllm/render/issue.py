@@ -10,11 +10,12 @@ env.json only. Environment values go through env.redact_env again: secrets stay 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..compare.causes import ADVICE, TITLES
 from ..runfolder.env import REDACTED, redact_env
@@ -70,15 +71,48 @@ def _record(folder: Path, run: int, batch: int, prompt_index: int) -> tuple[dict
         return None, 0
 
 
+def _is_pack(path: Path) -> bool:
+    return path.is_file() and path.name.endswith((".tar.gz", ".tgz"))
+
+
+@contextlib.contextmanager
+def _opened(pack: Path) -> Iterator[Path | None]:
+    """The pack extracted for the block (None when it cannot be read: the rest of the issue still renders)."""
+    from ..runfolder.artifacts import open_run_path
+
+    try:
+        cm = open_run_path(pack)
+        real = cm.__enter__()
+    except Exception:  # noqa: BLE001 - a convenience: the issue renders without the pack's files
+        yield None
+        return
+    try:
+        yield real
+    finally:
+        cm.__exit__(None, None, None)
+
+
 class _Side:
     """What one side's folder recorded (any of it may be missing: a diff's folders may be gone)."""
 
     def __init__(self, name: str, folder: Path | None, run: int, batch: int) -> None:
         self.name, self.folder, self.run, self.batch = name, folder, run, batch
-        f = folder if folder is not None and folder.is_dir() else None
-        self.env = _read(f / "env.json") if f else None
-        self.run_config = _read(f / "run_config.json") if f else None
-        self.applied = _read(f / "determinism_applied.json") if f else None
+        self.env = self.run_config = self.applied = None
+        if folder is not None and folder.is_dir():
+            self._read(folder)
+        elif folder is not None and _is_pack(folder):
+            with _opened(folder) as real:  # a pack-based diff: env and config are inside the pack
+                if real is not None:
+                    self._read(real)
+
+    def _read(self, f: Path) -> None:
+        self.env = _read(f / "env.json")
+        self.run_config = _read(f / "run_config.json")
+        self.applied = _read(f / "determinism_applied.json")
+
+    @property
+    def selection(self) -> str:
+        return f"::run_{self.run}@batch_{self.batch}"
 
     @property
     def backend(self) -> str:
@@ -293,10 +327,17 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
     if target is not None:
         lines += [f"With {install}, from the pack of this run (`detllm pack {shlex.quote(str(target))} -o pack.tar.gz`, attached):",
                   "", *_fence(f"detllm verify pack.tar.gz && detllm replay pack.tar.gz", "bash")]
+    elif len(sides) == 2 and sides[0].folder is not None and sides[1].folder is not None and \
+            sides[0].folder.resolve() == sides[1].folder.resolve():  # two selections of one run (batch 1 vs batch 8)
+        l, r = sides
+        lines += [f"With {install}, from the pack of the run both sides come from (`detllm pack FOLDER -o pack.tar.gz`, attached):",
+                  "", *_fence("detllm verify pack.tar.gz && detllm replay pack.tar.gz\n"
+                              f"detllm diff pack.tar.gz{l.selection} pack.tar.gz{r.selection}", "bash")]
     else:
+        l, r = sides
         lines += [f"With {install}, from the packs of the two runs (`detllm pack FOLDER -o left.tar.gz`, and right), attached:", "",
                   *_fence("detllm replay left.tar.gz && detllm replay right.tar.gz\n"
-                          f"detllm diff left.tar.gz right.tar.gz", "bash")]
+                          f"detllm diff left.tar.gz{l.selection} right.tar.gz{r.selection}", "bash")]
     for side in sides:
         rec, occurrence = None, 0
         if side.folder is not None:  # the divergent prompt, else the first prompt of the first run
@@ -304,7 +345,11 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
 
             label = d["left"]["label"] if d is not None and side.name == "left" else d["right"]["label"] if d is not None else None
             run, batch = (side.run, side.batch) if report["command"] == "diff" or label is None else parse_label(label)
-            rec, occurrence = _record(side.folder, run, batch, d["prompt_index"] if d is not None else 0)
+            if _is_pack(side.folder):
+                with _opened(side.folder) as real:
+                    rec, occurrence = _record(real, run, batch, d["prompt_index"] if d is not None else 0) if real else (None, 0)
+            else:
+                rec, occurrence = _record(side.folder, run, batch, d["prompt_index"] if d is not None else 0)
         raw = _raw_call(side, rec, occurrence)
         if raw:
             lines += ["", *raw]

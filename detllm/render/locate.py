@@ -50,10 +50,38 @@ def op_line(op: dict[str, Any] | None) -> str:
             f"{op['at']} ({_g(op['left_value'])} vs {_g(op['right_value'])}), tolerance {_g(op['tolerance'])}; {_shapes(op)}")
 
 
-def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows worth printing: layer boundaries, logits and every differing output, in order, capped."""
-    rows = [r for r in doc["layers"] if r["kind"] in ("embedding", "layer", "logits") or r["output_equal"] is False]
-    return rows[:TABLE_ROWS]
+def _rows(doc: dict[str, Any], limit: int | None = TABLE_ROWS, module: str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The rows worth printing and how many of them are hidden: layer boundaries, logits and every
+    differing output, in order, at most `limit` (None: all); `module`: every row whose module matches
+    that glob instead (equal or not)."""
+    from fnmatch import fnmatchcase
+
+    if module is not None:
+        rows = [r for r in doc["layers"] if fnmatchcase(r["module"], module)]
+    else:
+        rows = [r for r in doc["layers"] if r["kind"] in ("embedding", "layer", "logits") or r["output_equal"] is False]
+    shown = rows if limit is None else rows[:limit]
+    return shown, len(rows) - len(shown)
+
+
+def _rel(r: dict[str, Any]) -> Any:
+    """The relative L2 difference (older documents: None; their squared rel_diff is not shown as one)."""
+    return r.get("rel_l2")
+
+
+def _apart(what: str, left: Any, right: Any) -> str:
+    """Where two recorded step values differ: a top-k list's first differing entry with its Δ (diff's
+    rule), a logprob with its Δ; both excerpts otherwise."""
+    if what == "top_logprobs" and isinstance(left, list) and isinstance(right, list):
+        for i in range(max(len(left), len(right))):
+            a, b = (left[i] if i < len(left) else None), (right[i] if i < len(right) else None)
+            if a != b:
+                delta = (f", Δ {b[1] - a[1]:.3g}" if isinstance(a, list) and isinstance(b, list) and a[0] == b[0]
+                         and all(isinstance(x[1], (int, float)) for x in (a, b)) else "")
+                return f"top-k entry {i} differs: left {a!r}, right {b!r}{delta}"
+    if what == "logprob" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+        return f"logprob differs: left {left!r}, right {right!r}, Δ {right - left:.3g}"
+    return f"{what} differs (left {_short(left)}, right {_short(right)})"
 
 
 def _warm(w: dict[str, Any] | None) -> str:
@@ -79,29 +107,35 @@ def _sides(doc: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_text(doc: dict[str, Any]) -> str:
+def render_text(doc: dict[str, Any], *, rows: int | None = TABLE_ROWS, module: str | None = None) -> str:
+    """locate.txt; `rows`: the most table rows (None: all), `module`: the rows of the modules matching a glob."""
     head = {"located": "LOCATED", "not_located": "NOT LOCATED", "no_difference": "NO DIFFERENCE",
             "not_reproduced": "NOT REPRODUCED"}[doc["status"]]
-    lines = [f"{head}  {doc['line']}"] + _sides(doc)
+    lines = [f"{head}  {doc['line']}"] + ([f"chose: {doc['chose']}"] if doc.get("chose") else []) + _sides(doc)
     st = doc["step"]
     if st is not None:
-        what = ("asked with --step, whatever was recorded" if st["what"] == "asked" else
-                f"{st['what']} differs (left {_short(st['left'])}, right {_short(st['right'])})")
+        what = "asked with --step, whatever was recorded" if st["what"] == "asked" else _apart(st["what"], st["left"], st["right"])
         lines.append(f"step: prompt {st['prompt']}, step {st['step']}: {what}; captured at step {_g(doc['captured_step'])}")
     lines.append(f"first_bitwise_op: {op_line(doc['first_bitwise_op'])}")
     lines.append(f"first_beyond_tolerance_op: {op_line(doc['first_beyond_tolerance_op'])}")
     if doc["growth"]:
         lines.append("growth to the logits:")
-        lines += [f"  {g['module']:<44} {g['kind']:<10} max|Δ| {_g(g['max_abs_diff']):>9}  rel {_g(g['rel_diff'])}"
+        lines += [f"  {g['module']:<44} {g['kind']:<10} max|Δ| {_g(g['max_abs_diff']):>9}  relL2 {_g(_rel(g))}"
                   for g in doc["growth"]]
     if doc["layers"]:
-        lines.append(f"per-layer table ({len(doc['layers'])} captured outputs; boundaries and differing rows shown):")
+        shown, hidden = _rows(doc, rows, module)
+        which = f"rows of modules matching {module!r}" if module is not None else "boundaries and differing rows"
+        lines.append(f"per-layer table ({len(doc['layers'])} captured outputs; {which}: {len(shown)} shown"
+                     + (f", {hidden} hidden: --rows all shows them, --module 'model.layers.1.*' picks modules" if hidden else "")
+                     + "; relL2 = ‖left−right‖ / max(‖left‖, ‖right‖)):")
         lines.append(f"  {'#':>4} {'module':<44} {'kind':<10} {'in=':<4} {'out=':<4} {'max|Δ|':>9} {'at':<12} "
-                     f"{'mean|Δ|':>9} {'rel':>9} {'cosine':>9}")
-        for r in _rows(doc):
+                     f"{'mean|Δ|':>9} {'relL2':>9} {'cosine':>9}")
+        for r in shown:
             lines.append(f"  {r['order']:>4} {r['module']:<44} {r['kind']:<10} {_g(r['inputs_equal']):<4} {_g(r['output_equal']):<4} "
                          f"{_g(r.get('max_abs_diff')):>9} {str(r.get('at', '')):<12} {_g(r.get('mean_abs_diff')):>9} "
-                         f"{_g(r.get('rel_diff')):>9} {_g(r.get('cosine')):>9}")
+                         f"{_g(_rel(r)):>9} {_g(r.get('cosine')):>9}")
+        if hidden:
+            lines.append(f"     ... {hidden} more row(s) not shown (--rows all)")
     lines.append(f"rule: {doc['rule']}")
     lines.append(f"tolerance: {doc['tolerance']['formula']} (factor {doc['tolerance']['factor']})")
     for n in doc["not_captured"]:
@@ -111,6 +145,8 @@ def render_text(doc: dict[str, Any]) -> str:
         mb = {k: v / 2**20 for k, v in c["peak_captured_bytes"].items()}
         lines.append(f"cost: re-runs left {c['reruns']['left']}, right {c['reruns']['right']}; peak captured "
                      f"{mb['left']:.2f} MB / {mb['right']:.2f} MB (bound {c['bound_bytes'] / 2**20:.0f} MB); {c['seconds']} s")
+    if doc.get("next"):
+        lines.append(f"next: {doc['next']}")
     return "\n".join(lines) + "\n"
 
 
@@ -133,13 +169,18 @@ def render_markdown(doc: dict[str, Any]) -> str:
                    f"{op['input_shapes']['right']} | {op['output_shape']['left']} / {op['output_shape']['right']} | "
                    f"{_g(op['max_abs_diff'])} | {_g(op['tolerance'])} |")
     if doc["layers"]:
-        out += ["", "| # | module | kind | inputs equal | output equal | max \\|Δ\\| | at | mean \\|Δ\\| | rel | cosine |",
+        shown, hidden = _rows(doc)
+        out += ["", "| # | module | kind | inputs equal | output equal | max \\|Δ\\| | at | mean \\|Δ\\| | rel L2 | cosine |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {r['order']} | `{r['module']}` | {r['kind']} | {_g(r['inputs_equal'])} | {_g(r['output_equal'])} | "
-                f"{_g(r.get('max_abs_diff'))} | {r.get('at', '')} | {_g(r.get('mean_abs_diff'))} | {_g(r.get('rel_diff'))} | "
-                f"{_g(r.get('cosine'))} |" for r in _rows(doc)]
+                f"{_g(r.get('max_abs_diff'))} | {r.get('at', '')} | {_g(r.get('mean_abs_diff'))} | {_g(_rel(r))} | "
+                f"{_g(r.get('cosine'))} |" for r in shown]
+        if hidden:
+            out += ["", f"{hidden} more row(s) not shown: `detllm locate ... --rows all`, or `--module GLOB`."]
     out += ["", f"Rule: {doc['rule']}.", "", f"Tolerance: `{doc['tolerance']['formula']}` (factor {doc['tolerance']['factor']})."]
     out += [f"- not captured: {n}" for n in doc["not_captured"]]
+    if doc.get("next"):
+        out += ["", f"Next: {doc['next']}"]
     return "\n".join(out) + "\n"
 
 
@@ -180,8 +221,20 @@ def html_section(doc: dict[str, Any]) -> list[str]:
     if doc["growth"]:
         out.append("<table><tr><th>from the op to the logits</th><th>kind</th><th>max |Δ|</th><th>rel</th></tr>" +
                    "".join(f"<tr><td class='mono'>{e(g['module'])}</td><td>{e(g['kind'])}</td><td>{e(_g(g['max_abs_diff']))}</td>"
-                           f"<td>{e(_g(g.get('rel_diff')))}</td></tr>" for g in doc["growth"]) + "</table>")
+                           f"<td>{e(_g(_rel(g)))}</td></tr>" for g in doc["growth"]) + "</table>")
+    if doc.get("next"):
+        out.append(f"<p><b>next</b>: {e(doc['next'])}</p>")
     out.append(f"<p class='muted'>rule: {e(doc['rule'])}; tolerance {e(doc['tolerance']['formula'])}</p>")
+    return out
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """The finding for `report FOLDER` (txt): status and line, the two ops, the next step; locate.txt has the rest."""
+    head = doc["status"].replace("_", " ").upper()
+    out = ["where the bits part (detllm locate, full text in locate.txt):", f"  {head}  {doc['line']}"]
+    out += [f"  {key}: {op_line(doc[key])}" for key in ("first_bitwise_op", "first_beyond_tolerance_op") if doc[key] is not None]
+    if doc.get("next"):
+        out.append(f"  next: {doc['next']}")
     return out
 
 
@@ -191,6 +244,8 @@ def issue_lines(doc: dict[str, Any]) -> list[str]:
     out = ["#### Where the bits part (`detllm locate`)", "", doc["line"], ""]
     for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
         out.append(f"- `{key}`: {op_line(doc[key])}")
+    if doc.get("next"):
+        out.append(f"- next: {doc['next']}")
     rows = [r for r in doc["layers"] if r["kind"] in ("embedding", "layer", "logits")
             or (doc["first_bitwise_op"] is not None and r["module"] == doc["first_bitwise_op"]["module"])]
     if rows:

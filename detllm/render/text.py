@@ -331,7 +331,8 @@ def sensitivity_line(sens: dict[str, Any], control: dict[str, Any] | None, compa
     if sens["drift_observed"]:
         topk = max((b for b in map(topk_bound, comparisons) if b is not None), default=None)
         topk = topk if topk is not None and topk > (sens["max_abs_logprob_diff"] or 0.0) else None
-        lines = [f"sensitivity: drift observed in {', '.join(sens['where'])} ({_logprob_figure(sens['max_abs_logprob_diff'], topk)})"]
+        pairs = dict.fromkeys(w.removesuffix(" (logprobs)") for w in sens["where"])  # a pair's token and logprob comparisons: once
+        lines = [f"sensitivity: drift observed in {', '.join(pairs)} ({_logprob_figure(sens['max_abs_logprob_diff'], topk)})"]
     elif sens["max_abs_logprob_diff"] is None:
         lines = ["sensitivity: no drift observed anywhere (no token moved in any comparison; logprobs not compared)"]
     else:

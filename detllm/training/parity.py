@@ -135,6 +135,18 @@ def parity(*, backend: str = "hf", model: str = "tiny", prompts: str | Path | No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _attention(applied: Any) -> dict[str, Any]:
+    """What the engine's attention computed in, where it says (llama.cpp: -fa and the KV cache type):
+    `dtype` is the weights', and CPU flash attention and an f16 KV cache compute in F16 (review E3)."""
+    ran = {a.name: a.value for a in applied or () if a.name in ("flash_attn", "kv_type")}
+    if not ran:
+        return {}
+    f16 = [w for w, on in (("flash attention", ran.get("flash_attn") != "off"), ("an f16 KV cache", ran.get("kv_type") == "f16")) if on]
+    return {"attention": {**ran, "note": (f"attention in F16 ({' and '.join(f16)}: llama.cpp computes them in F16 whatever the "
+                                          "weights' dtype); --opt kv_type=f32 --opt flash_attn=off for float32 attention")
+                          if f16 else "float32 attention (f32 KV cache, flash attention off)"}}
+
+
 def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: str, checkpoint: str | Path | None, dtype: str,
             attn_implementation: str, atol: float, out: Path | None, say: Callable[[str], None]) -> ParityOutcome:
     from .parity_render import render_text
@@ -147,7 +159,7 @@ def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: 
         method = getattr(engine, "score_method", "") if engine.can_score else ""
         seqs, decode, prefill = [], [], []
         excluded: dict[int, str] = {}  # sequence -> why it is not compared
-        with engine.determinism(tier=min(2, caps.max_tier), seed=seed, threads=threads):
+        with engine.determinism(tier=min(2, caps.max_tier), seed=seed, threads=threads) as applied:
             for i, text in enumerate(texts):
                 ids = list(engine.tokenize(text))
                 if not ids:  # the engine tokenizes the text itself and says not how: no ids to teacher-force
@@ -163,7 +175,8 @@ def _parity(cfg: RunConfig, texts: Sequence[str], trainer_path: Path, *, model: 
                 decode.append(list(gen.logprobs) if caps.logprobs and gen.logprobs is not None and i not in excluded else None)
                 prefill.append(engine.score(ids, list(gen.token_ids)) if engine.can_score and gen.token_ids and i not in excluded
                                else None)
-        engine_info = {"backend": backend, "dtype": engine_dtype, "score_method": method, "env": engine.env_info()}
+        engine_info = {"backend": backend, "dtype": engine_dtype, "score_method": method, "env": engine.env_info(),
+                       **_attention(applied)}
     say("scoring the rollouts with the training model")
     trainer = trainer_logprobs(trainer_path, dtype, seqs, threads=threads, attn_implementation=attn_implementation)
     paths = {}

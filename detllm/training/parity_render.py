@@ -21,7 +21,7 @@ def render_text(doc: dict[str, Any]) -> str:
     tr, en = doc["trainer"], doc["engine"]
     lines = [f"parity: {doc['verdict']}  (model {doc['model']}, atol {doc['atol']})",
              f"  trainer: {tr['framework']}, {tr['dtype']}, attention {tr['attn_implementation']}, model.eval(), {tr['threads']} threads",
-             f"  engine:  {en['backend']}, {en['dtype']}"]
+             f"  engine:  {en['backend']}, {en['dtype']}" + (f"; {en['attention']['note']}" if en.get("attention") else "")]
     if doc.get("checkpoint"):
         lines.append(f"  weights: the checkpoint {doc['checkpoint']} (checked by digest), on both sides")
     for name, p in doc["paths"].items():

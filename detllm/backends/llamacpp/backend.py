@@ -90,6 +90,17 @@ class LlamaCppBackend(Backend):
             backend.device = backend._gpu_device(required=config.device == "cuda")
         return backend
 
+    @classmethod
+    def capture_refusal(cls, config: RunConfig, rows: int) -> tuple[str, str] | None:
+        if rows > 1:
+            return (f"llama.cpp capture re-runs one sequence through detllm-dump, and this side's batch has {rows} rows: "
+                    "a llama.cpp batch cannot be located yet",
+                    "locate the same batch pair on hf or vllm (detllm check --backend hf --vary-batch 1,8, then locate), or "
+                    "locate this model's llama.cpp run at batch 1 against hf (detllm diff A B --locate)")
+        if config.device not in ("cpu", "auto"):
+            return (f"llama.cpp capture computes on the CPU; this run used {config.device!r}", "locate a --device cpu llamacpp run")
+        return None
+
     def _gpu_device(self, *, required: bool) -> str:
         """"cuda" when this llama-server build lists a GPU device, else "cpu"; a required GPU that
         the build cannot use is BackendUnavailableError (it would silently run on the CPU)."""

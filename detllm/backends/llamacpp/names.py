@@ -65,6 +65,9 @@ def node_name(rec: dict[str, Any], names: NameMap) -> tuple[str, str, str | None
         module = names.module(src["name"])
         if module is not None:
             base = src["name"].removesuffix(".weight")
+            if rec["op"] == "MUL_MAT" and (base == "token_embd" or rec["name"] == "result_output"):
+                # tied embeddings (smollm2): the logits are a product with token_embd's matrix, not its lookup
+                return "lm_head", "logits", base
             return module, _kind(base.split(".")[-1] if base.startswith("blk.") else base, rec["op"]), base
     return None
 

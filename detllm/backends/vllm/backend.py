@@ -70,6 +70,18 @@ class VLLMBackend(Backend):
         return cls(config.model, options=opts, revision=config.revision, dtype=config.dtype, device=config.device,
                    n_logprobs=config.logprobs, max_new_tokens=config.decoding.max_new_tokens, threads=config.threads)
 
+    @classmethod
+    def capture_refusal(cls, config: RunConfig, rows: int) -> tuple[str, str] | None:
+        opts = parse_options(VLLMOptions, config.options, "vllm")
+        if opts.tensor_parallel_size > 1:
+            return (f"recorded with tensor_parallel_size={opts.tensor_parallel_size}: its layers ran in {opts.tensor_parallel_size} "
+                    "worker processes, where locate's hooks cannot reach (vLLM capture needs tensor_parallel_size=1)",
+                    "locate a run recorded with --opt tensor_parallel_size=1 (diff tells a TP=2 run from a TP=1 one)")
+        if opts.enforce_eager is False:
+            return ("recorded with enforce_eager=false: compiled graphs run no module hooks (vLLM capture needs an eager engine)",
+                    "locate a run recorded with --opt enforce_eager=true")
+        return None
+
     def _resolve_device(self, device: str) -> str:
         if self.platform == "cpu":
             if device == "cuda":

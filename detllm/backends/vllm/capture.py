@@ -91,6 +91,15 @@ def _rows(state: _State, t: Any) -> Any:
     return t.detach().clone()
 
 
+def _kept_whole(state: _State, piece: Piece, output: Any) -> bool:
+    """Whether `piece`'s kept output holds rows of other requests: `_rows` cuts a tensor whose first
+    axis is the forward's flattened tokens, the logits are cut by row, and a forward that held only
+    the prompt's request (a wave of one, a prefill scheduled alone) has no other rows to keep."""
+    r = state.row
+    cut = piece.part == "logits" or (output.dim() >= 1 and output.shape[0] == r.total)
+    return not cut and r.total > r.end - r.start
+
+
 def _first(out: Any) -> Any:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -166,6 +175,7 @@ def _post_hook(state: _State, rule: Rule) -> Callable:
                 ref_error=ref, dtype=str(out.dtype).replace("torch.", ""),
                 input_names=[UNCAPTURED_PREFIX] if uncaptured else _input_names(piece, len(ins)),
                 positions=[state.target_pos] if piece.part == "logits" else state.row.positions,
+                whole=_kept_whole(state, piece, whole),
                 cached_steps=cached, cached_from_step=min(cached) if cached else None))
         if rule.pieces[0].part == "logits":
             state.done = True

@@ -121,7 +121,7 @@ def applied(vc: Any, opts: VLLMOptions, *, dtype_asked: str, enforce_eager: bool
         Applied("kv_cache_gib", opts.kv_cache_gib, True,
                 env.get("VLLM_CPU_KVCACHE_SPACE") if platform == "cpu" else opts.kv_cache_gib, kv_note),
         _threads(threads, threads_now, platform, ranks),
-        *([_binding(bind, ranks or [])] if platform == "cpu" and workers else []),
+        *([_binding(bind, ranks or [], user=bool(opts.cpu_threads_bind))] if platform == "cpu" and workers else []),
     ]
 
 
@@ -137,15 +137,18 @@ def _threads(threads: int | None, threads_now: int, platform: str, ranks: list[d
                    "set by vLLM from VLLM_CPU_OMP_THREADS_BIND; this process only schedules")
 
 
-def _binding(bind: str | None, ranks: list[dict[str, Any]]) -> Applied:
+def _binding(bind: str | None, ranks: list[dict[str, Any]], *, user: bool) -> Applied:
     """VLLM_CPU_OMP_THREADS_BIND as set and as the workers report their cores: applied when each
-    rank runs on exactly the cores its list names ("auto"/"nobind": whatever vLLM chose)."""
+    rank runs on exactly the cores its list names ("auto"/"nobind": whatever vLLM chose). `user`:
+    the user gave cpu_threads_bind; else detllm chose it (threads_bind's default): the machine's."""
     from_ranks = "|".join(_cpu_list(r["cpus"]) for r in ranks)
     asked = [_cpu_list(_ids(part)) for part in bind.split("|")] if bind and bind not in ("auto", "nobind") else None
     numa = sorted({n for r in ranks for n in r.get("numa_nodes", ())})
     where = "; ".join(f"rank {r['rank']}: cores {_cpu_list(r['cpus'])}, {r['omp_threads']} thread(s)" for r in ranks)
     return Applied("VLLM_CPU_OMP_THREADS_BIND", bind, asked is None or asked == from_ranks.split("|"), from_ranks,
-                   f"as the worker processes report it: {where}; NUMA node(s) {','.join(map(str, numa)) or '?'}", chosen_by="user")
+                   f"as the worker processes report it: {where}; NUMA node(s) {','.join(map(str, numa)) or '?'}"
+                   + ("" if user else "; chosen by detllm (no cpu_threads_bind given): --threads cores per rank, in order"),
+                   chosen_by="user" if user else "machine")
 
 
 def _ids(part: str) -> list[int]:

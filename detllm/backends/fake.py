@@ -119,6 +119,8 @@ class FakeBackend(Backend):
             rng = random.Random(request_seed(seed, req))  # the prompt's content, not its position (base.request_seed)
             inj = self._applying(req, run, size, stable, in_fresh_child)
             out.append(self._one(req, decoding, rng, n_logprobs, logprobs, 1 if stable else size, inj))
+            out[-1].evidence = {"computed_with": {"rows": size, "forwards": decoding.max_new_tokens,
+                                                  "seen_by": "fake: each batch computed together"}}
         return out
 
     def _applying(self, req: Request, run: int, size: int, stable: bool, in_fresh_child: bool) -> list[Injection]:

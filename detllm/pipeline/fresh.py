@@ -283,6 +283,8 @@ def _child_main(result_fd: int) -> int:
                     gens = backend.generate(reqs, config.decoding, seed=msg["seed"], n_logprobs=msg["n_logprobs"],
                                             logprobs=msg["logprobs"])
                     t_gen += time.perf_counter() - t
+                    for g in gens:  # the process that computed it: engagement.py shows the repeat really ran apart
+                        g.evidence = {**(g.evidence or {}), "pid": os.getpid()}
                     send({"generations": [dataclasses.asdict(g) for g in gens]})
         send({"done": {"timings": {"generate_s": t_gen, "child_total_s": time.perf_counter() - t0}}})
         out.close()

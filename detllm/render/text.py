@@ -7,6 +7,7 @@ from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
 from .figures import chosen_logprobs, difference_parts, difference_text, maxima_text, share, topk_bound
+from . import engaged
 
 
 def short(value: Any, width: int = 40) -> str:
@@ -226,6 +227,7 @@ def _header(report: dict[str, Any]) -> list[str]:
         lines.append(f"scope: {report['scope']}")
     if report.get("sensitivity"):
         lines += sensitivity_line(report["sensitivity"], report.get("negative_control"), report.get("comparisons", ()))
+    lines += engaged.lines(report)  # UNVERIFIED / not observable comparisons, and the PASS's bound
     return lines
 
 
@@ -276,6 +278,7 @@ def render_text(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
         need = "" if c["required"] else " (not required)"
         mag = (c.get("magnitude") or {}).get("label")
         extra += f"  [{MAGNITUDE_TITLES.get(mag, mag)}]" if mag and mag != "identical" else ""
+        extra += engaged.comparison_note(c)
         lines.append(f"  {c['status']:<4} {c['name']}: {c['prompts_diverged']}/{c['prompts_compared']} prompts diverged{need}{extra}")
         dist = drift_summary(drift)
         if dist and (drift.get("max_abs_logprob_diff") or drift.get("argmax_flips")):

@@ -229,8 +229,10 @@ class HFBackend(Backend):
         reasons = ["length"] * n
         done = [False] * n
         past, cur, cur_pos = None, ids, pos
+        rows: list[int] = []  # the padded batch shape's rows per forward: what was really computed together
         for step in range(min(decoding.max_new_tokens, steps or decoding.max_new_tokens)):
             with (at_step(step) if at_step is not None else nullcontext()):
+                rows.append(int(cur.shape[0]))
                 out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
                                  use_cache=True, **self._last_logits_only)
             past = out.past_key_values
@@ -264,6 +266,8 @@ class HFBackend(Backend):
                 finish_reason=reasons[r],
                 logprobs=out_lp[r] if want_logprobs else None,
                 top_logprobs=out_top[r] if want_logprobs else None,
+                evidence={"computed_with": {"rows": min(rows, default=n), "forwards": len(rows),
+                                            "seen_by": "hf: padded batch shape per forward"}},
             )
             for r in range(n)
         ]

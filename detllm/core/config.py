@@ -144,6 +144,7 @@ class RunConfig:
     max_rate: float | None = None  # check: the divergence rate a PASS must bound; refused before running when the prompts are too few
     confidence: float = 0.95  # the one-sided confidence of every PASS's bound
     fill_prompts: bool = False  # check: top the prompts up with seeded fillers until --max-rate can be met
+    user_prompts: int | None = None  # set by --fill-prompts (pipeline/fillprompts.py): prompts below this index are the user's
     threads: int | None = ranged(None, ints(1, 1024))  # intra-op threads; None keeps the backend default
     atol: float = ranged(0.0, floats(0, 1000))  # logprob tolerance at tier 2; 0 means bitwise
     options: tuple[tuple[str, str], ...] = ()  # backend-specific key=value, typed by the backend

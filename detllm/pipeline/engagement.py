@@ -16,8 +16,7 @@ from typing import Any
 
 from ..compare.engine import parse_label
 from ..core.config import RunConfig
-
-ENGAGED, NOT_ENGAGED, NOT_OBSERVABLE = "engaged", "not_engaged", "not_observable"
+from ..core.overlap import ENGAGED, NOT_ENGAGED, NOT_OBSERVABLE, served_group
 
 
 def bound(n: int, confidence: float = 0.95) -> float:
@@ -68,37 +67,12 @@ def _groups(side: list[dict[str, Any]], b: int) -> list[list[dict[str, Any]]]:
     return [out[k] for k in sorted(out)]
 
 
-def served_group(group: list[dict[str, Any]]) -> tuple[str, str]:
-    """(answer, why) for one group of concurrent requests: engaged when the client's intervals overlapped
-    and the server computed more than one at once (several busy slots sampled, or its own per-request
-    times adding up past the group's wall time: disjoint ones cannot); not engaged when its times add
-    up to no more than the wall time, or it reports fewer slots than requests in flight; else not observable."""
-    spans = [tuple(_ev(r).get("timing_ms") or ()) for r in group]
-    batch = _ev(group[0]).get("server_batch") or {}
-    server_ms = [_ev(r).get("server_ms") for r in group]
-    if len(group) < 2 or any(len(s) != 2 for s in spans):
-        return NOT_OBSERVABLE, "the client's request intervals were not recorded"
-    wall = max(e for _, e in spans) - min(s for s, _ in spans)
-    overlapped = max(s for s, _ in spans) < min(e for _, e in spans)
-    busy = batch.get("server_busy_max")
-    slots = batch.get("server_slots")
-    total = sum(server_ms) if all(isinstance(x, (int, float)) for x in server_ms) else None
-    told = (f"{len(group)} requests, client intervals {'overlapped' if overlapped else 'did not all overlap'}, wall "
-            f"{wall:.1f} ms" + (f", server times summing to {total:.1f} ms" if total is not None else "")
-            + (f", at most {busy} busy in {batch.get('samples', 0)} {batch.get('source')} samples" if busy is not None else ""))
-    if isinstance(slots, int) and slots < len(group):
-        return NOT_ENGAGED, f"{told}; the server reports {slots} slot(s)"
-    if total is not None and total <= wall:
-        return NOT_ENGAGED, f"{told}: the server computed them one after another"
-    if overlapped and ((busy or 0) >= 2 or (total is not None and total > wall)):
-        return ENGAGED, told
-    return NOT_OBSERVABLE, told
-
-
 def _served(side: list[dict[str, Any]], b: int) -> dict[str, Any] | None:
     if not side or not any("server_batch" in _ev(r) or "timing_ms" in _ev(r) for r in side):
         return None
-    answers = [(served_group(g), g) for g in _groups(side, b)]
+    answers = [(served_group([_ev(r) for r in g]), g) for g in _groups(side, b) if len(g) >= 2]
+    if not answers:
+        return None
     for key in (NOT_ENGAGED, NOT_OBSERVABLE):
         hit = [(why, g) for (a, why), g in answers if a == key]
         if hit:
@@ -146,14 +120,26 @@ def judge(comp: dict[str, Any], records: list[dict[str, Any]], probe: bool = Fal
                           "computed together")
 
 
+def _bound(c: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """The comparison's bound over all its prompts; under --fill-prompts also the user's and the fillers' apart."""
+    n, conf = c["prompts_compared"], config.confidence
+    out: dict[str, Any] = {"upper": round(bound(n, conf), 6), "confidence": conf, "prompts": n}
+    if config.user_prompts is not None and "prompts" in c:
+        split = {"yours": [i for i in c["prompts"] if i < config.user_prompts],
+                 "fillers": [i for i in c["prompts"] if i >= config.user_prompts]}
+        diverged = {d["prompt_index"] for d in c.get("divergences", ())}
+        out["fillers"] = {k: {"prompts": len(v), "diverged": sum(1 for i in v if i in diverged),
+                              "upper": round(bound(len(v), conf), 6)} for k, v in split.items()}
+    return out
+
+
 def apply(report: dict[str, Any], records: list[dict[str, Any]], config: RunConfig, probe: bool = False) -> dict[str, Any]:
     """Add each comparison's engagement and bound, the check's weakest bound, and UNVERIFIED where it follows."""
     if report["status"] == "RECORDED":
         return report
     unverified, unseen = [], []
     for c in report["comparisons"]:
-        c["bound"] = {"upper": round(bound(c["prompts_compared"], config.confidence), 6), "confidence": config.confidence,
-                      "prompts": c["prompts_compared"]}
+        c["bound"] = _bound(c, config)
         e = judge(c, records, probe)
         if e is None:
             continue
@@ -169,6 +155,11 @@ def apply(report: dict[str, Any], records: list[dict[str, Any]], config: RunConf
                             "required": config.require_engagement, "strict": config.mode == "strict"}
     if weakest is not None:
         report["bound"] = {**weakest["bound"], "comparison": weakest["name"]}
+        if config.max_rate is not None:  # met only by the prompts the user chose, plus fillers when asked for
+            report["bound"]["max_rate"] = {"rate": config.max_rate, "met": weakest["bound"]["upper"] <= config.max_rate
+                                           and weakest["status"] == "PASS",
+                                           "by": "your prompts plus seeded fillers (--fill-prompts)"
+                                           if config.user_prompts is not None else "your prompts"}
     if report["status"] == "PASS" and unverified:
         report["status"], report["category"] = "UNVERIFIED", "UNVERIFIED"
     return report

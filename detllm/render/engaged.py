@@ -12,9 +12,21 @@ def pct(x: float) -> str:
 
 
 def bound_text(b: dict[str, Any]) -> str:
-    """"0 of 12 prompts diverged: divergence rate < 22% (95%), for prompts drawn like these"."""
-    return (f"0 of {b['prompts']} prompts diverged: divergence rate < {pct(b['upper'])} ({pct(b['confidence'])}), "
-            "for prompts drawn like these")
+    """"0 of 12 prompts diverged: divergence rate < 22% (95%), for prompts drawn like these"; under
+    --fill-prompts the user's prompts and the fillers are counted and bounded apart."""
+    split = b.get("fillers")
+    if split:
+        y, f = split["yours"], split["fillers"]
+        text = (f"{y['diverged']} of {y['prompts']} of your prompts, {f['diverged']} of {f['prompts']} fillers diverged: "
+                f"divergence rate < {pct(b['upper'])} ({pct(b['confidence'])}) over both, < {pct(y['upper'])} over yours alone, "
+                "for prompts drawn like these")
+    else:
+        text = (f"0 of {b['prompts']} prompts diverged: divergence rate < {pct(b['upper'])} ({pct(b['confidence'])}), "
+                "for prompts drawn like these")
+    m = b.get("max_rate")
+    if m:
+        text += f"; --max-rate {m['rate']:g} {'met' if m['met'] else 'NOT met'} by {m['by']}"
+    return text
 
 
 def comparison_note(c: dict[str, Any]) -> str:

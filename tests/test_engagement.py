@@ -157,3 +157,4 @@ def test_one_slot_server_at_concurrency_8_is_unverified_strict_exit_3(one_slot_s
     assert batch["server_slots"] == 1  # what /props reports: below the concurrency, so not sent again
     v = cli("verify", out)
     assert v.exit_code == 0 and "verdict re-derived from the trace: UNVERIFIED" in v.stdout, v.output
+

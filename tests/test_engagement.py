@@ -158,3 +158,18 @@ def test_one_slot_server_at_concurrency_8_is_unverified_strict_exit_3(one_slot_s
     v = cli("verify", out)
     assert v.exit_code == 0 and "verdict re-derived from the trace: UNVERIFIED" in v.stdout, v.output
 
+
+
+@pytest.mark.engine
+def test_tier3_mode_without_its_kernels_running_is_not_engaged(tmp_path, monkeypatch):
+    """The hf batch-invariant mode's live proof is the kernels' own call count per batch: with the
+    count read as zero (as if the mode had been switched off after the capability was declared), the
+    tier-3 batch comparison is shown not engaged and the check is UNVERIFIED, not PASS."""
+    from detllm.backends.hf import invariant
+
+    real = invariant.live_calls
+    monkeypatch.setattr(invariant, "live_calls", lambda model: None if real(model) is None else (0, 0))
+    outcome = detllm.check(backend="hf", model="tiny", prompts=["Hi", "def add(a, b):"], tier=3, mode="strict", runs=2,
+                           vary_batch=(1, 2), max_new_tokens=3, options=(("batch_invariant", "true"),), out=tmp_path / "c")
+    e = _comp(outcome.report, "batch 2 vs batch 1")["engagement"]
+    assert (outcome.status, outcome.exit_code, e["axis"], e["answer"]) == ("UNVERIFIED", 3, "mode", "not_engaged"), e

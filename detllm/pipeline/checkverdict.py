@@ -50,7 +50,7 @@ def check_verdict(config: RunConfig, records: list[dict[str, Any]], *, tier: int
                               tier=tier, atol=config.atol, floor=floor, fresh=fresh_runs(config),
                               sampled=not config.decoding.greedy, drift=drift)
     report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary,
-                          scope=scope_text(config), control=control, records=records)
+                          scope=scope_text(config, records), control=control, records=records)
     return engagement.apply(report, records, config)  # UNVERIFIED where a varied axis was shown not engaged
 
 

@@ -107,17 +107,41 @@ def _cache(records: list[dict[str, Any]], comp: dict[str, Any]) -> dict[str, Any
     return _answer(ENGAGED, "prefix cache", f"{sum(known)} cached prompt tokens read over {len(known)} prompts")
 
 
-def judge(comp: dict[str, Any], records: list[dict[str, Any]], probe: bool = False) -> dict[str, Any] | None:
-    """The engagement of one comparison; None where nothing was varied (an in-process repeat)."""
+def _mode(records: list[dict[str, Any]], comp: dict[str, Any]) -> dict[str, Any]:
+    """Tier 3: proof from the process that served the check that the batch-invariant mode ran for both sides."""
+    both = _side(records, comp["left"]) + _side(records, comp["right"])
+    modes = [_ev(r).get("mode") for r in both]
+    if not both or any(not isinstance(m, dict) for m in modes):
+        return _answer(NOT_OBSERVABLE, "mode", "the engine reported nothing about its batch-invariant mode per batch")
+    idle = sum(1 for m in modes if not m.get("linear_calls"))
+    if idle:
+        return _answer(NOT_ENGAGED, "mode", f"{idle} of {len(modes)} records were computed without the batch-invariant kernels "
+                       f"running ({modes[0].get('seen_by')})", "the mode was not live: check --opt batch_invariant=true")
+    calls = min(m["linear_calls"] for m in modes)
+    return _answer(ENGAGED, "mode", f"the batch-invariant kernels ran for every record (at least {calls} invariant linear calls "
+                   f"per batch; {modes[0].get('seen_by')})")
+
+
+_ORDER = {NOT_ENGAGED: 0, NOT_OBSERVABLE: 1, ENGAGED: 2}
+
+
+def judge(comp: dict[str, Any], records: list[dict[str, Any]], probe: bool = False, tier: int = 1) -> dict[str, Any] | None:
+    """The engagement of one comparison; None where nothing was varied (an in-process repeat). At tier 3
+    a batch comparison also needs the mode's live proof: the weaker of the two answers is kept."""
     if probe:
         return _cache(records, comp)
     if comp["kind"] == "run":
         return _fresh(records, comp) if comp.get("repeat") == "fresh-process" else None
     b = parse_label(comp["right"])[1]
     side = _side(records, comp["right"])
-    got = _rows(side, b) or _served(side, b)
-    return got or _answer(NOT_OBSERVABLE, "batch size", f"the engine reported nothing about which of the {b} requests it "
-                          "computed together")
+    got = _rows(side, b) or _served(side, b) or _answer(
+        NOT_OBSERVABLE, "batch size", f"the engine reported nothing about which of the {b} requests it computed together")
+    if tier < 3 or not comp.get("logprobs_compared"):
+        return got
+    mode = _mode(records, comp)
+    if _ORDER[mode["answer"]] < _ORDER[got["answer"]]:
+        return mode
+    return {**got, "evidence": f"{got['evidence']}; mode: {mode['evidence']}"}
 
 
 def _bound(c: dict[str, Any], config: RunConfig) -> dict[str, Any]:
@@ -140,7 +164,7 @@ def apply(report: dict[str, Any], records: list[dict[str, Any]], config: RunConf
     unverified, unseen = [], []
     for c in report["comparisons"]:
         c["bound"] = _bound(c, config)
-        e = judge(c, records, probe)
+        e = judge(c, records, probe, tier=report["tier"]["effective"])
         if e is None:
             continue
         c["engagement"] = e

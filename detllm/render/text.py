@@ -221,7 +221,8 @@ def _header(report: dict[str, Any]) -> list[str]:
         return lines
     lines.append(f"tier {tier['effective']}{tier_note}" + (f"  backend {s['backend']}  model {s['model']}" if "backend" in s else ""))
     if "prompts" in s:
-        lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  batch sizes {s.get('batch_sizes', '-')}  "
+        axis = "concurrency" if s.get("backend") == "openai" else "batch sizes"  # a server chose its own batches
+        lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  {axis} {s.get('batch_sizes', '-')}  "
                      f"tokens {s.get('generated_tokens', '-')}")
     if report.get("scope"):
         lines.append(f"scope: {report['scope']}")

@@ -185,8 +185,16 @@ class HFBackend(Backend):
     def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
         torch = _torch()
         try:
+            before = invariant.live_calls(self.model)
             with torch.inference_mode(), perturb.applied(self.model, self.perturbation) as moved:
-                return self._generate(torch, requests, decoding, seed, n_logprobs, logprobs, at_step=self.stepper(moved))
+                gens = self._generate(torch, requests, decoding, seed, n_logprobs, logprobs, at_step=self.stepper(moved))
+            after = invariant.live_calls(self.model)
+            if before is not None and after is not None:  # tier 3: the invariant kernels' own count, the mode's live proof
+                mode = {"batch_invariant": True, "linear_calls": after[0] - before[0], "attention_calls": after[1] - before[1],
+                        "seen_by": "hf: the batch-invariant kernels' own call counts during this batch"}
+                for g in gens:
+                    g.evidence = {**(g.evidence or {}), "mode": mode}
+            return gens
         except RuntimeError as exc:
             raise BackendError(f"transformers failed while generating: {str(exc).splitlines()[0][:300]}") from exc
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class Stub(StubServer):
         self.completions = 0
         self.seen_auth: list[str | None] = []
         self.bodies: list[dict] = []
+        self.one_at_a_time = threading.Lock()
         stub = self
 
         class Handler(JSONHandler):
@@ -72,6 +74,15 @@ class Stub(StubServer):
                     time.sleep(2.0)
                 if stub.mode == "no_logprobs" and body.get("logprobs") is not None:
                     return self.send_json(400, {"error": {"message": "logprobs is not supported by this server"}})
+                if stub.mode == "serial":  # one request at a time, each reporting its own time, as llama-server's timings
+                    import time
+
+                    with stub.one_at_a_time:
+                        t0 = time.monotonic()
+                        time.sleep(0.03)
+                        doc = stub.answer(body)
+                        doc["timings"] = {"prompt_ms": 0.0, "predicted_ms": (time.monotonic() - t0) * 1000}
+                    return self.send_json(200, doc)
                 self.send_json(200, stub.answer(body))
 
         class Quiet(ThreadingHTTPServer):
@@ -312,3 +323,19 @@ def test_a_cache_probe_whose_warm_side_read_nothing_is_unverified(cli, stub, tmp
     assert (report["status"], e["axis"], e["answer"]) == ("UNVERIFIED", "prefix cache", "not_engaged"), e
     assert "the warm side read 0 cached prompt tokens" in e["evidence"]
     assert cli("verify", tmp_path / "c").exit_code == 0
+
+
+def test_a_server_that_computes_one_request_at_a_time_is_sent_again_then_unverified(cli, stub, tmp_path):
+    """Its own per-request times add up to no more than the group's wall time (one after another), and it
+    reports no slot count: the group is sent twice more, every connection opened first, each attempt
+    recorded; still not engaged, so the check is UNVERIFIED."""
+    stub.mode = "serial"
+    res = _check(cli, stub, tmp_path / "c", "--concurrency", "1,4")
+    assert res.exit_code == 0 and "warning: UNVERIFIED" in res.stderr, res.output
+    report = assert_valid_run(tmp_path / "c")
+    e = next(c for c in report["comparisons"] if c["name"] == "batch 4 vs batch 1")["engagement"]
+    assert (report["status"], e["answer"]) == ("UNVERIFIED", "not_engaged"), e
+    assert "the server computed them one after another" in e["evidence"]
+    at4 = [json.loads(line) for line in (tmp_path / "c" / "trace.jsonl").read_text().splitlines() if '"batch_size":4' in line]
+    attempts = at4[0]["evidence"]["server_batch"]["earlier_attempts"]
+    assert [a["answer"] for a in attempts] == ["not_engaged", "not_engaged"]

@@ -42,9 +42,10 @@ def served_scope(config: RunConfig, records: list[dict[str, Any]] | None) -> str
     prints = sorted({str(ev["system_fingerprint"]) for r in records or () if isinstance(ev := r.get("evidence"), dict)
                      and ev.get("system_fingerprint")})
     if len(prints) == 1:
-        server = f"the server reported one identity (system_fingerprint {prints[0]}) across every repeat; its start time is not reported"
+        server = (f"the server reported one system_fingerprint ({prints[0]}) across every repeat (its build and configuration, "
+                  "not one process: its start time is not reported)")
     elif prints:
-        server = f"the server reported {len(prints)} different identities (system_fingerprint) across the repeats"
+        server = f"the server reported {len(prints)} different system_fingerprints across the repeats"
     else:
         server = "whether one server process answered every repeat is unknown (it reports no identity or start time)"
     levels = [b for b in config.batch_sizes if b != 1]

@@ -81,7 +81,12 @@ def _execute(command: str, config: RunConfig | None, prompts: Any, out: Any, out
         if wants_probe(cfg):  # check --cache-probe (backend openai): cold/warm runs; its verdict: checkverdict.py
             cfg = probe_config(cfg)
     cfg.validate(command=command)  # a bad setting is named before a bad prompt list
-    return execute(cfg, command=command, prompt_set=resolve_prompts(prompts), out=_out(out, out_dir), force=force,
+    prompt_set = resolve_prompts(prompts)
+    if command == "check":  # --max-rate: enough prompts for the bound, or refused before anything is written
+        from .pipeline.fillprompts import plan
+
+        cfg, prompt_set = plan(cfg, prompt_set)
+    return execute(cfg, command=command, prompt_set=prompt_set, out=_out(out, out_dir), force=force,
                    progress=progress, sign_key=sign_key, redaction=_redaction(redact, redact_env_vars))
 
 

@@ -45,6 +45,9 @@ def test_tier3_check_passes_bitwise_with_the_mode_and_the_control_fails_without(
     assert report["status"] == "PASS" and report["tier"] == {"requested": 3, "effective": 3}
     batch = [c for c in report["comparisons"] if c["kind"] == "batch"]
     assert len(batch) == 5 and all(c["required"] for c in batch)
+    # the mode's live proof from the process that served the check: the invariant kernels' own call counts
+    for c in batch:
+        assert c["engagement"]["answer"] == "engaged" and "batch-invariant kernels ran for every record" in c["engagement"]["evidence"], c
     # bitwise, not within a tolerance: every record equals its batch-1 record exactly
     recs = trace_records(out)
     ref = {r["prompt_index"]: r for r in recs if r["batch_size"] == 1 and r["run_index"] == 0}

@@ -53,6 +53,10 @@ def test_concurrency_8_is_batched_by_the_server_and_recorded(concurrency_check):
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
     server_ms = sum(r["evidence"]["server_ms"] for r in at8)
     assert (batch.get("server_busy_max") or 0) >= 2 or server_ms > wall, (batch, server_ms, wall)
+    # that rule is product code now (core/overlap.py): the verdict's own answer for the axis is "engaged"
+    e = next(c for c in report["comparisons"] if c["name"] == "batch 8 vs batch 1")["engagement"]
+    assert (e["axis"], e["answer"]) == ("concurrency", "engaged"), e
+    assert report["status"] in ("PASS", "FAIL") and batch["server_slots"] == 8
     assert all(r["evidence"]["tokens_as"] == "ids" and r["evidence"]["prompt_as"] == "ids" for r in recs)
     cfg = json.loads((out / "run_config.json").read_text())
     assert cfg["model"]["weights_sha256"] is None and "remote" in cfg["model"]["remote"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class Stub(StubServer):
         self.completions = 0
         self.seen_auth: list[str | None] = []
         self.bodies: list[dict] = []
+        self.one_at_a_time = threading.Lock()
         stub = self
 
         class Handler(JSONHandler):
@@ -72,6 +74,15 @@ class Stub(StubServer):
                     time.sleep(2.0)
                 if stub.mode == "no_logprobs" and body.get("logprobs") is not None:
                     return self.send_json(400, {"error": {"message": "logprobs is not supported by this server"}})
+                if stub.mode == "serial":  # one request at a time, each reporting its own time, as llama-server's timings
+                    import time
+
+                    with stub.one_at_a_time:
+                        t0 = time.monotonic()
+                        time.sleep(0.03)
+                        doc = stub.answer(body)
+                        doc["timings"] = {"prompt_ms": 0.0, "predicted_ms": (time.monotonic() - t0) * 1000}
+                    return self.send_json(200, doc)
                 self.send_json(200, stub.answer(body))
 
         class Quiet(ThreadingHTTPServer):
@@ -89,6 +100,8 @@ class Stub(StubServer):
         doc = {"id": "cmpl-1", "object": "text_completion", "model": "stub-model",
                "choices": [{"index": 0, "text": "".join(toks), "finish_reason": "length", "logprobs": None}],
                "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
+        if self.mode == "no_cache":  # a server that reports its prefix cache, and never reads from it
+            doc["usage"]["prompt_tokens_details"] = {"cached_tokens": 0}
         if body.get("logprobs") is not None:
             k = int(body["logprobs"])
             lps = [-0.1 - (h[i % 32] / 255.0) for i in range(n)]
@@ -278,3 +291,51 @@ def test_credentials_in_the_url_are_refused_and_never_echoed(cli, stub, tmp_path
         assert res.exit_code == 2 and "carries a credential" in res.output, res.output
         assert "pw-secret-123" not in res.output and not (tmp_path / "r").exists()
     assert stub.completions == 0
+
+
+def test_a_server_that_reveals_nothing_is_pass_marked_not_observable_or_unverified_when_required(cli, stub, tmp_path):
+    """No /slots, no /metrics, no per-request times: whether the server computed the 4 requests together
+    cannot be seen. PASS marked "engagement not observable"; --require-engagement makes it UNVERIFIED."""
+    res = _check(cli, stub, tmp_path / "a", "--concurrency", "1,4")
+    assert res.exit_code == 0, res.output
+    report = assert_valid_run(tmp_path / "a")
+    e = next(c for c in report["comparisons"] if c["name"] == "batch 4 vs batch 1")["engagement"]
+    assert (report["status"], e["axis"], e["answer"]) == ("PASS", "concurrency", "not_observable"), e
+    assert report["engagement"]["not_observable"] == ["batch 4 vs batch 1"]
+    assert "PASS batch 4 vs batch 1 (engagement not observable)" in res.output
+    assert "(engagement not observable)" in (tmp_path / "a" / "report.md").read_text()
+    res = _check(cli, stub, tmp_path / "b", "--concurrency", "1,4", "--require-engagement", "--mode", "strict")
+    assert res.exit_code == 3, res.output
+    report = assert_valid_run(tmp_path / "b")
+    assert report["status"] == "UNVERIFIED" and report["engagement"]["unverified"] == ["batch 4 vs batch 1"]
+    assert cli("verify", tmp_path / "b").exit_code == 0
+
+
+def test_a_cache_probe_whose_warm_side_read_nothing_is_unverified(cli, stub, tmp_path):
+    """The server reports 0 cached prompt tokens on the warm side: warm vs cold compared two cold
+    computations, so the probe's PASS would be vacuous: shown not engaged, UNVERIFIED."""
+    stub.mode = "no_cache"
+    res = cli("check", "--backend", "openai", "--base-url", stub.url, "--model", "stub-model", "--cache-probe",
+              "--max-new-tokens", "4", "--out", tmp_path / "c", "--no-progress")
+    assert res.exit_code == 0, res.output
+    report = assert_valid_run(tmp_path / "c")
+    e = next(c for c in report["comparisons"] if c["name"] == "warm vs cold")["engagement"]
+    assert (report["status"], e["axis"], e["answer"]) == ("UNVERIFIED", "prefix cache", "not_engaged"), e
+    assert "the warm side read 0 cached prompt tokens" in e["evidence"]
+    assert cli("verify", tmp_path / "c").exit_code == 0
+
+
+def test_a_server_that_computes_one_request_at_a_time_is_sent_again_then_unverified(cli, stub, tmp_path):
+    """Its own per-request times add up to no more than the group's wall time (one after another), and it
+    reports no slot count: the group is sent twice more, every connection opened first, each attempt
+    recorded; still not engaged, so the check is UNVERIFIED."""
+    stub.mode = "serial"
+    res = _check(cli, stub, tmp_path / "c", "--concurrency", "1,4")
+    assert res.exit_code == 0 and "warning: UNVERIFIED" in res.stderr, res.output
+    report = assert_valid_run(tmp_path / "c")
+    e = next(c for c in report["comparisons"] if c["name"] == "batch 4 vs batch 1")["engagement"]
+    assert (report["status"], e["answer"]) == ("UNVERIFIED", "not_engaged"), e
+    assert "the server computed them one after another" in e["evidence"]
+    at4 = [json.loads(line) for line in (tmp_path / "c" / "trace.jsonl").read_text().splitlines() if '"batch_size":4' in line]
+    attempts = at4[0]["evidence"]["server_batch"]["earlier_attempts"]
+    assert [a["answer"] for a in attempts] == ["not_engaged", "not_engaged"]

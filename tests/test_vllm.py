@@ -216,10 +216,16 @@ def test_model_identity_is_the_tiny_folder(backend):
 @pytest.mark.engine
 def test_cli_check_tier_2_passes(backend, cli, tmp_path):
     out = tmp_path / "run"
-    r = cli("check", "--backend", "vllm", "--device", "auto", "--tier", "2", "--runs", "2", "--max-new-tokens", "8", "--out", out)
+    r = cli("check", "--backend", "vllm", "--device", "auto", "--tier", "2", "--runs", "2", "--max-new-tokens", "8",
+            "--vary-batch", "1,8", "--out", out)
     assert r.exit_code == 0, r.output
     report = assert_valid_run(out)
     assert report["status"] == "PASS" and report["tier"]["effective"] == 2
+    # batch 8 engaged, read from the scheduler's own steps (backends/vllm/cosched.py): 4 prompts + 4 fillers
+    e = next(c for c in report["comparisons"] if c["name"] == "batch 8 vs batch 1")["engagement"]
+    assert e["answer"] == "engaged" and "vLLM scheduler" in e["evidence"], e
+    at8 = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines() if '"batch_size":8' in line]
+    assert at8 and {r["evidence"]["computed_with"]["rows"] for r in at8} == {8}
 
 
 @pytest.mark.engine

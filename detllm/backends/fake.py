@@ -73,6 +73,7 @@ class FakeOptions:
     capture_module: str = "model.layers.0.mlp.down_proj"  # the scripted module an applying injection moves
     capture_nudge: float = ranged(1e-3, floats(0, 1))  # how far, relative to its output (3e-7: a reduction-order wobble)
     capture_from_step: int = ranged(-1, ints(-1, 1_000_000))  # >= 0: the move happens at this earlier step (cached K/V carry it)
+    alone: bool = False  # compute each request of a batch alone: an engine that cannot co-schedule (engagement tests)
 
 
 class FakeBackend(Backend):
@@ -119,6 +120,9 @@ class FakeBackend(Backend):
             rng = random.Random(request_seed(seed, req))  # the prompt's content, not its position (base.request_seed)
             inj = self._applying(req, run, size, stable, in_fresh_child)
             out.append(self._one(req, decoding, rng, n_logprobs, logprobs, 1 if stable else size, inj))
+            out[-1].evidence = {"computed_with": {"rows": 1 if self.options.alone else size, "forwards": decoding.max_new_tokens,
+                                                  "seen_by": "fake: each request computed alone (alone=true)" if self.options.alone
+                                                  else "fake: each batch computed together"}}
         return out
 
     def _applying(self, req: Request, run: int, size: int, stable: bool, in_fresh_child: bool) -> list[Injection]:

@@ -13,6 +13,7 @@ import typer
 
 from ..runfolder.artifacts import check_output_file
 from ..core.errors import UsageError
+from .proofopts import HIDDEN, Confidence, FillPrompts, MaxRate, RequireEngagement
 from .shell import Backend, JUnit, Model, ProgressBar, SignKey, app, emit, guarded, write_html
 
 FreshProcess = Annotated[int, typer.Option("--fresh-process", help="check: run this many of the repeats each in a new process (new import, load and settings); the others share run 0's process.")]
@@ -35,6 +36,10 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         runs: Annotated[int, typer.Option(help="Repeats at --batch-size (check needs >= 2).")] = default_runs,
         fresh_process: FreshProcess = 0,
         negative_control: NegativeControl = False,
+        require_engagement: RequireEngagement = False,
+        max_rate: MaxRate = None,
+        confidence: Confidence = 0.95,
+        fill_prompts: FillPrompts = False,
         batch_size: Annotated[int, typer.Option(help="Batch size of the repeated runs.")] = 1,
         vary_batch: Annotated[Optional[str], typer.Option(help="Extra batch sizes, e.g. 1,2,8; each is compared to batch size 1.")] = None,
         max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
@@ -78,7 +83,8 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 dtype=dtype, device=device,
                 decoding=Decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k if sample_top_k is None else sample_top_k),
                 seed=seed, tier=tier, mode=mode, batch_size=batch_size, vary_batch=concurrency_levels(vary_batch, concurrency, backend),
-                runs=runs, fresh_process=fresh_process, negative_control=negative_control, logprobs=logprobs, record_prompt_text=prompt_text, threads=threads, atol=atol,
+                runs=runs, fresh_process=fresh_process, negative_control=negative_control,
+                require_engagement=require_engagement, max_rate=max_rate, confidence=confidence, fill_prompts=fill_prompts, logprobs=logprobs, record_prompt_text=prompt_text, threads=threads, atol=atol,
                 options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)
                                       + served_options(backend, (base_url or [None])[0], api_key_env, chat, cache_probe, command)),
             )
@@ -102,6 +108,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
     if command != "check":
         cmd.__annotations__["fresh_process"] = "FreshProcessHidden"
         cmd.__annotations__["negative_control"] = "NegativeControlHidden"
+        cmd.__annotations__.update(HIDDEN)
     return cmd
 
 

@@ -133,6 +133,10 @@ def publish(report: dict, junit: Path | None) -> None:
     warning = tier_warning(report)
     if warning and os.environ.get("CI", "").lower() not in ("", "0", "false"):  # GitHub, GitLab and most CIs set CI=true
         warn(warning)
+    from ..render.engaged import engagement_warning
+
+    if unverified := engagement_warning(report):  # always: a PASS that was not shown is no PASS (strict: exit 3)
+        warn(unverified)
 
 
 def emit(outcome, *, as_json: bool, junit: Path | None = None, folder_line: bool = True) -> int:

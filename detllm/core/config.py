@@ -140,6 +140,11 @@ class RunConfig:
     record_prompt_text: bool = True  # False keeps only the sha256 of each prompt
     fresh_process: int = 0  # check: this many repeats each run in a new process (fresh.py); 0: all share one process
     negative_control: bool = False  # check: also run one deliberately non-invariant setting, which must differ (control.py)
+    require_engagement: bool = False  # check: a comparison whose engagement is not observable is UNVERIFIED (pipeline/engagement.py)
+    max_rate: float | None = None  # check: the divergence rate a PASS must bound; refused before running when the prompts are too few
+    confidence: float = 0.95  # the one-sided confidence of every PASS's bound
+    fill_prompts: bool = False  # check: top the prompts up with seeded fillers until --max-rate can be met
+    user_prompts: int | None = None  # set by --fill-prompts (pipeline/fillprompts.py): prompts below this index are the user's
     threads: int | None = ranged(None, ints(1, 1024))  # intra-op threads; None keeps the backend default
     atol: float = ranged(0.0, floats(0, 1000))  # logprob tolerance at tier 2; 0 means bitwise
     options: tuple[tuple[str, str], ...] = ()  # backend-specific key=value, typed by the backend
@@ -173,6 +178,14 @@ class RunConfig:
         if self.fresh_process > self.runs - 1:
             raise UsageError(f"--fresh-process {self.fresh_process} needs --runs of at least {self.fresh_process + 1}: run 0, the "
                              f"reference, runs in the check's own process", hint=f"use --runs {self.fresh_process + 1}")
+        if not 0.0 < self.confidence < 1.0:
+            raise UsageError(f"--confidence must lie between 0 and 1, got {self.confidence}")
+        if self.max_rate is not None and not 0.0 < self.max_rate < 1.0:
+            raise UsageError(f"--max-rate must lie between 0 and 1, got {self.max_rate}")
+        if (self.max_rate is not None or self.fill_prompts or self.require_engagement) and command == "run":
+            raise UsageError("--max-rate, --fill-prompts and --require-engagement belong to check: a run compares nothing")
+        if self.fill_prompts and self.max_rate is None:
+            raise UsageError("--fill-prompts adds fillers up to what --max-rate needs: give --max-rate too")
         self.decoding.validate()
 
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
+EXIT_UNVERIFIED_STRICT = 3  # strict: an axis the check varied was not shown engaged (the folder is written and sealed)
 
 
 class DetllmError(Exception):
@@ -67,7 +68,8 @@ EXIT_CODES: dict[int, str] = {
     0: "PASS: every required comparison agreed",
     1: "FAIL: a divergence was found",
     2: "usage error: bad input, nothing was written",
-    3: "strict mode: the backend cannot enforce the requested tier, nothing was run",
+    3: "strict: a tier or an axis could not be enforced or shown (a tier the backend cannot enforce: refused, nothing "
+       "run; an axis not shown engaged: status UNVERIFIED, the folder written and sealed)",
     4: "backend unavailable: engine, binary or device missing",
     5: "artifact error: not a detllm run folder, unknown schema_version or schema violation",
     6: "integrity error: manifest, hash chain or signature mismatch",

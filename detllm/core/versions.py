@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CURRENT = "3"
-READABLE = ("1", "2", "3")
+CURRENT = "4"
+READABLE = ("1", "2", "3", "4")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ REDEFINED: tuple[Change, ...] = (
            "(evidence.cannot_explain)", "3"),
     Change("report.first_divergence.magnitude.label", "version 3: a logprob divergence after which one side stops "
            "earlier is length at every tier; version 2 called it tokens_equal_logprobs_differ at tier 2 and above", "3"),
+    Change("report.status", "version 4: a check PASSes only where every varied axis was shown engaged (or, where the "
+           "engine reveals nothing, marked engagement not observable); a comparison whose axis was shown not engaged "
+           "(one busy slot for a group of 8) makes the check UNVERIFIED, a new value (strict: exit 3 after sealing). "
+           "A version-3 PASS may rest on an axis that never engaged", "4"),
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..backends.base import Capabilities
+from . import engagement
 from .cacheprobe import cache_report, wants_probe
 from ..compare.verdict import check_comparisons, check_report
 from ..core.config import RunConfig
@@ -43,12 +44,14 @@ def check_verdict(config: RunConfig, records: list[dict[str, Any]], *, tier: int
     """report.json of a check of `records` under `config` at effective tier `tier`. `drift=False`
     skips the drift aggregation (verify: status, category and first divergence do not read it)."""
     if wants_probe(config):  # check --cache-probe: cold/warm runs, CACHE_VARIANCE verdict
-        return cache_report(config, records, tier=tier, floor=floor, summary=summary, drift=drift)
+        report = cache_report(config, records, tier=tier, floor=floor, summary=summary, drift=drift)
+        return engagement.apply(report, records, config, probe=True)
     comps = check_comparisons(records, base_batch=config.batch_size, runs=config.runs, batch_sizes=config.batch_sizes,
                               tier=tier, atol=config.atol, floor=floor, fresh=fresh_runs(config),
                               sampled=not config.decoding.greedy, drift=drift)
-    return check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary,
-                        scope=scope_text(config), control=control, records=records)
+    report = check_report(comps, tier_requested=config.tier, tier_effective=tier, summary=summary,
+                          scope=scope_text(config, records), control=control, records=records)
+    return engagement.apply(report, records, config)  # UNVERIFIED where a varied axis was shown not engaged
 
 
 __all__ = ["check_verdict", "gate_tier", "recorded_capabilities"]

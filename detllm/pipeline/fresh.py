@@ -37,9 +37,27 @@ def fresh_runs(config: RunConfig) -> frozenset[int]:
     return frozenset(range(config.runs - config.fresh_process, config.runs)) if config.fresh_process else frozenset()
 
 
-def scope_text(config: RunConfig) -> str:
+def served_scope(config: RunConfig, records: list[dict[str, Any]] | None) -> str:
+    """A served check's scope: what is known about the server across the repeats (the client's process says nothing)."""
+    prints = sorted({str(ev["system_fingerprint"]) for r in records or () if isinstance(ev := r.get("evidence"), dict)
+                     and ev.get("system_fingerprint")})
+    if len(prints) == 1:
+        server = (f"the server reported one system_fingerprint ({prints[0]}) across every repeat (its build and configuration, "
+                  "not one process: its start time is not reported)")
+    elif prints:
+        server = f"the server reported {len(prints)} different system_fingerprints across the repeats"
+    else:
+        server = "whether one server process answered every repeat is unknown (it reports no identity or start time)"
+    levels = [b for b in config.batch_sizes if b != 1]
+    conc = f"; concurrency {', '.join(map(str, levels))} vs 1: the server chose its own batches" if levels else ""
+    return f"served: every repeat went to one endpoint; {server}{conc}"
+
+
+def scope_text(config: RunConfig, records: list[dict[str, Any]] | None = None) -> str:
     """What a PASS of this check covers, for report.json's `scope` and the verdict."""
     n = config.fresh_process
+    if config.backend == "openai" and n == 0:
+        return served_scope(config, records)
     if n == 0:
         return ("repeatable within one process: every repeat shared one process and one loaded engine, so what is fixed "
                 "per process (autotuning, graph capture, library heuristics, thread pools) was never varied; "
@@ -283,6 +301,8 @@ def _child_main(result_fd: int) -> int:
                     gens = backend.generate(reqs, config.decoding, seed=msg["seed"], n_logprobs=msg["n_logprobs"],
                                             logprobs=msg["logprobs"])
                     t_gen += time.perf_counter() - t
+                    for g in gens:  # the process that computed it: engagement.py shows the repeat really ran apart
+                        g.evidence = {**(g.evidence or {}), "pid": os.getpid()}
                     send({"generations": [dataclasses.asdict(g) for g in gens]})
         send({"done": {"timings": {"generate_s": t_gen, "child_total_s": time.perf_counter() - t0}}})
         out.close()

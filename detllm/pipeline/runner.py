@@ -9,6 +9,7 @@ generated b at a time, the last batch topped up with built-in fillers.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -23,7 +24,7 @@ from .checkverdict import check_verdict, gate_tier
 from ..core.config import RunConfig
 from .control import negative_control
 from ..runfolder.env import Redaction, collect_env, detllm_version
-from ..core.errors import EXIT_FAIL, EXIT_PASS, DetllmError, UsageError
+from ..core.errors import EXIT_FAIL, EXIT_PASS, EXIT_UNVERIFIED_STRICT, DetllmError, UsageError
 from ..runfolder.folderlock import exclusive_writer
 from ..runfolder.integrity import seal
 from ..core.prompts import FILLERS, PromptSet, load_prompts
@@ -46,7 +47,7 @@ class Outcome:
 
     @property
     def category(self) -> str:
-        """The top cause code, PASS or RECORDED (the seed's report.category)."""
+        """The top cause code, PASS, RECORDED or UNVERIFIED (the seed's report.category)."""
         return self.report["category"]
 
     @property
@@ -56,6 +57,9 @@ class Outcome:
 
     @property
     def exit_code(self) -> int:
+        """1 FAIL; 3 UNVERIFIED in strict mode (after the folder was written and sealed); else 0."""
+        if self.status == "UNVERIFIED" and (self.report.get("engagement") or {}).get("strict"):
+            return EXIT_UNVERIFIED_STRICT
         return EXIT_FAIL if self.status == "FAIL" else EXIT_PASS
 
 
@@ -174,6 +178,8 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
                     rec = trace_record(config, prompts, req.prompt_index, req.input_ids, gen, run, batch_size, pos)
                     if backend.is_fresh(batch_size, run):
                         rec["fresh_process"] = True
+                    elif config.fresh_process:  # the reference's process, against which a fresh repeat's pid is judged
+                        rec["evidence"] = {**(rec.get("evidence") or {}), "pid": os.getpid()}
                     writer.write(rec)
                     records.append(rec)
                     done += 1

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from .engaged import engagement_warning
 from .markdown import render_markdown
 
 
@@ -34,8 +35,7 @@ def append_step_summary(report: dict[str, Any], environ: Mapping[str, str] = os.
     target = step_summary_target(environ)
     if target is None:
         return None
-    warning = tier_warning(report)
-    head = f"> **Warning:** {warning}\n\n" if warning else ""
+    head = "".join(f"> **Warning:** {w}\n\n" for w in (tier_warning(report), engagement_warning(report)) if w)
     with open(target, "a", encoding="utf-8") as f:  # GitHub gives each step its own file: append, never replace
         f.write(head + render_markdown(report) + "\n")
     return target

@@ -18,6 +18,7 @@ from .figures import apart, chosen_logprobs, difference_text, differing_entry, e
 from .paths import mask_paths
 from .svgplot import log_plot
 from .text import diagnose_command, reproduction_line
+from . import engaged
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'none'; connect-src 'none'; "
        "font-src 'none'; object-src 'none'; media-src 'none'; frame-src 'none'; form-action 'none'; base-uri 'none'")
@@ -26,7 +27,7 @@ body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:#
 main{max-width:1180px;margin:0 auto;padding:18px 24px 40px}
 h1{font-size:22px;margin:0 0 6px} h2{font-size:17px;margin:26px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
 .verdict{display:inline-block;padding:2px 10px;border-radius:6px;color:#fff;font-weight:700}
-.PASS{background:#1a7f37}.FAIL{background:#cf222e}.INFO,.RECORDED{background:#9a6700}.base{background:#57606a}
+.PASS{background:#1a7f37}.FAIL{background:#cf222e}.INFO,.RECORDED,.UNVERIFIED{background:#9a6700}.base{background:#57606a}
 table{border-collapse:collapse;margin:6px 0} td,th{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa} td{overflow-wrap:anywhere} code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12.5px}
 .sides{display:grid;grid-template-columns:1fr 1fr;gap:14px}
@@ -80,6 +81,7 @@ def _header(report: dict[str, Any], sides: dict[str, dict[str, Any]]) -> list[st
     if "runs" in s:
         out[-1] += f" · runs {esc(s['runs'])} · batch sizes {esc(s.get('batch_sizes'))}"
     out[-1] += "</p>"
+    out += [f"<p>{esc(line)}</p>" for line in engaged.lines(report)]
     if sides:
         out += ["<table><tr><th></th><th>engine</th><th>model</th><th>dtype</th><th>device</th><th>selection</th></tr>"]
         for name, x in sides.items():
@@ -176,7 +178,7 @@ def _drift(report: dict[str, Any]) -> list[str]:
         stats = (f"max |dlogprob| of chosen tokens {_num(dr.get('max_abs_logprob_diff'), '.3g')}{topk} · argmax flips {esc(dr.get('argmax_flips', 'n/a'))}"
                  if dr.get("available") else "logprobs not compared")
         out.append(f"<h3>{esc(c['name'])} <span class='verdict {_cell_status(c)}'>{esc(_cell_status(c))}</span></h3>"
-                   f"<p class='muted'>{esc(c['prompts_diverged'])}/{esc(c['prompts_compared'])} prompts diverged · {esc(stats)}</p>")
+                   f"<p class='muted'>{esc(c['prompts_diverged'])}/{esc(c['prompts_compared'])} prompts diverged{esc(engaged.comparison_note(c))} · {esc(stats)}</p>")
         out.append(drift_svg(series, d["token_index"] if d else None) if dr.get("available") else "")
     return out
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runfolder.artifacts import atomic_write_text
+from .engaged import engagement_warning
 from .github import tier_warning
 from .text import cause_summary, divergence_lines
 
@@ -33,11 +34,14 @@ def _suite(report: dict[str, Any], comp: dict[str, Any]) -> ET.Element:
     top = cause_of(report, comp)
     classname = f"detllm.{report['command']}"
     suite = ET.Element("testsuite", {"name": comp["name"]})
-    warning = tier_warning(report)
-    if warning:  # <properties> comes first in a testsuite
+    warning, unverified = tier_warning(report), engagement_warning(report)
+    if warning or unverified:  # <properties> comes first in a testsuite
         props = ET.SubElement(suite, "properties")
-        for name, value in (("detllm.tier_requested", report["tier"]["requested"]), ("detllm.tier_checked", report["tier"]["effective"]),
-                            ("detllm.warning", warning)):
+        pairs = (("detllm.tier_requested", report["tier"]["requested"]), ("detllm.tier_checked", report["tier"]["effective"]),
+                 ("detllm.warning", warning)) if warning else ()
+        if unverified:
+            pairs += (("detllm.status", report["status"]), ("detllm.engagement", unverified))
+        for name, value in pairs:
             ET.SubElement(props, "property", {"name": name, "value": str(value)})
     by_prompt = {d["prompt_index"]: d for d in comp["divergences"]}
     failures = 0

@@ -13,6 +13,7 @@ from typing import Any
 from ..compare.causes import ADVICE, TITLES
 from .figures import apart, chosen_logprobs, difference_text, differing_entry, topk_bound
 from .text import MAGNITUDE_TITLES, cause_summary, diagnose_command, reproduction_line, drift_summary, equal_drift_line, magnitude_line, sensitivity_line
+from . import engaged
 
 
 def _cell(value: Any) -> str:
@@ -206,6 +207,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"Scope: {report['scope']}.", ""]
     if report.get("sensitivity"):
         lines += [line[0].upper() + line[1:] + "." for line in sensitivity_line(report["sensitivity"], report.get("negative_control"), report["comparisons"])] + [""]
+    if eng := engaged.lines(report):
+        lines += [f"- {line}" for line in eng] + [""]
     lines += _sides(report)
     lines += _magnitude(report)
     if report["causes"]:
@@ -221,7 +224,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for c in report["comparisons"]:
             unmatched = len(c["unmatched"]["left_only"]) + len(c["unmatched"]["right_only"])
             lines.append(f"| {c['status']} | {_cell(c['name'])} | {'yes' if c['required'] else 'no'} | "
-                         f"{c['prompts_diverged']}/{c['prompts_compared']} | {unmatched} |")
+                         f"{c['prompts_diverged']}/{c['prompts_compared']}{engaged.comparison_note(c).replace('|', chr(92) + '|')} | {unmatched} |")
         lines.append("")
     lines += _environment(report)
     if report.get("info"):

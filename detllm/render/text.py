@@ -7,6 +7,7 @@ from typing import Any
 
 from ..compare.causes import ADVICE, TITLES
 from .figures import chosen_logprobs, difference_parts, difference_text, maxima_text, share, topk_bound
+from . import engaged
 
 
 def short(value: Any, width: int = 40) -> str:
@@ -220,12 +221,14 @@ def _header(report: dict[str, Any]) -> list[str]:
         return lines
     lines.append(f"tier {tier['effective']}{tier_note}" + (f"  backend {s['backend']}  model {s['model']}" if "backend" in s else ""))
     if "prompts" in s:
-        lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  batch sizes {s.get('batch_sizes', '-')}  "
+        axis = "concurrency" if s.get("backend") == "openai" else "batch sizes"  # a server chose its own batches
+        lines.append(f"prompts {s['prompts']}  runs {s.get('runs', '-')}  {axis} {s.get('batch_sizes', '-')}  "
                      f"tokens {s.get('generated_tokens', '-')}")
     if report.get("scope"):
         lines.append(f"scope: {report['scope']}")
     if report.get("sensitivity"):
         lines += sensitivity_line(report["sensitivity"], report.get("negative_control"), report.get("comparisons", ()))
+    lines += engaged.lines(report)  # UNVERIFIED / not observable comparisons, and the PASS's bound
     return lines
 
 
@@ -276,6 +279,7 @@ def render_text(report: dict[str, Any], run_dir: str = "RUN_DIR") -> str:
         need = "" if c["required"] else " (not required)"
         mag = (c.get("magnitude") or {}).get("label")
         extra += f"  [{MAGNITUDE_TITLES.get(mag, mag)}]" if mag and mag != "identical" else ""
+        extra += engaged.comparison_note(c)
         lines.append(f"  {c['status']:<4} {c['name']}: {c['prompts_diverged']}/{c['prompts_compared']} prompts diverged{need}{extra}")
         dist = drift_summary(drift)
         if dist and (drift.get("max_abs_logprob_diff") or drift.get("argmax_flips")):

@@ -185,8 +185,16 @@ class HFBackend(Backend):
     def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
         torch = _torch()
         try:
+            before = invariant.live_calls(self.model)
             with torch.inference_mode(), perturb.applied(self.model, self.perturbation) as moved:
-                return self._generate(torch, requests, decoding, seed, n_logprobs, logprobs, at_step=self.stepper(moved))
+                gens = self._generate(torch, requests, decoding, seed, n_logprobs, logprobs, at_step=self.stepper(moved))
+            after = invariant.live_calls(self.model)
+            if before is not None and after is not None:  # tier 3: the invariant kernels' own count, the mode's live proof
+                mode = {"batch_invariant": True, "linear_calls": after[0] - before[0], "attention_calls": after[1] - before[1],
+                        "seen_by": "hf: the batch-invariant kernels' own call counts during this batch"}
+                for g in gens:
+                    g.evidence = {**(g.evidence or {}), "mode": mode}
+            return gens
         except RuntimeError as exc:
             raise BackendError(f"transformers failed while generating: {str(exc).splitlines()[0][:300]}") from exc
 
@@ -229,8 +237,10 @@ class HFBackend(Backend):
         reasons = ["length"] * n
         done = [False] * n
         past, cur, cur_pos = None, ids, pos
+        rows: list[int] = []  # the padded batch shape's rows per forward: what was really computed together
         for step in range(min(decoding.max_new_tokens, steps or decoding.max_new_tokens)):
             with (at_step(step) if at_step is not None else nullcontext()):
+                rows.append(int(cur.shape[0]))
                 out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
                                  use_cache=True, **self._last_logits_only)
             past = out.past_key_values
@@ -264,6 +274,8 @@ class HFBackend(Backend):
                 finish_reason=reasons[r],
                 logprobs=out_lp[r] if want_logprobs else None,
                 top_logprobs=out_top[r] if want_logprobs else None,
+                evidence={"computed_with": {"rows": min(rows, default=n), "forwards": len(rows),
+                                            "seen_by": "hf: padded batch shape per forward"}},
             )
             for r in range(n)
         ]

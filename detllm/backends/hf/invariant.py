@@ -86,6 +86,7 @@ def _module_classes(torch):
             return self.inner.bias
 
         def forward(self, x):
+            self.state.linear_calls += 1  # the live proof that the mode ran (recorded per batch by backend.py)
             real = self.state.real
             if real is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(real.shape):
                 # the prompt: only real tokens' rows are computed (padding rows stay zero, never read)
@@ -105,6 +106,8 @@ class _State:
     starts: tuple[int, ...] = ()  # per row: index of its first real (unpadded) position
     real: Any = None  # prompt phase: (n, width) bool tensor of real positions; None while decoding
     kernel: str = "eager"
+    linear_calls: int = 0  # BlockLinear forwards so far: the mode's live proof, read around each batch
+    attention_calls: int = 0  # _attention calls so far
 
 
 def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -114,6 +117,7 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, 
     import torch
 
     state: _State = module._detllm_invariant
+    state.attention_calls += 1
     n, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -302,8 +306,10 @@ def installed(model, attn_implementation: str) -> Iterator[None]:
         for m in attn_modules:
             m._detllm_invariant = state
         model.config._attn_implementation = ATTENTION_NAME
+        model._detllm_invariant_state = state  # backend.py reads its call counts around each batch
         yield
     finally:
+        model.__dict__.pop("_detllm_invariant_state", None)
         model.config._attn_implementation = saved_impl
         for m in attn_modules:
             if "_detllm_invariant" in m.__dict__:
@@ -314,6 +320,12 @@ def installed(model, attn_implementation: str) -> Iterator[None]:
         for registry in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
             with suppress(KeyError):  # set above unless the failure came first
                 del registry[ATTENTION_NAME]
+
+
+def live_calls(model) -> tuple[int, int] | None:
+    """(invariant linear calls, invariant attention calls) so far while installed; None when not installed."""
+    state = model.__dict__.get("_detllm_invariant_state")
+    return None if state is None else (state.linear_calls, state.attention_calls)
 
 
 def _observe(torch, state: _State, kwargs: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import http.client
 import re
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -68,6 +69,7 @@ class LlamaCppBackend(Backend):
         self.gguf = resolve_gguf(str(model))
         self.info = read_info(self.gguf)
         self.slots = opts.slots or slots
+        self._last_call_ms: float | None = None  # the last /completion call's wall time (computed_with)
         self.threads = opts.threads or threads
         self.device, self.dtype = device, dtype
         train_ctx = self.info.context_length or DEFAULT_CTX
@@ -228,7 +230,12 @@ class LlamaCppBackend(Backend):
         docs = sorted(doc, key=lambda d: d["index"]) if isinstance(doc, list) else [doc]
         if len(docs) != len(requests):
             raise BackendError(f"llama-server answered {len(docs)} completions for a batch of {len(requests)}")
-        return [self._generation(req, d, decoding, n_probs) for req, d in zip(requests, docs)]
+        gens = [self._generation(req, d, decoding, n_probs) for req, d in zip(requests, docs)]
+        together = computed_with(docs, self._last_call_ms)
+        for g in gens:
+            if together is not None:
+                g.evidence = {**(g.evidence or {}), "computed_with": together}
+        return gens
 
     def model_identity(self) -> ModelIdentity:
         return gguf_identity(self.model_id, self.gguf, self.info)
@@ -314,13 +321,19 @@ class LlamaCppBackend(Backend):
         batched matmuls) a prompt gets moves its logprobs (~1e-7 on tiny). llama-server gives
         a multi-prompt call's prompts the least recently used slots in order, so first touch
         every slot in id order with a 1-token, no-generation request."""
+        t0 = time.monotonic()
         if n == 1:
-            return srv.post("/completion", {**body, "id_slot": 0})
+            doc = srv.post("/completion", {**body, "id_slot": 0})
+            self._last_call_ms = (time.monotonic() - t0) * 1000
+            return doc
         if not self.options.cache_prompt:  # with prompt caching on, slots follow their cached prefix instead
             for slot in range(self.slots):
                 srv.post("/completion", {"prompt": [self._touch_token], "n_predict": 0, "id_slot": slot,
                                          "cache_prompt": False, "n_probs": 0})
-        return srv.post("/completion", body)
+        t0 = time.monotonic()
+        doc = srv.post("/completion", body)
+        self._last_call_ms = (time.monotonic() - t0) * 1000  # the call's wall time: server times past it overlapped
+        return doc
 
     def _token_bytes(self) -> list[bytes] | None:
         if self._tbytes is False:
@@ -419,3 +432,18 @@ def _render(token: int, tbytes: list[bytes] | None, vocab: list[str]) -> str:
     if tbytes is not None and tbytes[token]:
         return tbytes[token].decode("utf-8", "replace")
     return vocab[token] if token < len(vocab) else ""
+
+
+
+def computed_with(docs: list[Any], call_ms: float | None) -> dict[str, Any] | None:
+    """The rows of one multi-prompt /completion call that llama-server computed together: its slots (id_slot)
+    when its own per-prompt times add up past the call's wall time (one after another they cannot), else
+    1; None where it reported no times (not observable)."""
+    ms = [((d.get("timings") or {}).get("prompt_ms"), (d.get("timings") or {}).get("predicted_ms")) for d in docs if isinstance(d, dict)]
+    if call_ms is None or len(ms) != len(docs) or any(not isinstance(b, (int, float)) for _, b in ms):
+        return None
+    total = sum(float(a or 0) + float(b) for a, b in ms)
+    slots = len({d.get("id_slot") for d in docs})
+    rows = slots if len(docs) == 1 or total > call_ms else 1
+    return {"rows": rows, "prompts": len(docs), "seen_by": f"llama-server: {slots} slot(s), server times {total:.1f} ms "
+            f"in a {call_ms:.1f} ms call"}

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 from ...core.config import Decoding, RunConfig
 from ...runfolder.env import dist_version
 from ...core.errors import BackendError, BackendUnavailableError, UsageError
+from ...core.overlap import NOT_ENGAGED, served_group
 from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF
 from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
 from .answers import cached_tokens as _cached_tokens, choice as _choice, shape as _answers_shape, steps as _steps
@@ -202,9 +203,32 @@ class OpenAIBackend(Backend):
             return [self._probe_one(r, decoding, seed, n_logprobs, want) for r in requests]
         bodies = [self._body(r, decoding, seed=seed, n_logprobs=n_logprobs, logprobs=want and not r.is_filler, filler=r.is_filler)
                   for r in requests]
-        replies, ev = self.endpoint.send_batch(self.path, bodies, sample=self._sample_source(), interval=self.options.sample_interval)
-        batch = ev.to_json(len(requests))
-        return [self._generation(r, rep, b, want, batch) for r, rep, b in zip(requests, replies, bodies)]
+        attempts: list[dict[str, Any]] = []
+        while True:  # a group shown not engaged is sent again (at most twice more, connections opened first)
+            replies, ev = self.endpoint.send_batch(self.path, bodies, sample=self._sample_source(),
+                                                   interval=self.options.sample_interval, preconnect=bool(attempts))
+            batch = ev.to_json(len(requests))
+            if self._slots() is not None:
+                batch["server_slots"] = self._slots()
+            gens = [self._generation(r, rep, b, want, batch) for r, rep, b in zip(requests, replies, bodies)]
+            answer, why = served_group([g.evidence or {} for g in gens])
+            few_slots = (batch.get("server_slots") or len(requests)) < len(requests)  # sending again cannot help
+            if len(requests) < 2 or answer != NOT_ENGAGED or len(attempts) == 2 or few_slots:
+                break
+            attempts.append({"answer": answer, "why": why})  # recorded: the verdict reads the last attempt
+        if attempts:
+            batch["earlier_attempts"] = attempts
+        return gens
+
+    def _slots(self) -> int | None:
+        """llama-server's total slots (/props), read once: fewer than a group's requests cannot compute it together."""
+        if not hasattr(self, "_total_slots"):
+            self._total_slots = None
+            if self.kind == "llamacpp":
+                _, props, _ = self.endpoint.get("/props", root=True)
+                n = props.get("total_slots") if isinstance(props, dict) else None
+                self._total_slots = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        return self._total_slots
 
     def model_identity(self) -> ModelIdentity:
         path = None

@@ -145,12 +145,15 @@ class Endpoint:
 
     # -- a group of requests started together --
 
-    def send_batch(self, path: str, bodies: Sequence[Any], *, sample: str | None, interval: float) -> tuple[list[Reply], BatchEvidence]:
+    def send_batch(self, path: str, bodies: Sequence[Any], *, sample: str | None, interval: float,
+                   preconnect: bool = False) -> tuple[list[Reply], BatchEvidence]:
         """POST every body at once (one connection each) and return the replies in order, with
-        the server's own view of its batch sampled from `sample` ("/slots" or "/metrics")."""
-        return _run(self._batch(path, list(bodies), sample, interval))
+        the server's own view of its batch sampled from `sample` ("/slots" or "/metrics").
+        `preconnect`: open every connection (GET /health) before any request body is sent."""
+        return _run(self._batch(path, list(bodies), sample, interval, preconnect))
 
-    async def _batch(self, path: str, bodies: list[Any], sample: str | None, interval: float) -> tuple[list[Reply], BatchEvidence]:
+    async def _batch(self, path: str, bodies: list[Any], sample: str | None, interval: float,
+                     preconnect: bool = False) -> tuple[list[Reply], BatchEvidence]:
         httpx = _httpx()
         n = len(bodies)
         evidence = BatchEvidence(sample)
@@ -160,6 +163,8 @@ class Endpoint:
             clients = [await stack.enter_async_context(httpx.AsyncClient(
                 headers=self._headers, timeout=self._timeout(httpx), limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
                 verify=_tls(), trust_env=_env_proxies())) for _ in range(n + 1)]
+            if preconnect:  # each client's one connection is open (kept alive) before the first body goes out
+                await asyncio.gather(*(c.get(self.url("/health", root=True)) for c in clients[:n]), return_exceptions=True)
             t0 = time.monotonic()
             tasks = [asyncio.create_task(self._send(c, path, b, root=False, what=f"request {i}", t0=t0))
                      for i, (c, b) in enumerate(zip(clients, bodies))]

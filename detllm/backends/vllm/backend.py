@@ -200,13 +200,20 @@ class VLLMBackend(Backend):
             for req in requests
         ]
         prompts = [{"prompt_token_ids": list(req.input_ids)} for req in requests]
-        with perturbed(llm, self.perturbation):  # TEST-ONLY hooks, taken back after the call
+        from .cosched import computed_with, watch
+
+        with perturbed(llm, self.perturbation), watch(llm) as steps:  # TEST-ONLY hooks; the scheduler's steps
             try:
                 outputs = llm.generate(prompts, params, use_tqdm=False)  # the whole batch in one call
             except Exception as exc:
                 raise BackendError(f"vLLM failed while generating: {first_line(exc)}") from exc
         tokenizer = llm.get_tokenizer()
-        return [self._generation(req, out, tokenizer, n_logprobs, logprobs) for req, out in zip(requests, outputs, strict=True)]
+        gens = [self._generation(req, out, tokenizer, n_logprobs, logprobs) for req, out in zip(requests, outputs, strict=True)]
+        for gen, out in zip(gens, outputs):
+            together = computed_with(steps, out.request_id)
+            if together is not None:  # the most requests one scheduler step computed it with (engagement.py)
+                gen.evidence = {**(gen.evidence or {}), "computed_with": together}
+        return gens
 
     can_score = True
     score_method = "prompt_logprobs of prompt + generated tokens (vLLM prefill)"

@@ -6,7 +6,9 @@ runs with PYTHONPATH=<that worktree>; this tree's runs with PYTHONPATH=<this tre
 bytecode in their own cache (PYTHONPYCACHEPREFIX), so PYTHONDONTWRITEBYTECODE in the environment does not
 turn every run into a compile. The order alternates every pair (base first, then HEAD first) so a load
 that drifts during the run weighs on both sides alike. A figure is a script line `NAME: ... X.XX s`
-(the first seconds after the colon) and, when the line has one, its `CPU X.XX s`.
+(the first seconds after the colon) and, when the line has one, its `CPU X.XX s`. The arguments after
+`--` go to both copies of the script, so they must be ones the base's copy takes too (49a21ad's
+bench_diff.py has no --cases). On a shared machine compare the CPU rows: the wall rows carry the load.
 
     .venv/bin/python benchmarks/bench_vs_base.py 49a21ad bench_diff.py [--pairs 5] -- --repeat 1 [--prompts 1000 --tokens 1000]
 """

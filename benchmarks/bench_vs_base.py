@@ -75,10 +75,11 @@ def compare(base: Path, head: Path, script: str, args: list[str], pairs: int, wo
         print("no figure line (NAME: X.XX s) common to both sides", file=sys.stderr)
         return 1
     width = max(len(n) for n in names)
-    print(f"{'figure':<{width}}  {'base median':>11}  {'HEAD median':>11}  HEAD/base")
+    print(f"{'figure':<{width}}  {'base median':>11}  {'HEAD median':>11}  HEAD/base  (base range | HEAD range)")
     for n in names:
         b, h = statistics.median(got["base"][n]), statistics.median(got["HEAD"][n])
-        print(f"{n:<{width}}  {b:>9.2f} s  {h:>9.2f} s  {h / b if b else float('nan'):.2f}x")
+        spread = " | ".join(f"{min(got[s][n]):.2f}-{max(got[s][n]):.2f}" for s in ("base", "HEAD"))
+        print(f"{n:<{width}}  {b:>9.2f} s  {h:>9.2f} s  {h / b if b else float('nan'):>8.2f}x  ({spread})")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 

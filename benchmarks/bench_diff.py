@@ -7,7 +7,7 @@ the right side also drifted by 1e-7 (no record byte-identical). Each case runs a
 shipped (compare/pairs.py's worker on the second core) and in one process, alternated.
 Target on a 2-core machine: < 2 s.
 
-    .venv/bin/python benchmarks/bench_diff.py [--prompts 1000] [--tokens 1000] [--top-k 5] [--repeat 3]
+    .venv/bin/python benchmarks/bench_diff.py [--prompts 1000] [--tokens 1000] [--top-k 5] [--repeat 3] [--cases 6]
 """
 
 from __future__ import annotations
@@ -177,21 +177,28 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--top-k", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cases", type=int, default=6, help="time only the first N of the 6 cases (1: the planted flip alone)")
     ap.add_argument("--keep", type=Path, help="generate into this folder and keep it (a later run reuses it)")
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="detllm-bench-diff-"))
     try:
         left, right, planted = _pair_folders(root, args, 0.0)
-        _case("diff, one planted flip", ["diff", str(left), str(right), "--json"], args.repeat, planted)
-        _case("diff --out (writes report.json/.txt/.md)", ["diff", str(left), str(right), "--out", str(root / "diff"), "--force"],
-              args.repeat, None)
+        cases = [("diff, one planted flip", ["diff", str(left), str(right), "--json"], planted),
+                 ("diff --out (writes report.json/.txt/.md)",
+                  ["diff", str(left), str(right), "--out", str(root / "diff"), "--force"], None)]
+        for name, argv, expect in cases[:args.cases]:
+            _case(name, argv, args.repeat, expect)
+        if args.cases <= len(cases):
+            return 0
         # the other extreme: every logprob drifted by 1e-7 (batch or engine numerics), no record byte-identical
         left, right, _ = _pair_folders(root, args, 1e-7)
-        for extra in (["--tier", "1"], ["--tier", "2"], ["--tier", "2", "--atol", "1e-6"]):
-            _case(f"diff {' '.join(extra)}, every record drifted", ["diff", str(left), str(right), "--json", *extra],
-                  args.repeat, planted if "--atol" in extra or extra[1] == "1" else (0, 0))
-        _case("diff --tier 2 --out, every record drifted (a 2.5 MB report.json, validated)",
-              ["diff", str(left), str(right), "--tier", "2", "--out", str(root / "diff_drifted"), "--force"], args.repeat, None)
+        drifted = [(f"diff {' '.join(extra)}, every record drifted", ["diff", str(left), str(right), "--json", *extra],
+                    planted if "--atol" in extra or extra[1] == "1" else (0, 0))
+                   for extra in (["--tier", "1"], ["--tier", "2"], ["--tier", "2", "--atol", "1e-6"])]
+        drifted.append(("diff --tier 2 --out, every record drifted (a 2.5 MB report.json, validated)",
+                        ["diff", str(left), str(right), "--tier", "2", "--out", str(root / "diff_drifted"), "--force"], None))
+        for name, argv, expect in drifted[:args.cases - len(cases)]:
+            _case(name, argv, args.repeat, expect)
         return 0
     finally:
         if args.keep is None:

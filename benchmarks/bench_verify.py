@@ -66,14 +66,29 @@ def synthetic_trace(folder: Path, prompts: int, tokens: int, top_k: int, drift: 
 
 
 def rederive_report(folder: Path) -> str:
-    """report.json's verdict fields recomputed from the synthetic trace (as verify will); returns the status."""
-    from detllm.pipeline.rederive import expected_verdict
+    """report.json's verdict fields recomputed from the synthetic trace (as verify will); returns the status.
+    The verdict is made by rederive's own two steps (the tier gated again, then the runner's verdict
+    function), so it is verify's answer by construction; after sealing, main() asks verify's public
+    entry (rederive_verdict) whether it agrees before anything is timed."""
+    from detllm.pipeline import rederive
 
     rc, applied = (json.loads((folder / name).read_text()) for name in (artifacts.RUN_CONFIG, artifacts.APPLIED))
     report = json.loads((folder / artifacts.REPORT).read_text())
-    report.update(expected_verdict(folder, rc, applied, rc["command"]))
+    tier = rederive.expected_tier(rc, applied)
+    report.update(rederive.expected_verdict(folder, rc, applied, rc["command"], tier))
     artifacts.write_json(folder, artifacts.REPORT, report)  # validated against its schema, atomically
     return report["status"]
+
+
+def accepted(folder: Path) -> str:
+    """What verify's re-derivation says of the sealed folder (its public entry); exits when it refuses."""
+    from detllm.core.errors import DetllmError
+    from detllm.pipeline.rederive import rederive_verdict
+
+    try:
+        return rederive_verdict(folder)
+    except DetllmError as exc:
+        raise SystemExit(f"the synthetic pack's verdict does not re-derive: {exc.message}") from exc
 
 
 def _cpu_children() -> float:
@@ -126,10 +141,12 @@ def main() -> None:
         t0 = time.perf_counter()
         seal(folder, record_digests=digests)
         t_seal = time.perf_counter() - t0
+        said = accepted(folder)
         pack = create_pack(folder, Path(tmp) / "run.tar.gz")
         steps = args.prompts * args.tokens
         print(f"synthetic check pack ({status}): 2 runs x {args.prompts // 2} prompts = {args.prompts} records x {args.tokens} tokens (top-{args.top_k}) = {steps:,} steps; "
               f"trace.jsonl {size / 1e6:.0f} MB, pack {pack.stat().st_size / 1e6:.0f} MB (written in {t_write:.1f} s)")
+        print(said)
         print(f"seal with the writer's digests (what a run does): {t_seal:.2f} s; "
               f"seal re-reading the trace from disk: {t_seal_disk:.2f} s")
         time_both(folder, pack, size, steps, args.repeats)

@@ -26,7 +26,7 @@ from ..compare.trace import load_records
 from ..core.config import check_atol
 from ..core.errors import ArtifactError, UsageError
 from ..runfolder.folderlock import exclusive_writer
-from ..pipeline.runner import Outcome, write_report
+from ..pipeline.outcome import Outcome, write_report
 
 _SELECTION = re.compile(r"run_(\d+)(?:@batch_(\d+))?|batch_(\d+)")
 SELECTION_HINT = "write FOLDER, FOLDER::run_N, FOLDER::batch_B or FOLDER::run_N@batch_B"

@@ -18,7 +18,7 @@ from ..compare.causes import Side, explain
 from ..compare.engine import compare, label
 from ..compare.trace import load_records
 from ..core.errors import ArtifactError, UsageError
-from ..pipeline.runner import Outcome, write_report
+from ..pipeline.outcome import Outcome, write_report
 from ..runfolder.seedlayout import refuse_seed_layout
 
 UNKNOWN = "unknown (bare trace file)"
@@ -47,6 +47,15 @@ def is_bare_trace(arg: str) -> bool:
     return "::" not in arg and p.is_file() and p.suffix == ".jsonl"
 
 
+def _may_be_training(arg: str) -> bool:
+    """A folder holding train_config.json, or a file (a pack archive may hold one): only then is
+    training/diffing.py imported to ask (a run-folder diff does not load the training modules)."""
+    from ..training.chain import TRAIN_CONFIG
+
+    p = Path(arg)
+    return (p / TRAIN_CONFIG).is_file() if p.is_dir() else p.is_file()
+
+
 def diff_any(a: str, b: str, **kw: Any) -> Outcome:
     """diff.diff for folders; bare_diff when a side is a bare trace file. The seed's layout is refused."""
     from .diff import diff
@@ -56,10 +65,11 @@ def diff_any(a: str, b: str, **kw: Any) -> Outcome:
         path = Path(arg.rpartition("::")[0] if "::" in arg else arg)
         if path.exists():
             refuse_seed_layout(path)
-    from ..training.diffing import diff_training_sides, is_training_side
+    if any(_may_be_training(arg) for arg in (a, b)):
+        from ..training.diffing import diff_training_sides, is_training_side
 
-    if is_training_side(a) or is_training_side(b):  # two training packs (docs/training.md)
-        return diff_training_sides(a, b, **kw)
+        if is_training_side(a) or is_training_side(b):  # two training packs (docs/training.md)
+            return diff_training_sides(a, b, **kw)
     if kw.pop("script", None):
         raise UsageError("--script applies to two training packs made with --script (docs/training.md)")
     if not (is_bare_trace(a) or is_bare_trace(b)):

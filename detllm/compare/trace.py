@@ -71,10 +71,17 @@ class TraceRecord(dict):
         self.update({k: tail[k] for k in TAIL_KEYS if k in tail})
 
     def get(self, key: str, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
+        # as self[key] with a default, without a KeyError raised and caught per call: the causes ask
+        # every record for tail keys (evidence, fresh_process) that a local engine's records never hold
+        if key in self:
+            return dict.__getitem__(self, key)
+        if self._src is None:
             return default
+        if key in PAYLOAD_KEYS:
+            self.load()
+        elif key in TAIL_KEYS and not self._tail:
+            self._read_tail()
+        return dict.get(self, key, default)
 
     @property
     def raw_payload(self) -> bytes | None:

@@ -2,7 +2,7 @@
 
 Owns loading keys, writing the signature and checking it. `cryptography` is imported only
 when a key is used; without it the error says what to install. Does not own what is signed
-(integrity.py: the manifest's exact bytes) or when (runner.write_report).
+(integrity.py: the manifest's exact bytes) or when (pipeline/outcome.write_report).
 """
 
 from __future__ import annotations

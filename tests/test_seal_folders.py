@@ -1,0 +1,78 @@
+"""Every folder detllm writes is sealed and verify re-derives what it can (issue 32 point 9):
+a `diff --out` folder of two run folders (and of two bare traces) is re-derived from the comparison
+it records; a verdict edited and resealed with the project's own seal is refused (exit 6); a
+written folder verifies, packs, and its pack verifies. Committed fixtures, no engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from detllm.runfolder.integrity import seal
+
+FIX = Path(__file__).parent / "fixtures" / "diff"
+
+
+def _edit(folder: Path, name: str, change) -> None:
+    p = folder / name
+    doc = json.loads(p.read_text())
+    change(doc)
+    p.write_text(json.dumps(doc))
+    seal(folder)  # resealed with the project's own seal: only the re-derivation can catch it
+
+
+@pytest.fixture
+def diff_folder(cli, tmp_path):
+    out = tmp_path / "d"
+    r = cli("diff", FIX / "base", FIX / "run_variance", "--out", out)
+    assert r.exit_code == 1, r.output
+    return out
+
+
+def test_diff_folder_round_trip(cli, diff_folder, tmp_path):
+    r = cli("verify", diff_folder)
+    assert r.exit_code == 0, r.output
+    assert "diff verdict FAIL (RUN_VARIANCE) re-derived from the 1 comparison(s) it records" in r.stdout
+    assert "not re-derived: the comparison itself and the ranking of causes" in r.stdout
+    pack = tmp_path / "d.tar.gz"
+    assert cli("pack", diff_folder, "-o", pack).exit_code == 0
+    r = cli("verify", pack)
+    assert r.exit_code == 0 and "diff verdict FAIL (RUN_VARIANCE) re-derived" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("name,change,named", [
+    ("report.json", lambda d: d.update(status="PASS", category="PASS"), "status is 'PASS', but its recorded comparison gives 'FAIL'"),
+    ("report.json", lambda d: d.update(category="BATCH_VARIANCE"), "category is 'BATCH_VARIANCE', but its first cause is 'RUN_VARIANCE'"),
+    ("report.json", lambda d: d["comparisons"][0].update(status="PASS"), "status is 'PASS', but its divergences"),
+    ("report.json", lambda d: d["first_divergence"].update(token_index=2), "first_divergence is not the one"),
+    ("diffs/first_divergence.json", lambda d: d["divergence"].update(token_index=2), "is not report.json's first divergence"),
+])
+def test_diff_verdict_edited_and_resealed_is_refused(cli, diff_folder, name, change, named):
+    _edit(diff_folder, name, change)
+    r = cli("verify", diff_folder)
+    assert r.exit_code == 6, r.output
+    assert named in r.stderr and "Traceback" not in r.output
+
+
+def test_a_passing_diff_edited_to_fail_is_refused(cli, tmp_path):
+    out = tmp_path / "p"
+    assert cli("diff", FIX / "base", FIX / "base", "--out", out).exit_code == 0
+    assert "diff verdict PASS re-derived" in cli("verify", out).stdout
+    _edit(out, "report.json", lambda d: d.update(status="FAIL", category="RUN_VARIANCE"))
+    r = cli("verify", out)
+    assert r.exit_code == 6 and "status is 'FAIL', but its recorded comparison gives 'PASS'" in r.stderr, r.output
+
+
+def test_bare_trace_diff_folder_round_trip_and_tamper(cli, tmp_path):
+    out = tmp_path / "t"
+    r = cli("diff", FIX / "base" / "trace.jsonl", FIX / "run_variance" / "trace.jsonl", "--out", out)
+    assert r.exit_code == 1, r.output
+    assert cli("verify", out).exit_code == 0
+    assert cli("pack", out, "-o", tmp_path / "t.tar.gz").exit_code == 0
+    assert "diff verdict FAIL" in cli("verify", tmp_path / "t.tar.gz").stdout
+    _edit(out, "report.json", lambda d: d["comparisons"][0].update(prompts_diverged=0))
+    r = cli("verify", out)
+    assert r.exit_code == 6 and "records 0 prompt(s) diverged, but lists 1" in r.stderr, r.output

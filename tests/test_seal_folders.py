@@ -76,3 +76,77 @@ def test_bare_trace_diff_folder_round_trip_and_tamper(cli, tmp_path):
     _edit(out, "report.json", lambda d: d["comparisons"][0].update(prompts_diverged=0))
     r = cli("verify", out)
     assert r.exit_code == 6 and "records 0 prompt(s) diverged, but lists 1" in r.stderr, r.output
+
+
+# ---------------------------------------------------------------- diagnose --out and sweep --out (runfolder/nestseal.py)
+
+def _edit_nested(folder: Path, name: str, change) -> None:
+    from detllm.runfolder.nestseal import seal_nested
+
+    p = folder / name
+    doc = json.loads(p.read_text())
+    change(doc)
+    p.write_text(json.dumps(doc))
+    seal_nested(folder)  # resealed with the project's own seal
+
+
+@pytest.fixture
+def diagnosis(tmp_path):
+    from detllm.api import make_config
+    from detllm.diagnose import diagnose
+
+    cfg = make_config(backend="fake", model="fake", max_new_tokens=6, tier=2, runs=2, vary_batch=(1, 8),
+                      options={"diverge": "prompt=0,pos=3,batch=8", "stable_threads": "1"})
+    diagnose(cfg, out=tmp_path / "dg", budget=3, fresh_repeats=2)
+    return tmp_path / "dg"
+
+
+def test_diagnosis_folder_round_trip(cli, diagnosis, tmp_path):
+    r = cli("verify", diagnosis)
+    assert r.exit_code == 0, r.output
+    assert "run folder(s) inside verified" in r.stdout and "re-derived: the baseline's status FAIL" in r.stdout
+    assert "Not re-derived: each probe's comparisons from its run folder's trace, and the conclusion" in r.stdout
+    assert cli("pack", diagnosis, "-o", tmp_path / "dg.tar.gz").exit_code == 0
+    r = cli("verify", tmp_path / "dg.tar.gz")
+    assert r.exit_code == 0 and "re-derived: the baseline's status FAIL" in r.stdout, r.output
+
+
+def _flip_check_probe(doc):
+    p = next(p for p in doc["probes"] if p["kind"] == "check" and p["status"] == "ran")
+    p["outcome"] = "persist" if p["outcome"] == "vanish" else "vanish"
+
+
+@pytest.mark.parametrize("change,named", [
+    (lambda d: d["source"].update(status="PASS"), "source.status is 'PASS', but baseline/report.json"),
+    (_flip_check_probe, "records outcome"),
+])
+def test_diagnosis_edited_and_resealed_is_refused(cli, diagnosis, change, named):
+    _edit_nested(diagnosis, "diagnosis.json", change)
+    r = cli("verify", diagnosis)
+    assert r.exit_code == 6 and named in r.stderr, r.output
+
+
+def test_a_probe_folder_edited_inside_a_diagnosis_is_named(cli, diagnosis):
+    from detllm.runfolder.nestseal import seal_nested
+
+    _edit(diagnosis / "baseline", "report.json", lambda d: d.update(status="PASS", category="PASS"))
+    r = cli("verify", diagnosis)
+    assert r.exit_code == 6 and "baseline/manifest.json: changed after sealing" in r.stderr, r.output
+    seal_nested(diagnosis)  # the outer folder resealed too: the baseline's own re-derivation refuses it
+    r = cli("verify", diagnosis)
+    assert r.exit_code == 6 and "baseline/report.json: status is 'PASS', but the sealed trace gives 'FAIL'" in r.stderr, r.output
+
+
+def test_sweep_folder_round_trip_and_tamper(cli, tmp_path):
+    out = tmp_path / "s"
+    r = cli("sweep", "--backend", "fake", "--model", "fake", "--axis", "batch_size=1,8", "--repeats", "2", "--max-new-tokens", "6",
+            "--opt", "diverge=prompt=0,pos=2,batch=8", "--out", out)
+    assert r.exit_code == 0, r.output
+    r = cli("verify", out)
+    assert r.exit_code == 0 and "the 2 cell(s) that ran are run folders inside" in r.stdout, r.output
+    assert "Not re-derived: each cell's label" in r.stdout
+    assert cli("pack", out, "-o", tmp_path / "s.tar.gz").exit_code == 0
+    assert cli("verify", tmp_path / "s.tar.gz").exit_code == 0
+    (out / "sweep.txt").write_text("edited\n")
+    r = cli("verify", out)
+    assert r.exit_code == 6 and "sweep.txt: changed after sealing" in r.stderr, r.output

@@ -40,6 +40,12 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: st
         from .fleetverify import rederive_fleet
 
         return verify_fleet(seal, verify_folder, rederive_fleet)
+    from ..runfolder.nestseal import nested_kind, verify_nested
+
+    if nested_kind(seal) is not None and weights is None:  # diagnose/sweep --out: its files, then each run folder inside
+        from .nestverify import rederive_nested
+
+        return verify_nested(seal, verify_folder, rederive_nested)
     if weights is not None:
         from ..core.errors import UsageError
 

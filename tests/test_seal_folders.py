@@ -150,3 +150,30 @@ def test_sweep_folder_round_trip_and_tamper(cli, tmp_path):
     (out / "sweep.txt").write_text("edited\n")
     r = cli("verify", out)
     assert r.exit_code == 6 and "sweep.txt: changed after sealing" in r.stderr, r.output
+
+
+# ---------------------------------------------------------------- locate --out to a folder of its own
+
+def test_locate_own_folder_is_sealed_round_trip_and_tamper(cli, tmp_path):
+    import detllm
+
+    c = tmp_path / "c"
+    detllm.check(backend="fake", options={"diverge": "prompt=1,pos=2,batch=4,what=logprob"}, vary_batch=(1, 4), runs=2, tier=2,
+                 max_new_tokens=6, out=c)
+    out = tmp_path / "lo"
+    assert cli("locate", f"{c}::batch_1", f"{c}::batch_4", "--out", out).exit_code == 0
+    r = cli("verify", out)
+    assert r.exit_code == 0, r.output
+    assert "locate.json: first op model.layers.0.mlp.down_proj re-derived from its" in r.stdout
+    assert "not re-derived: the captured tensors themselves" in r.stdout
+    assert cli("pack", out, "-o", tmp_path / "lo.tar.gz").exit_code == 0
+    assert "first op model.layers.0.mlp.down_proj re-derived" in cli("verify", tmp_path / "lo.tar.gz").stdout
+    _edit(out, "locate.json", lambda d: d["first_bitwise_op"].update(module="model.layers.1.mlp.down_proj"))
+    r = cli("verify", out)
+    assert r.exit_code == 6 and "first_bitwise_op is 'model.layers.1.mlp.down_proj', but its recorded rows give" in r.stderr, r.output
+
+
+def test_an_unsealed_folder_gets_true_advice(cli):
+    r = cli("verify", FIX / "base")
+    assert r.exit_code == 5 and "every folder this detllm writes is sealed" in r.stderr, r.output
+    assert "seal it by running it" not in r.output

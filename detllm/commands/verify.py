@@ -27,7 +27,19 @@ def verify(path: str | Path, *, pubkey: str | Path | None = None, weights: str |
 
 
 def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: str | Path | None = None) -> Verification:
-    """verify() of an unpacked folder. `weights` (a training pack only): a safetensors file checked
+    """verify() of an unpacked folder, then its locate.json where one was written into it (locateverify.py)."""
+    result = _verify_folder(folder, pubkey=pubkey, weights=weights)
+    from .locateverify import rederive_locate
+
+    located = rederive_locate(Path(folder))
+    if located is not None:
+        mine = result.verdict if not result.verdict.startswith("no report.json") else ""  # locate's own folder
+        result.verdict = "; ".join(v for v in (mine, located) if v)
+    return result
+
+
+def _verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: str | Path | None = None) -> Verification:
+    """verify_folder() without locate.json. `weights` (a training pack only): a safetensors file checked
     against the final commitment."""
     seal = open_seal(Path(folder), pubkey)
     from ..training.pack import is_training_pack, verify_training

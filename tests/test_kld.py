@@ -188,3 +188,15 @@ def test_hf_vs_llamacpp_smollm2_block(smollm2_sides, cli, tmp_path):
     assert cli("diff", hf, ll, "--out", d).exit_code == 1
     again = cli("report", "--format", "kld", d)
     assert again.exit_code == 0 and again.output == r.output
+
+
+def test_header_says_what_differed_for_a_logprob_only_difference(cli, tmp_path):
+    """No token diverges but the logprobs move: the header says so instead of "0 of N prompts diverged"."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out, opts in ((a, []), (b, ["--opt", "diverge=prompt=1,pos=2,what=logprob"])):
+        r = cli("run", "--backend", "fake", "--tier", "2", "--max-new-tokens", "4", "--out", out, *opts)
+        assert r.exit_code == 0, r.output
+    r = cli("report", "--format", "kld", a, b)
+    assert r.exit_code == 0, r.output
+    assert "no prompt's tokens diverged; logprobs or top-k differ at 1 of 16 positions (a logprob-only difference)" in r.stdout
+    assert "0 of 4 prompts diverged" not in r.stdout

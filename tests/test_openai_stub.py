@@ -339,3 +339,20 @@ def test_a_server_that_computes_one_request_at_a_time_is_sent_again_then_unverif
     at4 = [json.loads(line) for line in (tmp_path / "c" / "trace.jsonl").read_text().splitlines() if '"batch_size":4' in line]
     attempts = at4[0]["evidence"]["server_batch"]["earlier_attempts"]
     assert [a["answer"] for a in attempts] == ["not_engaged", "not_engaged"]
+
+
+def test_kld_of_a_server_keyed_by_token_text(cli, stub, tmp_path):
+    """report --format kld over a served run whose top_logprobs are keyed by token text (no ids):
+    the KLD is computed over the tokens' text (issue 32, SRE section), not a ValueError traceback."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _check(cli, stub, a, "--tier", "2").exit_code == 0
+    assert _check(cli, stub, b, "--tier", "2").exit_code == 0
+    r = cli("report", "--format", "kld", a, b)
+    assert r.exit_code == 0, r.output
+    assert "tokens keyed by their text: the served model gave no token ids" in r.stdout
+    assert "Mean    KLD:   0.000000 ±   0.000000" in r.stdout and "Same top p: 100.000 ± 0.000 %" in r.stdout
+    assert "0 of 4 prompts diverged; logprobs and top-k identical at every position" in r.stdout
+    fake = tmp_path / "f"  # one run keyed by ids, the other by text: refused in one line
+    assert cli("run", "--backend", "fake", "--tier", "2", "--max-new-tokens", "4", "--out", fake).exit_code == 0
+    r = cli("report", "--format", "kld", fake, a)
+    assert r.exit_code == 2 and "one run records token ids, the other token text" in r.stderr and "Traceback" not in r.output

@@ -27,7 +27,19 @@ def verify(path: str | Path, *, pubkey: str | Path | None = None, weights: str |
 
 
 def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: str | Path | None = None) -> Verification:
-    """verify() of an unpacked folder. `weights` (a training pack only): a safetensors file checked
+    """verify() of an unpacked folder, then its locate.json where one was written into it (locateverify.py)."""
+    result = _verify_folder(folder, pubkey=pubkey, weights=weights)
+    from .locateverify import rederive_locate
+
+    located = rederive_locate(Path(folder))
+    if located is not None:
+        mine = result.verdict if not result.verdict.startswith("no report.json") else ""  # locate's own folder
+        result.verdict = "; ".join(v for v in (mine, located) if v)
+    return result
+
+
+def _verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: str | Path | None = None) -> Verification:
+    """verify_folder() without locate.json. `weights` (a training pack only): a safetensors file checked
     against the final commitment."""
     seal = open_seal(Path(folder), pubkey)
     from ..training.pack import is_training_pack, verify_training
@@ -40,6 +52,12 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: st
         from .fleetverify import rederive_fleet
 
         return verify_fleet(seal, verify_folder, rederive_fleet)
+    from ..runfolder.nestseal import nested_kind, verify_nested
+
+    if nested_kind(seal) is not None and weights is None:  # diagnose/sweep --out: its files, then each run folder inside
+        from .nestverify import rederive_nested
+
+        return verify_nested(seal, verify_folder, rederive_nested)
     if weights is not None:
         from ..core.errors import UsageError
 
@@ -52,6 +70,12 @@ def verify_folder(folder: Path, *, pubkey: str | Path | None = None, weights: st
         return result
     # the verdict is re-derived on the other core while the bytes are checked; its answer is read
     # only once the bytes check out, so a changed file is still the first problem named
+    from .diffverify import is_diff_folder, rederive_diff
+
+    if seal.manifest["trace"] is None and is_diff_folder(seal.folder):  # diff --out: its verdict from its comparison
+        result = check_bytes(seal)
+        result.verdict = rederive_diff(seal.folder)
+        return result
     ahead = Ahead.start(seal.folder) if seal.manifest["trace"] is not None else None
     try:
         result = check_bytes(seal)

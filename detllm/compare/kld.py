@@ -37,11 +37,19 @@ class Position:
     outside: bool  # the reference token is in neither Q's top-k nor Q's chosen token
 
 
-def _known(top: Any, chosen_id: int, chosen_lp: float) -> dict[int, float]:
-    """A side's listed log-probabilities: its top-k plus its chosen token."""
-    known = {int(t): float(lp) for t, lp in top}
-    known.setdefault(int(chosen_id), float(chosen_lp))
+def _known(top: Any, chosen_id: Any, chosen_lp: float) -> dict[Any, float]:
+    """A side's listed log-probabilities: its top-k plus its chosen token, keyed by token id, or by token
+    text where a served model gave no ids (tokens_as "strings": two ids that decode alike are one key)."""
+    known = {t: float(lp) for t, lp in top}
+    known.setdefault(chosen_id, float(chosen_lp))
     return known
+
+
+def keyed_by(records: Iterable[Mapping[str, Any]]) -> str | None:
+    """"ids" or "text": what a run's tokens and top-k are keyed by (a served model without ids records
+    token strings); None for a run with no generated token; "mixed" when its records disagree."""
+    kinds = {"text" if isinstance(t, str) else "ids" for r in records for t in r["token_ids"]}
+    return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def position(left_top: Any, left_id: int, left_lp: float, right_top: Any, right_id: int, right_lp: float) -> Position:
@@ -61,16 +69,22 @@ def position(left_top: Any, left_id: int, left_lp: float, right_top: Any, right_
     top_p = left_top[0][0] if len(left_top) else left_id
     top_q = right_top[0][0] if len(right_top) else right_id
     return Position(kld=kld, nll_base=-float(left_lp), nll=-q_lp, p_diff=math.exp(q_lp) - math.exp(left_lp),
-                    same_top=int(top_p) == int(top_q), outside=outside)
+                    same_top=top_p == top_q, outside=outside)
 
 
 def positions(left: Iterable[Mapping[str, Any]], right: Iterable[Mapping[str, Any]]) -> tuple[list[Position], dict[str, int]]:
     """Every counted position of two runs' records (paired by prompt), and the counts of what
     was left out: prompts whose inputs differ (their contexts are never equal), steps with a
     null logprob, steps after each prompt's first divergent token."""
+    left, right = list(left), list(right)
+    keys = {keyed_by(left), keyed_by(right)} - {None}
+    if len(keys) > 1:
+        raise UsageError("the kld format needs both runs' tokens keyed alike: one run records token ids, the other token "
+                         "text (a served model that gave no ids), so their distributions cannot be matched token by token",
+                         hint="compare two runs of the same kind (both served without ids, or both with ids)")
     rights = {r["prompt_index"]: r for r in right}
     out: list[Position] = []
-    counts = {"prompts": 0, "prompts_diverged": 0, "prompts_other_input": 0, "generated": 0, "null_steps": 0}
+    counts = {"prompts": 0, "prompts_diverged": 0, "prompts_other_input": 0, "generated": 0, "null_steps": 0, "moved": 0}
     for rec in sorted(left, key=lambda r: r["prompt_index"]):
         other = rights.get(rec["prompt_index"])
         if other is None:
@@ -91,10 +105,13 @@ def positions(left: Iterable[Mapping[str, Any]], right: Iterable[Mapping[str, An
                 counts["null_steps"] += 1
             else:
                 out.append(position(ltop, lid, llp, rtop, rid, rlp))
+                counts["moved"] += (llp, list(map(list, ltop))) != (rlp, list(map(list, rtop)))  # a logprob or the top-k differs
             if lid != rid:  # the first divergent token counts; after it the contexts differ
                 counts["prompts_diverged"] += 1
                 break
     counts["outside_top_k"] = sum(p.outside for p in out)
+    counts["keyed_by"] = keys.pop() if keys else "ids"
+
     return out, counts
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..runfolder import artifacts
 from ..core.errors import UsageError
+from ..runfolder.nestseal import seal_nested
 from .render import render_html, render_markdown, render_text
 
 DIAGNOSIS = "diagnosis.json"
@@ -28,11 +29,12 @@ class Diagnosis:
 
 
 def write_diagnosis(out: Path, doc: dict[str, Any]) -> Diagnosis:
-    """Write diagnosis.json and its renderings (.txt, .md, .html) under `out`."""
+    """Write diagnosis.json and its renderings (.txt, .md, .html) under `out`, then seal the folder."""
     artifacts.write_json(out, DIAGNOSIS, doc)
     artifacts.atomic_write_text(out / "diagnosis.txt", render_text(doc))
     artifacts.atomic_write_text(out / "diagnosis.md", render_markdown(doc))
     artifacts.atomic_write_text(out / "diagnosis.html", render_html(doc))
+    seal_nested(out)  # last: verify and pack take the folder (runfolder/nestseal.py)
     return Diagnosis(out, doc)
 
 

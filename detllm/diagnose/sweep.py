@@ -26,6 +26,7 @@ from ..core.config import RunConfig
 from ..core.config import parse_axes as config_parse_axes
 from ..runfolder.env import detllm_version
 from ..core.errors import UsageError
+from ..runfolder.nestseal import seal_nested
 from .pool import Pool
 
 CONFIG_AXES = {"batch_size": int, "dtype": str, "threads": int}
@@ -177,4 +178,5 @@ def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, r
     artifacts.write_json(out, SWEEP, doc)
     artifacts.atomic_write_text(out / "sweep.txt", render_text(doc))
     artifacts.atomic_write_text(out / "sweep.md", render_markdown(doc))
+    seal_nested(out)  # last: verify and pack take the folder (runfolder/nestseal.py)
     return out, doc

@@ -1,7 +1,7 @@
 """Where `locate` writes: locate.json (schemas/locate.schema.json), locate.txt and locate.md, into
 the folder the two sides came from (a run folder both selections share, or the diff or check
 folder given), which is then sealed again so `verify` and `pack` hold locate.json too; or into a
-folder of its own. Everything is checked before anything is re-run; the writes are atomic.
+folder of its own, which is sealed the same way. Everything is checked before anything is re-run; the writes are atomic.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Located:
 @dataclass(frozen=True)
 class Target:
     path: Path
-    reseal: bool  # a sealed detllm folder: its manifest is written again to hold the new files
+    reseal: bool  # a sealed detllm folder or locate's own folder: its manifest is written (again) to hold the new files
 
 
 def _home(left: Selection, right: Selection, source: str) -> Path | None:
@@ -67,7 +67,7 @@ def check_out(out: str | Path | None, force: bool, left: Selection, right: Selec
     if out.is_dir() and any(out.iterdir()) and not (out / LOCATE).is_file() and not force:
         raise UsageError(f"--out {str(out)!r} is not empty and holds no locate.json", hint="choose another --out or pass --force")
     artifacts.check_output_file(out / LOCATE, "--out")
-    return Target(out, False)
+    return Target(out, True)  # a folder of its own: sealed once written, so verify and pack take it
 
 
 def write_locate(target: Target, doc: dict[str, Any]) -> Located:

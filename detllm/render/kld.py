@@ -47,6 +47,16 @@ def block(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _what_differed(c: dict[str, Any], count: int) -> str:
+    """Token divergence and, apart from it, positions whose logprobs or top-k moved (a logprob-only difference)."""
+    moved = c.get("moved")
+    if moved is None or c["prompts_diverged"]:
+        return f"{c['prompts_diverged']} of {c['prompts']} prompts diverged"
+    if moved:
+        return f"no prompt's tokens diverged; logprobs or top-k differ at {moved} of {count} positions (a logprob-only difference)"
+    return f"0 of {c['prompts']} prompts diverged; logprobs and top-k identical at every position"
+
+
 def render_kld(doc: dict[str, Any]) -> str:
     """The header (what was compared, what counted) and the block. `doc`: {"left", "right"
     (side summaries), "counts" and "statistics"} as reporting.kld_document builds it."""
@@ -57,12 +67,14 @@ def render_kld(doc: dict[str, Any]) -> str:
         f"detllm kld: base (P) = left  {side.format(**left)}",
         f"            Q        = right {side.format(**right)}",
         f"positions: {stats['count']}, each prompt's steps up to and including its first divergent token "
-        f"({c['prompts_diverged']} of {c['prompts']} prompts diverged; {c['generated']} tokens generated on the left)",
+        f"({_what_differed(c, stats['count'])}; {c['generated']} tokens generated on the left)",
         f"distributions: each side's top-{doc['top_k']} and chosen token; the tokens both sides list, plus one \"other\" "
         "bucket holding the rest of each side's mass (so KLD is a lower bound of the full-vocabulary KLD)",
         f"reference token: the left run's chosen token; not listed by the right run at {c['outside_top_k']} position(s), "
         "where Q is its \"other\" mass (an upper bound)",
     ]
+    if c.get("keyed_by") == "text":
+        head.append("tokens keyed by their text: the served model gave no token ids, so tokens that decode alike are one entry")
     if c["prompts_other_input"]:
         head.append(f"left out: {c['prompts_other_input']} prompt(s) whose input ids differ (their contexts are never equal)")
     if c["null_steps"]:

@@ -30,7 +30,7 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 # pack's checkpoints when packed (.safetensors: tensor data, no code; each file is checked against
 # its digest before it is read). Anything else (.pkl, .py, .so, ...) is refused at extraction,
 # so it can never reach a loader.
-ALLOWED_SUFFIXES = (".json", ".jsonl", ".txt", ".md", ".sig", ".png", ".svg", ".safetensors")
+ALLOWED_SUFFIXES = (".json", ".jsonl", ".txt", ".md", ".html", ".log", ".sig", ".png", ".svg", ".safetensors")
 # A fleet folder's replica that failed mid-run is packed as it was left (docs/fleet.md): its marker
 # (one line of text) and its unfinished trace (JSON lines), under replica_<i>/ only
 FAILED_REPLICA = re.compile(r"^replica_\d+/(detllm\.partial|trace\.jsonl\.partial)$")

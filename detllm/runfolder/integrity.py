@@ -294,7 +294,11 @@ def _read_manifest_bytes(folder: Path) -> bytes:
     p = folder / MANIFEST
     if not p.is_file() or p.is_symlink():
         what = "a detllm run folder without a manifest" if artifacts.is_detllm_folder(folder) else "not a detllm pack"
-        raise ArtifactError(f"{str(folder)!r} is {what} (no {MANIFEST})", hint="seal it by running it with this detllm, then `detllm pack`")
+        hint = ("every folder this detllm writes is sealed, so this one was written by hand, copied without it or by an "
+                "older detllm; a folder is never sealed after the fact: run the command that made it again, then `detllm pack`"
+                ) if what.startswith("a detllm") else \
+            "pass a folder detllm wrote (it holds manifest.json) or a .tar.gz pack"
+        raise ArtifactError(f"{str(folder)!r} is {what} (no {MANIFEST})", hint=hint)
     return p.read_bytes()
 
 

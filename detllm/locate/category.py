@@ -43,7 +43,7 @@ def _category(doc, found, sides, b: Pair) -> dict[str, Any]:
     tol, d = tolerance(b), b.metrics.get("max_abs_diff")
     values = f"{b.metrics.get('left_value')} vs {b.metrics.get('right_value')}"
     shapes = (f"in {[list(s) for s in b.left.input_shapes]} vs {[list(s) for s in b.right.input_shapes]}, "
-              f"{b.left.dtype or 'dtype ?'}")
+              f"{b.left.dtype or 'dtype not recorded'}")
     if not isinstance(d, float):  # a NaN or Inf on one side
         return {"name": "numerical_defect", "why": f"{b.left.name} gives a non-finite difference ({values}) on equal inputs "
                                                   f"({shapes}): a kernel bug or a wrong setting"}
@@ -60,9 +60,9 @@ def _category(doc, found, sides, b: Pair) -> dict[str, Any]:
     if b.left.kind not in REDUCTIONS:
         return {"name": "not_judged", "why": f"{b.left.name} is elementwise ({b.left.kind}) and differs within tolerance on "
                                             "equal inputs: another kernel or vector width, not a reduction order"}
-    how = ("equal operand shapes (threads, split sizes or kernel choice)" if same else
-           f"operand shapes differ ({[list(s) for s in b.left.input_shapes]} vs {[list(s) for s in b.right.input_shapes]})")
-    return {"name": "reduction_order", "why": f"{b.left.name} ({b.left.kind}) is a reduction with {how}, |Δ| {d:.3g} within "
+    how = ("with equal operand shapes (threads, split sizes or kernel choice)" if same else
+           f"whose operand shapes differ ({[list(s) for s in b.left.input_shapes]} vs {[list(s) for s in b.right.input_shapes]})")
+    return {"name": "reduction_order", "why": f"{b.left.name} ({b.left.kind}) is a reduction {how}, |Δ| {d:.3g} within "
                                              f"both sides' float64 error (tolerance {tol:.3g}): expected floating-point "
                                              "behaviour; next: a batch-invariant kernel (--opt batch_invariant=true where the "
                                              "backend has it) or tier 1"}

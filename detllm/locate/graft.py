@@ -102,7 +102,7 @@ def _outcome(found, after, name: str, cap, dst: int) -> dict[str, Any]:
                        "beyond_tolerance": beyond(nxt), "inputs_equal": nxt.inputs_equal}
     if _same_cause(found.verdict.first_bitwise, nxt, own):
         return {"outcome": "one_of_many", **base,
-                "why": f"after the graft {nxt.left.name} differs too on equal inputs, and so do {len(own)} op(s) in all, from the "
+                "why": f"after the graft {nxt.left.name} differs too on equal inputs ({len(own)} captured output(s) in all), from the "
                        "same cause: " + ("reductions over operands of other shapes (batch rows, padding)" if _shapes_differ(nxt)
                                          else "reductions within tolerance on equal shapes")}
     return {"outcome": "partial", **base,

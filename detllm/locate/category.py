@@ -128,17 +128,37 @@ def _perturbed(doc: dict[str, Any], b: Pair) -> str:
 
 
 def _one_sided_jump(found: Any, b: Pair) -> str | None:
-    """Where max |Δ| jumps by JUMP or more between two compared outputs after `b` across an op captured
-    on one side only: that op is not compared, so the first op's tolerance says nothing about it."""
-    pairs = [p for p in found.pairs if p.left.order >= b.left.order and isinstance(p.metrics.get("max_abs_diff"), float)]
+    """Where the difference jumps, after `b`, inside computation that was not compared: an output whose
+    input already differs JUMP times more than every compared output before it, while something was
+    captured on one side only (another engine's attention core, say). `b`'s tolerance says nothing of it."""
+    import numpy as np
+
+    from .align import trailing
+
     names = {p.left.name for p in found.pairs}
-    for side, key in ((0, "left"), (1, "right")):
-        lone = [t for t in found.caps[side].tensors if t.name not in names]
-        for prev, nxt in zip(pairs, pairs[1:]):
-            lo, hi = prev.metrics["max_abs_diff"], nxt.metrics["max_abs_diff"]
-            o0, o1 = (prev.left.order, nxt.left.order) if side == 0 else (prev.right.order, nxt.right.order)
-            between = [t for t in lone if o0 < t.order < o1]
-            if between and hi > JUMP * max(lo, 1e-30):
-                return (f"the difference grows from {lo:.3g} at {prev.left.name} to {hi:.3g} at {nxt.left.name} across "
-                        f"{between[0].name}, captured on the {key} side only and not compared: never read as benign")
+    lone = [(key, t) for side, key in ((0, "left"), (1, "right")) for t in found.caps[side].tensors if t.name not in names]
+    if not lone:
+        return None
+    seen = 0.0
+    prev = b
+    for p in (p for p in found.pairs if p.left.order > b.left.order):
+        if p.inputs_equal is False and p.left.inputs and p.right.inputs:
+            t = trailing(p.left.inputs[0], p.right.inputs[0])
+            if t is not None and t[0].shape == t[1].shape and np.issubdtype(np.asarray(t[0]).dtype, np.floating):
+                d_in = float(np.max(np.abs(np.asarray(t[0], np.float64) - np.asarray(t[1], np.float64)), initial=0.0))
+                if np.isfinite(d_in) and d_in > JUMP * max(seen, b.metrics.get("max_abs_diff") or 0.0, 1e-30):
+                    where = next((f"{t.name}, captured on the {k} side only" for k, t in lone
+                                  if p.left.name.startswith(t.name + ".") or _between(k, prev, t, p)),
+                                 f"computation captured on one side only or on neither (e.g. {lone[0][1].name}, {lone[0][0]} only)")
+                    return (f"the difference grows from {max(seen, b.metrics.get('max_abs_diff') or 0.0):.3g} (the largest compared "
+                            f"output so far) to {d_in:.3g} at {p.left.name}'s input, inside {where}: not compared, never "
+                            "read as benign")
+        d = p.metrics.get("max_abs_diff")
+        if isinstance(d, float) and p.output_equal is False:
+            seen, prev = max(seen, d), p
     return None
+
+
+def _between(key: str, prev: Pair, t: Any, p: Pair) -> bool:
+    a, z = (prev.left, p.left) if key == "left" else (prev.right, p.right)
+    return a.order < t.order < z.order

@@ -14,7 +14,7 @@ from .rule import beyond, tolerance
 LABELS = {"reduction_order": "reduction order", "numerical_defect": "numerical defect",
           "different_computation": "different computation", "cache": "cache", "not_judged": "not judged"}
 REDUCTIONS = ("gemm", "attention", "norm", "softmax", "logits", "layer", "other")  # an "other" module holds its ops
-JUMP = 100.0  # a one-sided op across which max |Δ| grows by this factor or more leaves the first op not judged
+JUMP = 10.0  # the difference grows by this factor or more inside one-sided computation: the first op is not judged
 
 
 def categorize(doc: dict[str, Any], found: Any, sides: list[Any]) -> dict[str, Any] | None:
@@ -147,9 +147,10 @@ def _one_sided_jump(found: Any, b: Pair) -> str | None:
             if t is not None and t[0].shape == t[1].shape and np.issubdtype(np.asarray(t[0]).dtype, np.floating):
                 d_in = float(np.max(np.abs(np.asarray(t[0], np.float64) - np.asarray(t[1], np.float64)), initial=0.0))
                 if np.isfinite(d_in) and d_in > JUMP * max(seen, b.metrics.get("max_abs_diff") or 0.0, 1e-30):
-                    where = next((f"{t.name}, captured on the {k} side only" for k, t in lone
-                                  if p.left.name.startswith(t.name + ".") or _between(k, prev, t, p)),
-                                 f"computation captured on one side only or on neither (e.g. {lone[0][1].name}, {lone[0][0]} only)")
+                    where = next((f"{t.name}, captured on the {k} side only" for k, t in lone if _between(k, prev, t, p)),
+                                 None) or next((f"{t.name}, captured on the {k} side only" for k, t in lone
+                                                if p.left.name.startswith(t.name + ".")),
+                                               f"computation captured on one side only or on neither (e.g. {lone[0][1].name})")
                     return (f"the difference grows from {max(seen, b.metrics.get('max_abs_diff') or 0.0):.3g} (the largest compared "
                             f"output so far) to {d_in:.3g} at {p.left.name}'s input, inside {where}: not compared, never "
                             "read as benign")

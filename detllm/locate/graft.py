@@ -49,7 +49,9 @@ def _one(sides, found, name: str, *, into: str, step: int, reference: bool, boun
     if r.backend is None or not getattr(r.backend, "grafts", False):
         return {"outcome": "not_grafted", "why": f"backend {r.config.backend!r} does not graft yet (hf does); the located op "
                                                  "is where the bits part, not proven to be the cause"}
-    value = next(t.output for t in found.caps[src].tensors if t.name == name)
+    value = next((t.output for t in found.caps[src].tensors if t.name == name), None)
+    if value is None:
+        return {"outcome": "not_grafted", "why": f"{name} was not captured on the {('left', 'right')[src]} side"}
     cfg, applied = r.config, r.side.applied
     spec = CaptureSpec(step=step if r.fixed_step is None else r.fixed_step, row=r.row, level=found.caps[dst].level,
                        max_bytes=bound // 2, reference=reference, warm_up=tuple(tuple(w) for w in r.warm),

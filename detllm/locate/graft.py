@@ -53,7 +53,10 @@ def _one(sides, found, name: str, *, into: str, step: int, reference: bool, boun
     if value is None:
         return {"outcome": "not_grafted", "why": f"{name} was not captured on the {('left', 'right')[src]} side"}
     cfg, applied = r.config, r.side.applied
-    spec = CaptureSpec(step=step if r.fixed_step is None else r.fixed_step, row=r.row, level=found.caps[dst].level,
+    level = found.caps[dst].level
+    if level == "ops" and "/" not in name:  # a module grafted: its consumers compared at module level (no float64 per op)
+        level = "modules"
+    spec = CaptureSpec(step=step if r.fixed_step is None else r.fixed_step, row=r.row, level=level,
                        max_bytes=bound // 2, reference=reference, warm_up=tuple(tuple(w) for w in r.warm),
                        in_pass_kv=r.in_pass_kv, graft=Graft(name, value))
     with r.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):

@@ -15,6 +15,7 @@ import pytest
 
 import detllm
 from detllm.locate import locate
+from detllm.locate.category import LABELS
 
 PROMPT = ["The capital of France is"]
 
@@ -120,3 +121,6 @@ def test_graft_off_and_a_bad_graft_value(tmp_path, cli):
     assert "graft" not in doc and doc["category"] is not None
     r = cli("locate", f"{folder}::batch_1", f"{folder}::batch_4", "--graft", "sideways", "--out", tmp_path / "l")
     assert r.exit_code == 2 and "--graft is one of right, both, off" in r.stderr and not (tmp_path / "l").exists()
+    r = cli("diff", f"{folder}::batch_1", f"{folder}::batch_4", "--out", tmp_path / "d", "--locate")  # diff --locate's line
+    label = LABELS[json.loads((tmp_path / "d" / "locate.json").read_text())["category"]["name"]]
+    assert r.exit_code == 0 and f"LOCATED  {label}: " in r.stdout, r.output

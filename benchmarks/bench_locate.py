@@ -4,10 +4,11 @@ One clean run, then for each case a run with `--opt perturb=MODULE:output|weight
 config, so locate's re-run applies it on that side only), a check that the perturbation moved the
 logits, and `locate clean perturbed`. Prints per case: named or not, the op named, re-runs per side,
 peak captured bytes per side and wall time; then the totals. Optionally the batch-variance case
-(check --vary-batch 1,8 --tier 2, locate batch_1 vs batch_8) at the end.
+(check --vary-batch 1,8 --tier 2, locate batch_1 vs batch_8) at the end. `--graft-cost N`: the graft's
+extra cost instead: for N cases, locate with --graft off, right (the default) and both, each timed.
 
     .venv/bin/python benchmarks/bench_locate.py [--model smollm2-135m] [--cases 20] [--ops] [--reference]
-        [--batch] [--json out.json]
+        [--batch] [--graft-cost N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -81,6 +82,33 @@ def summary(rows: list[dict]) -> str:
             f"{statistics.median(r['seconds'] for r in rows):.2f} s, max {max(r['seconds'] for r in rows):.2f} s")
 
 
+def graft_cost(run: dict, tmp: Path, specs: list[tuple[str, str]], **locate_kw) -> list[dict]:
+    """Per case: locate's wall time with --graft off, right and both (the same perturbed run, engines
+    loaded anew each time as a user's locate does), the graft's own seconds and its outcome."""
+    rows = []
+    for n, (module, target) in enumerate(specs):
+        moved = tmp / f"g{n}"
+        detllm.run(**run, out=moved, options={"perturb": f"{module}:{target}:1e-3"})
+        row: dict = {"spec": f"{module}:{target}:1e-3"}
+        for mode in ("off", "right", "both"):
+            t = time.perf_counter()
+            doc = locate(str(tmp / "clean"), str(moved), out=tmp / f"g{n}{mode}", graft=mode, **locate_kw).doc
+            row[mode] = time.perf_counter() - t
+            g = doc.get("graft") or {}
+            row[f"{mode}_graft_s"] = g.get("seconds", 0.0)
+            row[f"{mode}_outcome"] = (g.get("into_right") or {}).get("outcome", "-")
+        rows.append(row)
+        print(f"{row['spec']:<58} off {row['off']:5.2f} s  right {row['right']:5.2f} s (graft {row['right_graft_s']:.2f} s, "
+              f"{row['right_outcome']})  both {row['both']:5.2f} s (graft {row['both_graft_s']:.2f} s)")
+    if rows:
+        med = {m: statistics.median(r[m] for r in rows) for m in ("off", "right", "both")}
+        share = statistics.median(r["right_graft_s"] / (r["right"] - r["right_graft_s"]) for r in rows)  # within one locate
+        print(f"\nmedian wall per locate: off {med['off']:.2f} s, right {med['right']:.2f} s "
+              f"({100 * (med['right'] / med['off'] - 1):+.0f}%), both {med['both']:.2f} s ({100 * (med['both'] / med['off'] - 1):+.0f}%); "
+              f"the graft's own re-run, within the same locate: median +{100 * share:.0f}% over the rest of it")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -88,6 +116,7 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="descend into aten ops (a second re-run per side)")
     ap.add_argument("--reference", action="store_true", help="evaluate each op in float64 too (the tolerance)")
     ap.add_argument("--batch", action="store_true", help="also the batch-variance case (batch 1 vs 8)")
+    ap.add_argument("--graft-cost", type=int, default=0, help="the graft's extra cost on this many cases (instead of the naming run)")
     ap.add_argument("--json")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_locate_"))
@@ -99,6 +128,11 @@ def main() -> None:
     from detllm.core.config import RunConfig
 
     layers = create_backend(RunConfig(backend="hf", model=args.model)).model.config.num_hidden_layers
+    if args.graft_cost:
+        rows = graft_cost(run, tmp, cases(layers, args.graft_cost), ops=args.ops, reference=args.reference)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return
     rows = perturbation_rows(run, tmp, cases(layers, args.cases), lambda op, module: op == module or op.startswith(module + "/"),
                              ops=args.ops, reference=args.reference)
     if rows:

@@ -253,6 +253,11 @@ def test_locate_hf_vs_llamacpp_names_the_first_layer(runs):
     first = doc["first_bitwise_op"]
     assert doc["status"] == "located" and first["module"] in {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}, first
     assert doc["first_beyond_tolerance_op"] is None
+    # issue 33: within tolerance, but the difference then grows inside the attention core that only llama.cpp's side
+    # captured (hf's is inside self_attn): not judged, never benign; llama.cpp does not graft, and says so
+    assert doc["category"]["name"] == "not_judged" and doc["line"].startswith("not judged: the difference grows from"), doc["line"]
+    assert "model.layers.0.self_attn.o_proj's input" in doc["category"]["why"] and "self_attn" in doc["category"]["why"]
+    assert doc["graft"]["into_right"]["outcome"] == "not_grafted" and "does not graft yet" in doc["graft"]["into_right"]["why"]
 
 
 def test_a_build_without_the_dumper_captures_nothing(dumper, tmp_path):

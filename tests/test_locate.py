@@ -217,7 +217,8 @@ def test_diagnose_layers_probe(tmp_path, cli):
     assert r.exit_code == 0, r.output
     doc = artifacts.read_json(tmp_path / "dg" / "diagnosis.json", "diagnosis")
     assert doc["layers"]["status"] == "ran" and doc["layers"]["layer"] == "model.layers.0" and doc["layers"]["step"] == 3
-    assert "layers (detllm locate): first op whose inputs agree" in r.stdout
+    assert "layers (detllm locate): numerical defect: model.layers.0 (layer) differs" in r.stdout  # the category heads the line
+    assert "first op whose inputs agree" in r.stdout
     assert artifacts.read_json(tmp_path / "dg" / "layers" / "locate.json", "locate")["captured"]["level_requested"] == "layers"
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 from ..core.config import Decoding, RunConfig, check_ranges
 from ..core.errors import UsageError
-from .capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec  # noqa: F401 (UNCAPTURED_PREFIX: for locate)
+from .capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec, Graft  # noqa: F401 (UNCAPTURED_PREFIX: for locate)
 from ..core.identity import ModelIdentity, WeightFile  # records of the base layer (hashing fills them in); backends use them from here
 
 FINISH_REASONS = ("length", "stop")
@@ -139,6 +139,7 @@ class Backend(ABC):
 
     can_score: ClassVar[bool] = False  # implements score(): teacher-forced logprobs of a given sequence
     score_method: ClassVar[str] = ""  # how score() gets them, in a few words (diagnose's prefill-vs-decode probe)
+    grafts: ClassVar[bool] = False  # capture() honours CaptureSpec.graft (locate's causal test); else locate says it was not grafted
 
     def score(self, input_ids: Sequence[int], target_ids: Sequence[int]) -> list[float]:
         """log p(target_ids[i] | input_ids + target_ids[:i]) for every i, computed as prompt

@@ -18,6 +18,15 @@ CAPTURE_KINDS = ("embedding", "norm", "gemm", "attention", "rotary", "softmax", 
 
 
 @dataclass(frozen=True)
+class Graft:
+    """locate's graft: at the captured step, overwrite this module's or op's output for the row under
+    test with `value` (the other side's captured output there, numpy, the row's real positions)."""
+
+    name: str  # as CapturedTensor.name: "model.layers.0.self_attn.q_proj" or ".../torch.linear#0"
+    value: Any
+
+
+@dataclass(frozen=True)
 class CaptureSpec:
     """What to capture while a recorded batch is re-run."""
 
@@ -28,6 +37,7 @@ class CaptureSpec:
     reference: bool = True  # also evaluate each captured module in float64 on its own captured inputs
     backward: bool = False  # also capture gradients (backward hooks), where the backend trains (hf)
     in_pass_kv: bool = False  # a prefill's attention also keeps the K/V it wrote (compared with a decode's cached K/V)
+    graft: Graft | None = None  # overwrite one output at `step` (locate's causal test); a backend without it refuses
     warm_up: tuple = ()  # batches (tuples of Request) run first, after a cold start, to rebuild a cache the batch found warm (vLLM's prefix cache)
 
 

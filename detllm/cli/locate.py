@@ -34,6 +34,8 @@ def locate(
     as_json: Annotated[bool, typer.Option("--json", help="Print locate.json instead of the text.")] = False,
     prefill: Annotated[bool, typer.Option("--prefill", help="Prefill vs decode of ONE side (A alone): its recorded decode at the first step s whose "
                                           "prefill of prompt + tokens[:s] gives another logprob, against that prefill's last position.")] = False,
+    graft: Annotated[str, typer.Option("--graft", help="The causal test of the located op: re-run the right side with the left's output of that "
+                                       "op substituted (right, the default: one extra re-run), the reverse too (both), or none (off).")] = "right",
 ) -> None:
     def body() -> int:
         from ..core.errors import UsageError
@@ -46,7 +48,8 @@ def locate(
         if max_memory < 1 or max_memory > 1 << 20:
             raise UsageError(f"--max-memory is in MB, from 1 to 1048576, got {max_memory}")
         result = run_locate(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_memory * 2**20,
-                            ops=not no_ops, reference=not no_reference, step=step, prefill=prefill)
+                            ops=not no_ops, reference=not no_reference, step=step, prefill=prefill,
+                            graft=graft)
         if html is not None:
             from ..render.html import page
             from ..render.locate import html_section

@@ -7,6 +7,7 @@ sides.py, rerun.py, align.py and rule.py; writing the files in folder.py.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ from ..runfolder.env import detllm_version
 from ..commands.diff import Selection
 from ..core.errors import UsageError
 from . import nextstep as nextsteps
+from . import graft as grafts
 from . import prefill as prefills
 from . import rerun as reruns
+from .category import categorize
 from .align import pair_up
 from .folder import Located, check_out, write_locate
 from .rule import FACTOR, growth, judge, op_json, row_json, tolerance
@@ -36,13 +39,16 @@ TOLERANCE = {"factor": FACTOR, "formula": "|Δ| > factor * min(ref_error_left, r
 
 def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force: bool = False, prompt: int | None = None,
            layers_only: bool = False, max_bytes: int = DEFAULT_BOUND, ops: bool = True, reference: bool = True,
-           step: int | None = None, prefill: bool = False) -> Located:
+           step: int | None = None, prefill: bool = False, graft: str = "right") -> Located:
     """Locate where sides `a` and `b` (or the sides of one diff or failing check folder `a`) first
     part: the step, then the first op at that step whose inputs agree but output differs.
     `layers_only`: layer boundaries only; `ops`: descend into aten ops where the backend captures
     them (a second re-run); `reference`: evaluate each op in float64 too (the tolerance; slower);
     `step`: capture at this step whatever was recorded there (a control: equal sides locate nothing);
-    `prefill`: `a` alone (FOLDER[::sel]), its recorded decode against a prefill of the same tokens."""
+    `prefill`: `a` alone (FOLDER[::sel]), its recorded decode against a prefill of the same tokens;
+    `graft`: re-run the right side with the left's output of the located op grafted in (graft.py;
+    "both": the reverse too, "off": none)."""
+    grafts.check_mode(graft)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= 2**50:
         raise UsageError(f"the memory bound on captured tensors is a number of bytes from 1024 to 2**50, got {max_bytes!r}")
     if prompt is not None and prompt < 0:
@@ -85,8 +91,11 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
         seen: dict = {}
         for r in sides:
             reruns.start(r, seen)  # model files checked (exit 7) and engines loaded before anything is written
-        _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
+        found = _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
         _cached_prefix(doc)
+        if found is not None:
+            grafts.graft(doc, sides, found, mode=graft, reference=reference, bound=max_bytes)
+            categorize(doc, found, sides)
     finally:
         for r in sides:
             reruns.close(r)
@@ -135,8 +144,10 @@ def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, lay
                            "step": at.step, "what": "prefill", "left": at.decoded, "right": at.prefilled, "token": at.token,
                            "prefill_token": at.prefill_token}
             doc["prefill"].update(prefill_length=len(sides[1].requests[0].input_ids), decode_batch=len(decode.requests))
-            _search(doc, sides, at.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
+            found = _search(doc, sides, at.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
             _kv_note(doc)
+            if found is not None:
+                categorize(doc, found, sides)
     finally:
         for r in sides:
             reruns.close(r)
@@ -213,7 +224,7 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
 
 
 def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, layers_only: bool, bound: int, ops: bool,
-            reference: bool) -> None:
+            reference: bool) -> Found | None:
     """Capture both sides' modules at `step` and judge; go back once to the step that wrote differing
     K/V; then, with a re-run left and a backend that captures ops, descend into the ops."""
     level = "layers" if layers_only else "modules"
@@ -221,7 +232,7 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
         doc["steps_searched"].append(step)
         caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound, reference=reference)
         if caps is None:
-            return
+            return None
         kv = "prefill" not in doc
         pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors, _rows(sides), kv=kv)
         verdict = judge(pairs)
@@ -241,6 +252,16 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
             if v2.first_bitwise is not None or asked:
                 caps, pairs, only_l, only_r, verdict = deeper, p2, l2, r2, v2
     _conclude(doc, caps, pairs, only_l, only_r, verdict, step, bound)
+    return Found(caps, pairs, verdict)
+
+
+@dataclass
+class Found:
+    """What the last capture of a search holds: both captures, their pairs, the verdict (graft, category)."""
+
+    caps: list
+    pairs: list
+    verdict: Any
 
 
 def _rows(sides: list[reruns.Rerun]) -> tuple[int, int]:

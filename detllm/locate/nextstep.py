@@ -73,6 +73,12 @@ def next_step(doc: dict[str, Any]) -> str:
         return ("the difference enters in what was not captured (see not captured): locate again at op level (without "
                 "--layers-only or --no-ops), or the same pair on hf, which captures aten ops")
     op, beyond = doc["first_bitwise_op"], doc["first_beyond_tolerance_op"]
+    category = (doc.get("category") or {}).get("name")  # issue 33: benign or bug
+    if category == "not_judged" and op is not None and op.get("tolerance") is not None:
+        return ("not judged: the difference grows in computation compared on one side only (the line names it); capture it "
+                "on both sides (locate the same pair on hf, which captures aten ops) before calling it rounding")
+    if category == "different_computation":
+        return "the two sides compute different things (weights, config or a test-only perturbation: see category): make them equal, then check again"
     if beyond is not None:
         return (f"{beyond['module']} computes something other than float64 says it should on the same inputs: a bug or a changed "
                 "weight there; compare its kernel or weights between the two sides")

@@ -50,6 +50,22 @@ def op_line(op: dict[str, Any] | None) -> str:
             f"{op['at']} ({_g(op['left_value'])} vs {_g(op['right_value'])}), tolerance {_g(op['tolerance'])}; {_shapes(op)}")
 
 
+def graft_lines(doc: dict[str, Any]) -> list[str]:
+    """The graft (the causal test of the located op), one line per grafted side; none without one."""
+    g = doc.get("graft")
+    if not g:
+        return []
+    out = []
+    for key, what in (("into_right", "left's output grafted into the right side"), ("into_left", "right's into the left side")):
+        if key in g:
+            r = g[key]
+            fig = (f"; logits max |Δ| {_g(r['logits_max_abs_diff_before'])} -> {_g(r['logits_max_abs_diff_after'])}"
+                   if "logits_max_abs_diff_after" in r else "")
+            out.append(f"graft ({what}): {r['outcome'].replace('_', ' ').upper()}: {r['why']}{fig}")
+    out.append(f"graft: {g['op']} at step {g['step']}, {g['positions']}; {g['reruns']} extra re-run(s), {g['seconds']} s")
+    return out
+
+
 def _rows(doc: dict[str, Any], limit: int | None = TABLE_ROWS, module: str | None = None) -> tuple[list[dict[str, Any]], int]:
     """The rows worth printing and how many of them are hidden: layer boundaries, logits and every
     differing output, in order, at most `limit` (None: all); `module`: every row whose module matches
@@ -118,6 +134,7 @@ def render_text(doc: dict[str, Any], *, rows: int | None = TABLE_ROWS, module: s
         lines.append(f"step: prompt {st['prompt']}, step {st['step']}: {what}; captured at step {_g(doc['captured_step'])}")
     lines.append(f"first_bitwise_op: {op_line(doc['first_bitwise_op'])}")
     lines.append(f"first_beyond_tolerance_op: {op_line(doc['first_beyond_tolerance_op'])}")
+    lines += graft_lines(doc)
     if doc["growth"]:
         lines.append("growth to the logits:")
         lines += [f"  {g['module']:<44} {g['kind']:<10} max|Δ| {_g(g['max_abs_diff']):>9}  relL2 {_g(_rel(g))}"
@@ -168,6 +185,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         out.append(f"| {key} | `{op['module']}` | {op['kind']} | {op['step']} | {op['input_shapes']['left']} / "
                    f"{op['input_shapes']['right']} | {op['output_shape']['left']} / {op['output_shape']['right']} | "
                    f"{_g(op['max_abs_diff'])} | {_g(op['tolerance'])} |")
+    out += ["", *[f"- {g}" for g in graft_lines(doc)]] if doc.get("graft") else []
     if doc["layers"]:
         shown, hidden = _rows(doc)
         out += ["", "| # | module | kind | inputs equal | output equal | max \\|Δ\\| | at | mean \\|Δ\\| | rel L2 | cosine |",
@@ -216,6 +234,7 @@ def html_section(doc: dict[str, Any]) -> list[str]:
                    f"<td class='mono'>{e(op['output_shape']['left'])} / {e(op['output_shape']['right'])}</td>"
                    f"<td>{e(_g(op['max_abs_diff']))}</td><td>{e(_g(op['tolerance']))}</td></tr>")
     out.append("</table>")
+    out += [f"<p>{e(g)}</p>" for g in graft_lines(doc)]
     if doc["layers"]:
         out.append(growth_svg(doc))
     if doc["growth"]:
@@ -246,6 +265,7 @@ def issue_lines(doc: dict[str, Any]) -> list[str]:
         out.append(f"- `{key}`: {op_line(doc[key])}")
     if doc.get("next"):
         out.append(f"- next: {doc['next']}")
+    out += [f"- {g}" for g in graft_lines(doc)]
     rows = [r for r in doc["layers"] if r["kind"] in ("embedding", "layer", "logits")
             or (doc["first_bitwise_op"] is not None and r["module"] == doc["first_bitwise_op"]["module"])]
     if rows:

@@ -198,6 +198,8 @@ class HFBackend(Backend):
         except RuntimeError as exc:
             raise BackendError(f"transformers failed while generating: {str(exc).splitlines()[0][:300]}") from exc
 
+    grafts = True  # CaptureSpec.graft: modules and ops (backends/grafthook.py)
+
     def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
                 spec: CaptureSpec) -> Capture:
         from . import capture

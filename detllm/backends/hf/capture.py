@@ -6,7 +6,7 @@ captures is locate's; the hooks are taps'; the loop is backend.py's, never a cop
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Sequence
 
 from ...core import perturb
@@ -58,9 +58,10 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
     def at(step: int):
         if step != spec.step:
             return nullcontext()
-        return _tap_into(found, taps.tap(backend.model, window=cut, ops=spec.level == "ops", reference=spec.reference,
-                                         max_bytes=spec.max_bytes, layers_only=spec.level == "layers",
-                                         ref_rows=not backend.options.batch_invariant))  # its attention reads every row's start
+        tap = _tap_into(found, taps.tap(backend.model, window=cut, ops=spec.level == "ops", reference=spec.reference,
+                                        max_bytes=spec.max_bytes, layers_only=spec.level == "layers",
+                                        ref_rows=not backend.options.batch_invariant))  # its attention reads every row's start
+        return tap if spec.graft is None else _grafting(found, backend.model, cut, spec.graft, tap)
 
     try:
         with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
@@ -79,6 +80,9 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
     if len(row_gen.token_ids) <= spec.step and tap is not None:
         notes.append(f"row {spec.row} stopped (end of sequence) at step {len(row_gen.token_ids) - 1}: at step "
                      f"{spec.step} it is fed padding, and what was captured is that")
+    if "graft" in found:
+        g = found["graft"]
+        notes.append(f"grafted {spec.graft.name}: written {g['done']} time(s)" + (f"; not written: {g['why']}" if g["why"] else ""))
     if spec.warm_up:
         notes.append("hf keeps no cache across batches: the warm-up batches were not run (nothing to warm)")
     if spec.backward:
@@ -92,6 +96,21 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
     if spec.level != "ops":
         notes.append("ops (torch functions) not captured (level 'ops' asks for them)")
     return Capture(generations=gens, tensors=tensors, level=level, notes=notes, engine=_facts(backend, torch))
+
+
+@contextmanager
+def _grafting(found: dict, model: Any, cut: taps.Window, graft: Any, tap: Any):
+    """The graft and the tap at step s: a module's graft before the tap (the tap sees the grafted
+    output), an op's inside it (the op's record keeps what this side computed; its consumers read
+    the graft)."""
+    from ..grafthook import grafted
+
+    if "/" in graft.name:
+        with tap, grafted(model, cut, graft) as found["graft"]:
+            yield
+    else:
+        with grafted(model, cut, graft) as found["graft"], tap:
+            yield
 
 
 class _tap_into:

@@ -14,7 +14,7 @@ import types
 import typing
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Sequence
 
 from ..core.config import Decoding, RunConfig, check_ranges
@@ -50,7 +50,9 @@ class Generation:
     finish_reason: str  # "length" or "stop"
     logprobs: list[float] | None = None  # log p(chosen token) from the raw (unscaled) logits
     top_logprobs: list[list[tuple[int, float]]] | None = None  # top-k (id, logprob), best first
-    evidence: dict[str, Any] | None = None  # what the engine reported about this request (served backends), traced as-is
+    # what the engine reported about how it computed this request (served slots, co-scheduled rows, timings), traced
+    # as-is; not part of what was produced, so two generations with the same output compare equal
+    evidence: dict[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

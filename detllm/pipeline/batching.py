@@ -51,9 +51,24 @@ def trace_record(config: RunConfig, prompts: PromptSet, i: int, ids: Sequence[in
         "top_logprobs": [[[t, lp] for t, lp in step] for step in gen.top_logprobs] if gen.top_logprobs is not None else None,
         "finish_reason": gen.finish_reason,
     })
-    if gen.evidence is not None:  # served backends: what the server reported about this request and its batch
-        rec["evidence"] = gen.evidence
+    if gen.evidence is not None:  # what the engine reported about this request and its batch
+        add_evidence(rec, gen.evidence)
     return rec
+
+
+def add_evidence(rec: dict[str, Any], evidence: dict[str, Any]) -> None:
+    """Merge `evidence` into the record's, every nested key in sorted order: the line the trace writer
+    emits is then its own canonical JSON, the guess verify's fast path trusts (any other order is
+    re-serialised: slower, same answer)."""
+    rec["evidence"] = _key_sorted({**(rec.get("evidence") or {}), **evidence})
+
+
+def _key_sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _key_sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_key_sorted(v) for v in value]
+    return value
 
 
 _FILLER_KEYS = tuple("filler:" + sha256_text(t) for t in FILLERS)  # the fillers' seed keys (request_seed)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from ..runfolder import artifacts
 from . import fresh
 from ..backends.base import Backend, options_json
-from .batching import batch_requests, plan_batches, trace_record
+from .batching import add_evidence, batch_requests, plan_batches, trace_record
 from ..backends.registry import create_backend
 from ..compare.divergence import run_noise_floor
 from .checkverdict import check_verdict, gate_tier
@@ -149,7 +149,7 @@ def _generate(config, backend, prompts, input_ids, filler_ids, out, want_logprob
                     if backend.is_fresh(batch_size, run):
                         rec["fresh_process"] = True
                     elif config.fresh_process:  # the reference's process, against which a fresh repeat's pid is judged
-                        rec["evidence"] = {**(rec.get("evidence") or {}), "pid": os.getpid()}
+                        add_evidence(rec, {"pid": os.getpid()})
                     writer.write(rec)
                     records.append(rec)
                     done += 1

@@ -17,7 +17,10 @@ from .schema_io import READABLE_SCHEMA_VERSIONS, load_schema
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TRACE_KEYS = frozenset(load_schema("trace_record")["required"])
-_OPTIONAL_KEYS = frozenset(load_schema("trace_record")["properties"]) - _TRACE_KEYS  # evidence (served backends)
+# the optional keys each version's schema allows (evidence came in version 2, fresh_process later): a record
+# is read under its own version's schema, so a version-1 record holding evidence is refused, as jsonschema does
+_OPTIONAL_KEYS = {v: frozenset(load_schema("trace_record", v)["properties"]) - _TRACE_KEYS for v in READABLE_SCHEMA_VERSIONS}
+_ANY_OPTIONAL = frozenset().union(*_OPTIONAL_KEYS.values())
 
 
 def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> str | None:
@@ -28,7 +31,8 @@ def check_trace_record(rec: Any, prechecked: frozenset[str] = frozenset()) -> st
     if type(rec) is not dict:
         return "expected a JSON object"
     if rec.keys() != _TRACE_KEYS:
-        missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS - _OPTIONAL_KEYS)
+        allowed = _OPTIONAL_KEYS.get(rec.get("schema_version"), _ANY_OPTIONAL) if type(rec.get("schema_version")) is str else _ANY_OPTIONAL
+        missing, extra = sorted(_TRACE_KEYS - rec.keys()), sorted(rec.keys() - _TRACE_KEYS - allowed)
         if missing or extra:
             return f"missing {missing}" if missing else f"unexpected {extra}"
         if "evidence" in rec and type(rec["evidence"]) is not dict:

@@ -93,8 +93,8 @@ def diagnose(
     fresh_repeats: Annotated[int, typer.Option(help="Fresh processes per fresh-process probe and confirmation.")] = 3,
     probe: Annotated[Optional[list[str]], typer.Option("--probe", help="Run only these probes (repeatable): a knob (kv_type, threads, batch_invariant...) or ladder, needle, fresh_process, prefill.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print diagnosis.json instead of the text.")] = False,
-    tier: Annotated[Optional[int], typer.Option("--tier", help="Judge the divergence at this tier instead of the recorded one (3: logprobs across batch sizes).")] = None,
-    atol: Annotated[Optional[float], typer.Option("--atol", help="Logprob tolerance at tier >= 2 instead of the recorded one (0 = bitwise).")] = None,
+    tier: Annotated[Optional[int], typer.Option("--tier", help="A folder: judge the divergence at this tier instead of the recorded one (3: logprobs across batch sizes). With a check's options: the check's tier.")] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="A folder: logprob tolerance at tier >= 2 instead of the recorded one (0 = bitwise). With a check's options: the check's --atol.")] = None,
 ) -> None:
     def body() -> int:
         from ..diagnose import diagnose as run_diagnosis
@@ -105,8 +105,12 @@ def diagnose(
         if not args:
             raise UsageError("diagnose needs a failing run folder or check's options", hint="e.g. detllm diagnose RUN_DIR")
         say = None if as_json else (lambda text: typer.echo(f"detllm: {text}", err=True))
+        judge_tier, judge_atol = tier, atol
+        if run_dir is None:  # the check's options: --tier/--atol are the check's own, as before they judged a folder
+            args += [*(["--tier", str(tier)] if tier is not None else []), *(["--atol", repr(atol)] if atol is not None else [])]
+            judge_tier = judge_atol = None
         result = run_diagnosis(run_dir=run_dir, check_args=None if run_dir else args, out=out, force=force, budget=budget,
-                               fresh_repeats=fresh_repeats, progress=say, only=probe, tier=tier, atol=atol)
+                               fresh_repeats=fresh_repeats, progress=say, only=probe, tier=judge_tier, atol=judge_atol)
         typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"diagnosis folder: {result.out_dir}")
         return 0
 

@@ -12,6 +12,8 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from detllm.core.versions import CURRENT
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,7 @@ def test_a_built_wheel_installs_with_an_extra_into_a_fresh_venv_and_checks(tmp_p
     where, torch = have.stdout.split()
     assert Path(where).is_relative_to(venv) and torch == "None", have.stderr
 
-    assert sh(venv / "bin" / "detllm", "--version", cwd=tmp_path).stdout == f"detllm {version} (writes run folders of schema_version 3)\n"
+    assert sh(venv / "bin" / "detllm", "--version", cwd=tmp_path).stdout == f"detllm {version} (writes run folders of schema_version {CURRENT})\n"
     check = sh(venv / "bin" / "detllm", "check", "--backend", "fake", "--max-new-tokens", "4", "--out", tmp_path / "run", cwd=tmp_path)
     assert check.returncode == 0 and check.stdout.startswith("detllm check: PASS"), check.stdout + check.stderr
     assert sh(venv / "bin" / "detllm", "verify", tmp_path / "run", cwd=tmp_path).returncode == 0

@@ -120,6 +120,8 @@ def test_vector_recomputed_by_real_training(tmp_path):
     for want, got in zip(records, res.records, strict=True):
         want, got = dict(want), dict(got)
         want.pop("seconds", None), got.pop("seconds", None)
+        # the file format's stamp is not a chain field: the vector's files are version 3, a run writes the current one
+        want.pop("schema_version"), got.pop("schema_version")
         assert got == want, f"step {want.get('step', 'genesis')} differs from the vector"
 
 

@@ -2,7 +2,8 @@
 folder's own files (its report, renderings, prompts, worker logs) and, for each sub-folder that is a
 sealed run folder (baseline/, probes/<name>/, cells/cell-NN/), that folder's manifest.json (and
 manifest.sig), which binds its files by digest. Owns what such a manifest lists and the byte check
-of such a folder; the fleet folder's is fleetseal.py's, a run folder's integrity.py's.
+of such a folder (the fleet folder's seal, fleetseal.py, is this one plus its replica rules); a run
+folder's is integrity.py's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _covered(rel: str, subs: set[str]) -> bool:
 
 
 def seal_nested(out: Path) -> dict[str, Any]:
-    """Write the folder's manifest.json, last."""
+    """Write the folder's manifest.json, last: its own files by digest, each sealed sub-folder through
+    its manifest.json (and manifest.sig). The fleet folder's seal writes the same (fleetseal.py)."""
     out = Path(out)
     files, odd = walk(out)
     if odd:
@@ -49,17 +51,10 @@ def seal_nested(out: Path) -> dict[str, Any]:
     return manifest
 
 
-def nested_kind(seal: Seal) -> str | None:
-    """The report file of a sealed folder of run folders ("diagnosis.json", "sweep.json"), or None."""
-    listed = {f["path"] for f in seal.manifest["files"]}
-    return next((n for n in NESTED if n in listed and (seal.folder / n).is_file()), None)
-
-
-def verify_nested(seal: Seal, verify_sub: Callable[[Path], Verification],
-                  rederive: Callable[[Path], str]) -> Verification:
-    """The folder's own files against its manifest (IntegrityError, exit 6, naming the first changed
-    one), its report against its schema (exit 5), each sealed sub-folder by `verify_sub` (verify_folder:
-    its manifest, chain and re-derived verdict), then the report by `rederive` (handed in from commands/)."""
+def check_nested_bytes(seal: Seal, what: str = "the folder") -> set[str]:
+    """The byte check of a folder sealed by seal_nested (or the fleet's seal): every file listed is there
+    and unchanged, none was added, beside the sealed sub-folders (IntegrityError, exit 6, naming the
+    first problem). Returns the sealed sub-folders, for the caller to verify one by one."""
     folder, listed = seal.folder, {f["path"]: f for f in seal.manifest["files"]}
     if len(listed) != len(seal.manifest["files"]):
         raise ArtifactError(f"{MANIFEST}: lists a path twice")
@@ -77,7 +72,22 @@ def verify_nested(seal: Seal, verify_sub: Callable[[Path], Verification],
             problems.append(f"{rel}: changed after sealing")
     if problems:
         more = f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
-        raise IntegrityError(problems[0], hint="the folder changed after it was sealed" + more)
+        raise IntegrityError(problems[0], hint=f"{what} changed after it was sealed" + more)
+    return subs
+
+
+def nested_kind(seal: Seal) -> str | None:
+    """The report file of a sealed folder of run folders ("diagnosis.json", "sweep.json"), or None."""
+    listed = {f["path"] for f in seal.manifest["files"]}
+    return next((n for n in NESTED if n in listed and (seal.folder / n).is_file()), None)
+
+
+def verify_nested(seal: Seal, verify_sub: Callable[[Path], Verification],
+                  rederive: Callable[[Path], str]) -> Verification:
+    """The folder's own files against its manifest (IntegrityError, exit 6, naming the first changed
+    one), its report against its schema (exit 5), each sealed sub-folder by `verify_sub` (verify_folder:
+    its manifest, chain and re-derived verdict), then the report by `rederive` (handed in from commands/)."""
+    folder, subs = seal.folder, check_nested_bytes(seal)
     kind = nested_kind(seal)
     assert kind is not None
     read_json(folder / kind, NESTED[kind])  # schema (exit 5)
@@ -88,7 +98,7 @@ def verify_nested(seal: Seal, verify_sub: Callable[[Path], Verification],
             raise type(exc)(f"{sub}/{exc.message}", hint=exc.hint) from exc
     notes = [] if seal.signature == "verified" else [UNSIGNED_NOTE]
     verdict = f"{len(subs)} run folder(s) inside verified (their files, chains and re-derived verdicts); " + rederive(folder)
-    return Verification(folder, len(listed), None, None, seal.signature, seal.key_sha256, notes, verdict)
+    return Verification(folder, len(seal.manifest["files"]), None, None, seal.signature, seal.key_sha256, notes, verdict)
 
 
-__all__ = ["NESTED", "nested_kind", "seal_nested", "verify_nested"]
+__all__ = ["NESTED", "check_nested_bytes", "nested_kind", "seal_nested", "verify_nested"]

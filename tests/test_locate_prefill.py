@@ -44,11 +44,14 @@ def test_decode_against_prefill_names_an_op_with_equal_inputs(run, tmp_path):
     row = next(r for r in doc["layers"] if r["module"] == op["module"])
     assert row["inputs_equal"] is True and row["output_equal"] is False and row["padding_trimmed"]
     assert op["kind"] == "gemm", op  # the first GEMM over a different row count (hf tiny, measured)
-    # the decode's cached K/V are compared with the first positions of the K/V the prefill's attention wrote:
-    # on hf tiny they differ from layer 0 on (written by a 7-row prefill vs an 8-row one), so no attention is blamed
+    # the decode's cached K/V are compared with the first positions of the K/V the prefill's attention wrote.
+    # Whether they agree is this CPU's answer, not the rule's: a 7-row and an 8-row k_proj GEMM differ in their
+    # last bits on the machine this test was written on and agree on an AVX-512 one. The rule holds either way:
+    # an attention whose cached K/V differ has inputs that differ, so it is never the op named
     attn = [r for r in doc["layers"] if r["kind"] == "attention"]
     assert attn and all("cached_kv_equal" in r and not r.get("kv_not_comparable") for r in attn)
-    assert attn[0]["cached_kv_equal"] is False and attn[0]["inputs_equal"] is False
+    assert all(r["inputs_equal"] is False for r in attn if r["cached_kv_equal"] is False), attn
+    assert op["module"] not in {r["module"] for r in attn if r["cached_kv_equal"] is False}
     assert any("were compared with the first positions" in n for n in doc["not_captured"])
     # every output before the named op agrees bitwise (the embedding of the same token)
     assert all(r["output_equal"] for r in doc["layers"] if r["order"] < row["order"])

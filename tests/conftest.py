@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -85,18 +86,28 @@ def llama_served():
     """One real llama-server per session for the served-endpoint (openai backend) tests: the tiny
     GGUF, 8 slots, prompt caching as llama-server ships it (on), alias "tiny". Started through
     llamacpp.Server, so it dies with the test process on every exit path."""
-    from detllm.backends.llamacpp import Server, find_server, free_port
+    from detllm.backends.llamacpp import find_server
     from detllm.core.errors import BackendUnavailableError
-    from detllm.models import builtin_path
 
     try:
         binary = find_server()
     except BackendUnavailableError as exc:
         pytest.fail(f"llama-server is required for the openai backend tests: {exc.one_line()}")
-    gguf = builtin_path("tiny", "gguf") / "model.gguf"
+    with tiny_llama_server(slots=8, ctx=4096, binary=binary) as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def tiny_llama_server(slots: int, ctx: int, binary: Path | None = None):
+    """A real llama-server on 127.0.0.1 serving the tiny GGUF as "tiny" with `slots` slots (`.url` is its /v1);
+    started through llamacpp.Server, so it dies with the test process, and stopped on leaving."""
+    from detllm.backends.llamacpp import Server, free_port
+    from detllm.models import builtin_path
+
+    binary = binary or llama_server_or_fail()
     port = free_port()
-    srv = Server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "8", "-c", "4096",
-                  "--alias", "tiny", "--no-webui", "-t", "2"], port, 120.0)
+    srv = Server([str(binary), "-m", str(builtin_path("tiny", "gguf") / "model.gguf"), "--host", "127.0.0.1", "--port",
+                  str(port), "-np", str(slots), "-c", str(ctx), "--alias", "tiny", "--no-webui", "-t", "2"], port, 120.0)
     try:
         srv.wait_ready(120.0)
         srv.url = f"http://127.0.0.1:{port}/v1"

@@ -12,9 +12,8 @@ import math
 import pytest
 
 import detllm
-from detllm.backends.llamacpp import Server, free_port
 from detllm.pipeline.engagement import bound, needed
-from tests.conftest import assert_valid_run, llama_server_or_fail, trace_records
+from tests.conftest import assert_valid_run, tiny_llama_server, trace_records
 
 
 def _comp(report, name):
@@ -127,18 +126,8 @@ def test_fresh_process_repeats_record_their_pids(tmp_path):
 @pytest.fixture(scope="module")
 def one_slot_server():
     """A real llama-server with ONE slot: it can never compute two requests together."""
-    from detllm.models import builtin_path
-
-    binary = llama_server_or_fail()
-    port = free_port()
-    srv = Server([str(binary), "-m", str(builtin_path("tiny", "gguf") / "model.gguf"), "--host", "127.0.0.1", "--port", str(port),
-                  "-np", "1", "-c", "2048", "--alias", "tiny", "--no-webui", "-t", "2"], port, 120.0)
-    try:
-        srv.wait_ready(120.0)
-        srv.url = f"http://127.0.0.1:{port}/v1"
+    with tiny_llama_server(slots=1, ctx=2048) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.engine

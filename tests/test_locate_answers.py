@@ -184,3 +184,8 @@ def test_the_issue_of_a_pack_based_diff_keeps_the_selections_and_reads_env_from_
     assert "### [detllm] diff PASS: fake" in issue, issue.splitlines()[:3]
     assert "is not at hand" not in issue and "OS: " in issue, issue
     assert "detllm diff pack.tar.gz::run_0@batch_1 pack.tar.gz::run_0@batch_4" in issue, issue
+    # the tier the diff was judged at travels with the command: at --tier 3 the logprobs that move with the
+    # batch fail it, and the default tier (the recorded 2) would pass it (a newcomer's fresh-clone trial)
+    r = cli("diff", "pack.tar.gz::batch_1", "pack.tar.gz::batch_4", "--tier", "3", "--atol", "1e-9", "--out", "d3")
+    issue = cli("report", "d3", "--format", "issue").stdout
+    assert "detllm diff pack.tar.gz::run_0@batch_1 pack.tar.gz::run_0@batch_4 --tier 3 --atol 1e-09" in issue, issue

@@ -299,6 +299,15 @@ def _applied(side: _Side) -> list[str]:
             "", "| setting | value | applied |", "|---|---|---|", *rows]
 
 
+def _judged_as(report: dict[str, Any]) -> str:
+    """The tier (and tolerance) the diff was judged at, so the printed command reaches the same verdict:
+    a batch 1 vs 8 diff run with --tier 3 PASSes at its default tier."""
+    tier = (report.get("tier") or {}).get("requested")
+    summary = report.get("summary")
+    atol = summary.get("atol") if isinstance(summary, dict) else None
+    return (f" --tier {tier}" if tier else "") + (f" --atol {atol!r}" if atol else "")
+
+
 def render_issue(report: dict[str, Any], folder: Path | None) -> str:
     """The markdown block. `folder`: where report.json was read (a run folder, or a diff folder)."""
     sides = _sides(report, Path(folder) if folder is not None else None)
@@ -332,12 +341,12 @@ def render_issue(report: dict[str, Any], folder: Path | None) -> str:
         l, r = sides
         lines += [f"With {install}, from the pack of the run both sides come from (`detllm pack FOLDER -o pack.tar.gz`, attached):",
                   "", *_fence("detllm verify pack.tar.gz && detllm replay pack.tar.gz\n"
-                              f"detllm diff pack.tar.gz{l.selection} pack.tar.gz{r.selection}", "bash")]
+                              f"detllm diff pack.tar.gz{l.selection} pack.tar.gz{r.selection}{_judged_as(report)}", "bash")]
     else:
         l, r = sides
         lines += [f"With {install}, from the packs of the two runs (`detllm pack FOLDER -o left.tar.gz`, and right), attached:", "",
                   *_fence("detllm replay left.tar.gz && detllm replay right.tar.gz\n"
-                          f"detllm diff left.tar.gz{l.selection} right.tar.gz{r.selection}", "bash")]
+                          f"detllm diff left.tar.gz{l.selection} right.tar.gz{r.selection}{_judged_as(report)}", "bash")]
     for side in sides:
         rec, occurrence = None, 0
         if side.folder is not None:  # the divergent prompt, else the first prompt of the first run

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import IntegrityError
-from ..core.hashing import canonical_json
+from ..pipeline.rederive import as_written
 from ..runfolder.artifacts import FIRST_DIVERGENCE, REPORT
 
 _EDITED = "the verdict was edited after the diff; run the diff again"
@@ -31,7 +31,7 @@ def is_diff_folder(folder: Path) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return canonical_json(a) == canonical_json(b)
+    return as_written(a) == as_written(b)
 
 
 def _refuse(what: str) -> IntegrityError:

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import IntegrityError
-from ..core.hashing import canonical_json
 from ..runfolder.artifacts import MANIFEST, PARTIAL
 from ..runfolder.fleetseal import FLEET
-from ..runfolder.schema_io import finite
+from ..pipeline.rederive import as_written
 from .diff import Selection, load_sides
 from .fleetverdict import GROUPING, Replica, fleet_verdict, own_check, prompt_keys, side_own
 
@@ -43,7 +42,7 @@ def rederive_fleet(folder: Path) -> str:
     ref = (doc.get("reference") or {}).get("replica")
     expected = fleet_verdict(replicas, command=doc["command"], atol=doc["atol"], tier=doc["tier"]["requested"], reference=ref)
     for name in CHECKED:
-        if _canon(doc.get(name)) != _canon(expected.get(name)):
+        if as_written(doc.get(name)) != as_written(expected.get(name)):
             raise IntegrityError(f"{FLEET}: {name} is {_show(doc.get(name))}, but the replicas give {_show(expected.get(name))}",
                                  hint=_EDITED)
     whence = "the replica folders" if doc["command"] == "check" else "the sides it names"
@@ -83,10 +82,6 @@ def _side(row: dict[str, Any], where: str) -> Replica:
     moved = where != row["source"]  # read from beside the diff folder: its label and folder as diff recorded them
     return Replica(index=row["index"], name=row["name"] if moved else side.label, source=row["source"], side=side,
                    folder=row["folder"] if moved else str(sel.folder), own=side_own(side, sel), keys=prompt_keys(side.records or []))
-
-
-def _canon(value: Any) -> bytes:
-    return canonical_json(finite(value))
 
 
 def _show(value: Any) -> str:

@@ -53,7 +53,7 @@ def rederive_verdict(folder: Path) -> str:
     expected = expected_verdict(folder, run_config, applied, command, tier)
     earlier = ""
     for name in CHECKED_FIELDS:
-        if _canon(report.get(name)) != _canon(expected[name]):
+        if as_written(report.get(name)) != as_written(expected[name]):
             if name == "category" and report.get(name) == "BATCH_VARIANCE" and _earlier_busy_rule(folder):
                 earlier = (f"; its category BATCH_VARIANCE follows detllm's earlier rule (busy-slot counts its own "
                            f"in-flight requests explain); today's rule gives {expected[name]}")
@@ -129,8 +129,10 @@ def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_bytes())  # verify has validated every file against its schema already
 
 
-def _canon(value: Any) -> bytes:
-    return canonical_json(finite(value))  # as written to disk: NaN/inf are null
+def as_written(value: Any) -> bytes:
+    """A value as write_json puts it on disk (NaN/inf are null), canonical: how a sealed field and its
+    re-derivation are compared (this verdict's, the fleet's and a diff folder's)."""
+    return canonical_json(finite(value))
 
 
 def _show(value: Any) -> str:

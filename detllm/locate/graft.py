@@ -1,7 +1,7 @@
 """The graft: the causal test of a located op. The right side's recorded batch is re-run through the
 same capture with the left side's captured output of that op substituted (its row, its positions, at
 the captured step; `both`: the reverse too), and the grafted re-run is compared with the other side:
-confirmed (the logits agree bitwise), partial (another op downstream differs: named), one of many
+confirmed (the logits agree bitwise, or the first divergent token no longer diverges: `confirmed_by`), partial (another op downstream differs: named), one of many
 (the next op differs from the same cause, reduction order: counted) or not the cause (nothing changes).
 """
 
@@ -35,15 +35,23 @@ def graft(doc: dict[str, Any], sides: list[Any], found: Any, *, mode: str, refer
     step = doc["captured_step"]
     t0 = time.perf_counter()
     rec: dict[str, Any] = {"op": b.left.name, "step": step, "requested": mode, "reruns": 0,
-                           "positions": "every position of the prompt (prefill)" if step == 0 else
-                           "the step's one new position; the K/V cached at earlier steps are not grafted"}
+                           "positions": _positions(doc, step)}
     for into in (("right", "left") if mode == "both" else ("right",)):
-        rec[f"into_{into}"] = _one(sides, found, b.left.name, into=into, step=step, reference=reference, bound=bound, rec=rec)
+        rec[f"into_{into}"] = _one(sides, found, b.left.name, into=into, step=step, reference=reference, bound=bound, rec=rec,
+                                 doc=doc)
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     doc["graft"] = rec
 
 
-def _one(sides, found, name: str, *, into: str, step: int, reference: bool, bound: int, rec: dict) -> dict[str, Any]:
+def _positions(doc: dict[str, Any], step: int) -> str:
+    if "prefill" in doc:  # --prefill: the decode's one position at step s against the prefill's last
+        return (f"the position compared: the decode's step {step} and the prefill's last position (which predicts token {step}); "
+                "the prefill's other positions and the K/V the decode cached at earlier steps are not grafted")
+    return ("every position of the prompt (prefill)" if step == 0 else
+            "the step's one new position; the K/V cached at earlier steps are not grafted")
+
+
+def _one(sides, found, name: str, *, into: str, step: int, reference: bool, bound: int, rec: dict, doc: dict) -> dict[str, Any]:
     dst, src = (1, 0) if into == "right" else (0, 1)
     r = sides[dst]
     if r.backend is None or not getattr(r.backend, "grafts", False):
@@ -67,16 +75,34 @@ def _one(sides, found, name: str, *, into: str, step: int, reference: bool, boun
         return {"outcome": "not_grafted", "why": note or "the backend did not say it grafted"}
     caps = [found.caps[0], cap] if into == "right" else [cap, found.caps[1]]
     rows = (len(sides[0].requests), len(sides[1].requests))
-    after, _, _ = pair_up(caps[0].tensors, caps[1].tensors, rows, kv=True)
-    return _outcome(found, after, name, cap, dst)
+    after, _, _ = pair_up(caps[0].tensors, caps[1].tensors, rows, kv="prefill" not in doc)  # as the search paired them
+    return {**_outcome(found, after, name, cap, dst, _token(doc, cap, r.row, spec.step, into)), "written": note}
+
+
+def _token(doc: dict[str, Any], cap: Any, row: int, at: int, into: str) -> dict[str, Any] | None:
+    """The first divergent token before and after the graft, where the step's difference is a token
+    (a prefill's: the token the prefill chose) at the captured step; None otherwise."""
+    s = doc.get("step") or {}
+    if s.get("what") == "token":
+        left, right = s["left"], s["right"]
+    elif s.get("what") == "prefill" and s.get("token") != s.get("prefill_token"):
+        left, right = s.get("token"), s.get("prefill_token")
+    else:
+        return None
+    ids = list(cap.generations[row].token_ids) if row < len(cap.generations) else []
+    if doc.get("captured_step") != s.get("step") or len(ids) <= at or not isinstance(left, int) or not isinstance(right, int):
+        return None
+    other, before = (left, right) if into == "right" else (right, left)
+    return {"step": s["step"], "other_side": other, "before": before, "after": int(ids[at])}
 
 
 def _logits(pairs) -> Any:
     return next((p for p in reversed(pairs) if p.left.kind == "logits"), None)
 
 
-def _outcome(found, after, name: str, cap, dst: int) -> dict[str, Any]:
-    """The four outcomes, from the logits pair before and after the graft and the ops that still differ."""
+def _outcome(found, after, name: str, cap, dst: int, token: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The four outcomes, from the logits pair before and after the graft, the first divergent token
+    (`token`, where the step's difference is one) and the ops that still differ."""
     import numpy as np
 
     before_l, after_l = _logits(found.pairs), _logits(after)
@@ -89,9 +115,17 @@ def _outcome(found, after, name: str, cap, dst: int) -> dict[str, Any]:
             "ops_differing_before": sum(1 for p in found.pairs if p.output_equal is False and p.inputs_equal is True),
             "ops_differing_after": len(own)}
     base = {k: v for k, v in base.items() if v is not None}
+    if token is not None:
+        base["token"] = token
     if after_l.output_equal:
-        return {"outcome": "confirmed", **base, "why": f"with {name} grafted the logits agree bitwise: this op's "
-                                                       "difference is the whole divergence at this step"}
+        return {"outcome": "confirmed", "confirmed_by": "logits", **base,
+                "why": f"with {name} grafted the logits agree bitwise: this op's difference is the whole divergence at this step"}
+    if token is not None and token["after"] == token["other_side"]:
+        still = own[0].left.name if own else None
+        return {"outcome": "confirmed", "confirmed_by": "token", **base,
+                "why": f"with {name} grafted the first divergent token no longer diverges (step {token['step']}: "
+                       f"{token['before']} -> {token['after']}, the other side's); the logits still differ by {_g(d1)}"
+                       + (f" ({len(own)} other captured output(s) differ on equal inputs, first {still})" if still else "")}
     old = (found.caps[dst].tensors, cap.tensors)
     lg = [next((t.output for t in ts if t.name == after_l.left.name), None) for ts in old]
     if lg[0] is not None and lg[1] is not None and np.asarray(lg[0]).tobytes() == np.asarray(lg[1]).tobytes():
@@ -131,6 +165,10 @@ def _diff(p) -> Any:
 
 def _shapes_differ(p) -> bool:
     return [list(s) for s in p.left.input_shapes] != [list(s) for s in p.right.input_shapes]
+
+
+def _g(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 def _x(v: Any) -> str:

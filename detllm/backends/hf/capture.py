@@ -82,7 +82,8 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
                      f"{spec.step} it is fed padding, and what was captured is that")
     if "graft" in found:
         g = found["graft"]
-        notes.append(f"grafted {spec.graft.name}: written {g['done']} time(s)" + (f"; not written: {g['why']}" if g["why"] else ""))
+        notes.append(f"grafted {spec.graft.name}: written {g['done']} time(s)" + (f"; not written: {g['why']}" if g["why"] else "")
+                     + (f"; into {g['trimmed']}" if g.get("trimmed") else ""))
     if spec.warm_up:
         notes.append("hf keeps no cache across batches: the warm-up batches were not run (nothing to warm)")
     if spec.backward:

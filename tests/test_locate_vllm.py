@@ -102,3 +102,21 @@ def test_a_tp2_side_is_refused_up_front_naming_tp(clean, tmp_path, cli):
     line = r.stderr.strip()
     assert len(line.splitlines()) == 1 and "tensor_parallel_size=2" in line and "tensor_parallel_size=1" in line, line
     assert engine._ENGINE is before and not (tmp_path / "loc").exists()  # no engine started or restarted
+
+
+def test_module_graft_on_vllm_confirms_an_output_perturbation_both_ways(clean, tmp_path):
+    """Issue 33: the right side re-run with the left's captured module output written into the prompt's
+    rows through the capture's hooks (vllm/grafting.py) on the shared engine: the perturbed module
+    grafted, the logits agree bitwise; and the reverse (the perturbed value into the clean side) too."""
+    spec = "model.layers.0.mlp.gate_proj:output:1e-3@0"  # a column slice of gate_up_proj
+    moved = tmp_path / "perturbed"
+    _run(moved, perturb=spec)
+    doc = locate(str(clean), str(moved), out=tmp_path / "loc", reference=False, graft="both").doc
+    assert doc["first_bitwise_op"]["module"] == "model.layers.0.mlp.gate_proj", doc["line"]
+    g = doc["graft"]
+    assert g["reruns"] == 2 and g["step"] == 0 and g["positions"].startswith("every position")
+    for key in ("into_right", "into_left"):
+        r = g[key]
+        assert r["outcome"] == "confirmed" and r["confirmed_by"] == "logits", (key, r)
+        assert r["logits_max_abs_diff_before"] > 0 == r["logits_max_abs_diff_after"] and r["written"].startswith(
+            "grafted model.layers.0.mlp.gate_proj: written 1 time(s)"), r

@@ -33,6 +33,7 @@ from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, threads_bind, valid
 class VLLMBackend(Backend):
     name = "vllm"
     Options = VLLMOptions
+    grafts = True  # CaptureSpec.graft: modules, tensor_parallel_size=1 (grafting.py)
 
     def __init__(self, model: str = "tiny", *, options: VLLMOptions | None = None, revision: str | None = None,
                  dtype: str = "float32", device: str = "cpu", n_logprobs: int = 5, max_new_tokens: int = 0,

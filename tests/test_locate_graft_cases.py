@@ -71,3 +71,24 @@ def test_graft_under_prefill_one_of_many_and_a_real_not_the_cause(tmp_path, cli)
     assert left["logits_max_abs_diff_after"] == left["logits_max_abs_diff_before"] > 0
     assert left["ops_differing_after"] == left["ops_differing_before"] - 1
     assert "NOT THE CAUSE" in r.stdout and "ONE OF MANY" in r.stdout
+
+
+def test_cache_category_on_hf_and_the_graft_judged_where_the_traces_differ(tmp_path):
+    """A v_proj output moved at the prefill (1e-4 of its RMS, one element of the last position): steps 0 and 1
+    record the same logprobs bitwise, step 2 differs. At step 2 layer 1's attention reads cached K/V that differ
+    (its o_proj, a child, completes first), so locate goes back to step 0, where they were written, and names
+    v_proj: category cache. The graft at step 0 cannot be judged from step 0's logits (they agreed): the
+    grafted re-run runs on to step 2, where its token and logprob are the other side's, bitwise."""
+    common = dict(backend="hf", model="tiny", max_new_tokens=3, tier=2, prompts=PROMPT)
+    detllm.run(out=tmp_path / "clean", **common)
+    detllm.run(out=tmp_path / "moved", options={"perturb": "model.layers.1.self_attn.v_proj:output:1e-4@0"}, **common)
+    doc = locate(str(tmp_path / "clean"), str(tmp_path / "moved"), out=tmp_path / "loc", ops=False, graft="both").doc
+    assert doc["step"]["step"] == 2 and doc["steps_searched"] == [2, 0], (doc["step"], doc["steps_searched"])
+    assert doc["first_bitwise_op"]["module"] == "model.layers.1.self_attn.v_proj" and doc["captured_step"] == 0
+    cat = doc["category"]
+    assert cat["name"] == "cache" and (cat["written_at_step"], cat["read_at_step"]) == (0, 2), cat
+    assert cat["where_written"]["name"] == "numerical_defect" and doc["line"].startswith("cache: ")
+    for key, (mine, theirs) in (("into_right", ("right", "left")), ("into_left", ("left", "right"))):
+        g = doc["graft"][key]
+        assert g["outcome"] == "confirmed" and g["confirmed_by"] == "later_step" and g["judged_at_step"] == 2, g
+        assert g["logprob_after"] == g["logprob_other_side"] == doc["step"][theirs] != g["logprob_before"] == doc["step"][mine]

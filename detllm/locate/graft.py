@@ -14,6 +14,7 @@ from ..backends.base import CaptureSpec, Graft
 from ..core.errors import UsageError
 from .align import pair_up
 from .category import REDUCTIONS
+from .graftlater import judge_later, later_step
 from .rule import beyond, judge
 
 MODES = ("right", "both", "off")
@@ -66,13 +67,15 @@ def _one(sides, found, name: str, *, into: str, step: int, reference: bool, boun
         level = "modules"
     spec = CaptureSpec(step=step if r.fixed_step is None else r.fixed_step, row=r.row, level=level,
                        max_bytes=bound // 2, reference=reference, warm_up=tuple(tuple(w) for w in r.warm),
-                       in_pass_kv=r.in_pass_kv, graft=Graft(name, value))
+                       in_pass_kv=r.in_pass_kv, graft=Graft(name, value), run_to=later_step(doc, step))
     with r.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = r.backend.capture(r.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rec["reruns"] += 1
     note = next((n for n in cap.notes if n.startswith(f"grafted {name}:")), "")
     if "written 0 time" in note or not note:
         return {"outcome": "not_grafted", "why": note or "the backend did not say it grafted"}
+    if spec.run_to is not None:  # through cached K/V: judged where the traces differ (graftlater.py)
+        return {**judge_later(sides, cap, dst, spec.run_to, name, step), "written": note}
     caps = [found.caps[0], cap] if into == "right" else [cap, found.caps[1]]
     rows = (len(sides[0].requests), len(sides[1].requests))
     after, _, _ = pair_up(caps[0].tensors, caps[1].tensors, rows, kv="prefill" not in doc)  # as the search paired them

@@ -1,8 +1,9 @@
 """More of locate's graft on real transformers (hf `tiny`): "confirmed" decided from the first divergent
 token when the logits still differ (an embedding row edited in the model file flips token 1, a small
 output perturbation downstream stays); the graft under `--prefill` (the decode's step s against the
-prefill's last position), where grafting the prefill's q_proj into the decode changes nothing: a real
-"not the cause"."""
+prefill's last position), where grafting the prefill's q_proj into the decode changes nothing; a real "not the
+cause" (a one-ulp q_proj difference the attention rounds away); the cache category on hf, its graft judged at
+the step where the traces differ."""
 
 from __future__ import annotations
 
@@ -92,3 +93,39 @@ def test_cache_category_on_hf_and_the_graft_judged_where_the_traces_differ(tmp_p
         g = doc["graft"][key]
         assert g["outcome"] == "confirmed" and g["confirmed_by"] == "later_step" and g["judged_at_step"] == 2, g
         assert g["logprob_after"] == g["logprob_other_side"] == doc["step"][theirs] != g["logprob_before"] == doc["step"][mine]
+
+
+def _one_ulp_and_a_down_proj_edit(dst):
+    """tiny's model file with q_proj's largest weight moved by one ulp (layer 0) and one element of layer 1's
+    down_proj by 1e-3 of its RMS."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from detllm.models import local_folder, resolve_model
+
+    shutil.copytree(local_folder(resolve_model("tiny"), None), dst)
+    name = next(f for f in os.listdir(dst) if f.endswith(".safetensors"))
+    state = load_file(dst / name)
+    q = state["model.layers.0.self_attn.q_proj.weight"].view(-1)
+    i = int(q.abs().argmax())
+    q[i] = torch.nextafter(q[i], torch.tensor(float("inf")))
+    d = state["model.layers.1.mlp.down_proj.weight"]
+    flat = d.view(-1)
+    flat[int(flat.abs().argmax())] += 1e-3 * float(d.pow(2).mean().sqrt())
+    save_file(state, dst / name, metadata={"format": "pt"})
+    return dst
+
+
+def test_a_difference_the_attention_rounds_away_is_not_the_cause(tmp_path):
+    """q_proj's output differs (one ulp of one weight), so it is the first op with equal inputs and another
+    output; but the attention rounds that difference away: grafting it leaves the logits bitwise as they were,
+    and the down_proj edit, which is what moved them, is named next."""
+    common = dict(backend="hf", max_new_tokens=2, tier=2, prompts=PROMPT)
+    detllm.run(model="tiny", out=tmp_path / "clean", **common)
+    detllm.run(model=str(_one_ulp_and_a_down_proj_edit(tmp_path / "model")), out=tmp_path / "edited", **common)
+    doc = locate(str(tmp_path / "clean"), str(tmp_path / "edited"), out=tmp_path / "loc", ops=False).doc
+    assert doc["first_bitwise_op"]["module"] == "model.layers.0.self_attn.q_proj", doc["line"]
+    g = doc["graft"]["into_right"]
+    assert g["outcome"] == "not_the_cause", g
+    assert g["logits_max_abs_diff_after"] == g["logits_max_abs_diff_before"] > 0
+    assert g["next_op"]["module"] == "model.layers.1.mlp.down_proj" and g["ops_differing_after"] == g["ops_differing_before"] - 1

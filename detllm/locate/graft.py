@@ -132,7 +132,12 @@ def _outcome(found, after, name: str, cap, dst: int, token: dict[str, Any] | Non
     old = (found.caps[dst].tensors, cap.tensors)
     lg = [next((t.output for t in ts if t.name == after_l.left.name), None) for ts in old]
     if lg[0] is not None and lg[1] is not None and np.asarray(lg[0]).tobytes() == np.asarray(lg[1]).tobytes():
-        return {"outcome": "not_the_cause", **base, "why": f"with {name} grafted the logits did not change at all"}
+        nxt = own[0] if own else None
+        if nxt is not None:
+            base["next_op"] = {"module": nxt.left.name, "kind": nxt.left.kind, "max_abs_diff": nxt.metrics.get("max_abs_diff"),
+                               "beyond_tolerance": beyond(nxt), "inputs_equal": nxt.inputs_equal}
+        return {"outcome": "not_the_cause", **base, "why": f"with {name} grafted the logits did not change at all"
+                + (f": its difference never reaches them; the next op that differs on equal inputs is {nxt.left.name}" if nxt else "")}
     shrink = (d0 / d1) if isinstance(d0, float) and isinstance(d1, float) and d1 > 0 else None
     base["shrink"] = shrink
     nxt = own[0] if own else judge(after).first_differing

@@ -1,8 +1,10 @@
 """The graft: the causal test of a located op. The right side's recorded batch is re-run through the
 same capture with the left side's captured output of that op substituted (its row, its positions, at
 the captured step; `both`: the reverse too), and the grafted re-run is compared with the other side:
-confirmed (the logits agree bitwise, or the first divergent token no longer diverges: `confirmed_by`), partial (another op downstream differs: named), one of many
-(the next op differs from the same cause, reduction order: counted) or not the cause (nothing changes).
+confirmed (the logits agree bitwise, or the first divergent token no longer diverges: `confirmed_by`),
+partial (another op downstream differs: named), one of many (the next op differs from the same cause,
+reduction order: counted) or not the cause (nothing changes). Through cached K/V it is judged at the
+step where the traces differ (graftlater.py).
 """
 
 from __future__ import annotations
@@ -134,8 +136,7 @@ def _outcome(found, after, name: str, cap, dst: int, token: dict[str, Any] | Non
     if lg[0] is not None and lg[1] is not None and np.asarray(lg[0]).tobytes() == np.asarray(lg[1]).tobytes():
         nxt = own[0] if own else None
         if nxt is not None:
-            base["next_op"] = {"module": nxt.left.name, "kind": nxt.left.kind, "max_abs_diff": nxt.metrics.get("max_abs_diff"),
-                               "beyond_tolerance": beyond(nxt), "inputs_equal": nxt.inputs_equal}
+            base["next_op"] = _next(nxt)
         return {"outcome": "not_the_cause", **base, "why": f"with {name} grafted the logits did not change at all"
                 + (f": its difference never reaches them; the next op that differs on equal inputs is {nxt.left.name}" if nxt else "")}
     shrink = (d0 / d1) if isinstance(d0, float) and isinstance(d1, float) and d1 > 0 else None
@@ -145,8 +146,7 @@ def _outcome(found, after, name: str, cap, dst: int, token: dict[str, Any] | Non
         return {"outcome": "partial", **base, "next_op": None,
                 "why": "the logits still differ, but no captured op does: the rest entered through what was not grafted "
                        "or captured (cached K/V of earlier steps)"}
-    base["next_op"] = {"module": nxt.left.name, "kind": nxt.left.kind, "max_abs_diff": nxt.metrics.get("max_abs_diff"),
-                       "beyond_tolerance": beyond(nxt), "inputs_equal": nxt.inputs_equal}
+    base["next_op"] = _next(nxt)
     if _same_cause(found.verdict.first_bitwise, nxt, own):
         return {"outcome": "one_of_many", **base,
                 "why": f"after the graft {nxt.left.name} differs too on equal inputs ({len(own)} captured output(s) in all), from the "
@@ -154,6 +154,11 @@ def _outcome(found, after, name: str, cap, dst: int, token: dict[str, Any] | Non
                                          else "reductions within tolerance on equal shapes")}
     return {"outcome": "partial", **base,
             "why": f"the divergence {_x(shrink)} but remains: {nxt.left.name} differs on its own downstream"}
+
+
+def _next(nxt) -> dict[str, Any]:
+    return {"module": nxt.left.name, "kind": nxt.left.kind, "max_abs_diff": nxt.metrics.get("max_abs_diff"),
+            "beyond_tolerance": beyond(nxt), "inputs_equal": nxt.inputs_equal}
 
 
 def _same_cause(b, nxt, own) -> bool:

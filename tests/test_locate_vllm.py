@@ -102,3 +102,40 @@ def test_a_tp2_side_is_refused_up_front_naming_tp(clean, tmp_path, cli):
     line = r.stderr.strip()
     assert len(line.splitlines()) == 1 and "tensor_parallel_size=2" in line and "tensor_parallel_size=1" in line, line
     assert engine._ENGINE is before and not (tmp_path / "loc").exists()  # no engine started or restarted
+
+
+def test_module_graft_on_vllm_confirms_an_output_perturbation_both_ways(clean, tmp_path):
+    """Issue 33: the right side re-run with the left's captured module output written into the prompt's
+    rows through the capture's hooks (vllm/grafting.py) on the shared engine: the perturbed module
+    grafted, the logits agree bitwise; and the reverse (the perturbed value into the clean side) too."""
+    spec = "model.layers.0.mlp.gate_proj:output:1e-3@0"  # a column slice of gate_up_proj
+    moved = tmp_path / "perturbed"
+    _run(moved, perturb=spec)
+    doc = locate(str(clean), str(moved), out=tmp_path / "loc", reference=False, graft="both").doc
+    assert doc["first_bitwise_op"]["module"] == "model.layers.0.mlp.gate_proj", doc["line"]
+    g = doc["graft"]
+    assert g["reruns"] == 2 and g["step"] == 0 and g["positions"].startswith("every position")
+    for key in ("into_right", "into_left"):
+        r = g[key]
+        assert r["outcome"] == "confirmed" and r["confirmed_by"] == "logits", (key, r)
+        assert r["logits_max_abs_diff_before"] > 0 == r["logits_max_abs_diff_after"] and r["written"].startswith(
+            "grafted model.layers.0.mlp.gate_proj: written 1 time(s)"), r
+
+
+def test_cache_category_on_vllm_and_the_graft_judged_at_the_later_step(tmp_path):
+    """Issue 33: a v_proj output (a column slice of qkv_proj) moved at the prefill, 1e-4 of its RMS: steps 0 and 1
+    record the same logprobs bitwise, step 2 differs; at step 2 an attention reads cached K/V that differ, so
+    locate goes back to step 0 and names v_proj (category cache). The graft at step 0 (its logits agreed) is
+    judged at step 2: the grafted re-run's token and logprob there are the clean side's, bitwise."""
+    need_vllm()
+    common = dict(backend="vllm", model="tiny", max_new_tokens=3, tier=2, prompts=PROMPT)
+    detllm.run(out=tmp_path / "clean", **common)
+    detllm.run(out=tmp_path / "moved", options={"perturb": "model.layers.1.self_attn.v_proj:output:1e-4@0"}, **common)
+    doc = locate(str(tmp_path / "clean"), str(tmp_path / "moved"), out=tmp_path / "loc", reference=False).doc
+    assert doc["step"]["step"] == 2 and doc["steps_searched"] == [2, 0], (doc["step"], doc["steps_searched"])
+    assert doc["first_bitwise_op"]["module"] == "model.layers.1.self_attn.v_proj", doc["line"]
+    cat = doc["category"]
+    assert cat["name"] == "cache" and (cat["written_at_step"], cat["read_at_step"]) == (0, 2), cat
+    g = doc["graft"]["into_right"]
+    assert g["outcome"] == "confirmed" and g["confirmed_by"] == "later_step" and g["judged_at_step"] == 2, g
+    assert g["logprob_after"] == g["logprob_other_side"] == doc["step"]["left"] != g["logprob_before"] == doc["step"]["right"]

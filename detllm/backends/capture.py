@@ -38,6 +38,7 @@ class CaptureSpec:
     backward: bool = False  # also capture gradients (backward hooks), where the backend trains (hf)
     in_pass_kv: bool = False  # a prefill's attention also keeps the K/V it wrote (compared with a decode's cached K/V)
     graft: Graft | None = None  # overwrite one output at `step` (locate's causal test); a backend without it refuses
+    run_to: int | None = None  # generate on through this step (> step) after the capture (a graft judged where the traces differ)
     warm_up: tuple = ()  # batches (tuples of Request) run first, after a cold start, to rebuild a cache the batch found warm (vLLM's prefix cache)
 
 

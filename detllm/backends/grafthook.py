@@ -20,7 +20,8 @@ from .capture import Graft
 @contextmanager
 def grafted(model: Any, window: Window, graft: Graft) -> Iterator[dict[str, Any]]:
     """Overwrite `graft.name`'s output at `window` with `graft.value` (numpy, the window's shape) for
-    the block. Yields a dict: `done` (times written), `why` (why it could not be, if so). Enter it
+    the block. Yields a dict: `done` (times written), `why` (why it could not be, if so), `trimmed`
+    (where the two differ in positions, a prefill against a decode: the trailing ones written). Enter it
     before a tap of modules (the tap then sees the grafted output) and after a tap of ops (an op's
     record keeps what this side computed; its consumers read the grafted value)."""
     import torch
@@ -30,7 +31,7 @@ def grafted(model: Any, window: Window, graft: Graft) -> Iterator[dict[str, Any]
     target = next((m for m, n in names.items() if n == path), None)
     if target is None:
         raise UsageError(f"graft: the model has no module {path!r}")
-    state: dict[str, Any] = {"done": 0, "why": None}
+    state: dict[str, Any] = {"done": 0, "why": None, "trimmed": None}
 
     def write(out: Any) -> None:
         with torch._C.DisableTorchFunction():  # the write is not one of the model's ops
@@ -40,12 +41,19 @@ def grafted(model: Any, window: Window, graft: Graft) -> Iterator[dict[str, Any]
                 return
             view, clean = (window.module(t), True) if not op else window.everywhere(t)
             value = torch.as_tensor(graft.value).to(t.dtype)
+            whole = list(view.shape)
+            if clean and tuple(view.shape) != tuple(value.shape):  # prefill vs decode: the positions compared (align.trailing)
+                view, value = _trailing(view, value)
             if not clean or tuple(view.shape) != tuple(value.shape):
                 state["why"] = (f"this side's row there is {list(view.shape)}, the other side's {list(value.shape)}"
                                 if clean else "its row and positions cannot be told apart (kept whole)")
                 return
+            if list(view.shape) != whole:
+                state["trimmed"] = f"{list(view.shape)} of this side's {whole} (the trailing positions both sides computed)"
             view.copy_(value)
             again = window.module(t) if not op else window.everywhere(t)[0]
+            if state["trimmed"]:
+                again = _trailing(again, value)[0]
             if not torch.equal(again, value):  # the cut was a copy, not a view: nothing reached the tensor
                 state["why"] = "its row is not a view of the tensor (a reshape copied it)"
                 return
@@ -60,6 +68,19 @@ def grafted(model: Any, window: Window, graft: Graft) -> Iterator[dict[str, Any]
         else:
             stack.enter_context(_op_graft(torch, names, target, op, write))
         yield state
+
+
+def _trailing(view: Any, value: Any) -> tuple[Any, Any]:
+    """Both over their common trailing extent in each axis (as locate's align.trailing compares them:
+    a decode's one position against a prefill's last), or unchanged where their ranks differ."""
+    while value.ndim > view.ndim and value.shape[0] == 1:
+        value = value[0]
+    if value.ndim != view.ndim:
+        return view, value
+    for dim, (n, m) in enumerate(zip(view.shape, value.shape)):
+        k = min(n, m)
+        view, value = view.narrow(dim, n - k, k), value.narrow(dim, m - k, k)
+    return view, value
 
 
 def _op_graft(torch: Any, names: dict, target: Any, op: str, write) -> Any:

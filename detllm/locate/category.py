@@ -51,7 +51,8 @@ def _category(doc, found, sides, b: Pair) -> dict[str, Any]:
     if hidden is not None and beyond(b) is not True:
         return {"name": "not_judged", "why": hidden}
     if tol is None:
-        return {"name": "not_judged", "why": "no float64 reference (--no-reference): benign or bug is not judged"}
+        how = "--no-reference" if not doc["captured"].get("reference", True) else f"none evaluated for a {b.left.kind} module"
+        return {"name": "not_judged", "why": f"no float64 reference ({how}): benign or bug is not judged"}
     if beyond(b):
         return {"name": "numerical_defect", "why": f"{b.left.name} ({b.left.kind}) differs by {d:.3g} on equal inputs, beyond "
                                                   f"tolerance {tol:.3g} ({shapes}; values {values}): a kernel bug or a "

@@ -57,7 +57,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
         raise UsageError(f"--step must be a generated-token position (>= 0), got {step!r}")
     if prefill:
         return _prefill(a, b, out=out, force=force, prompt=prompt, layers_only=layers_only, max_bytes=max_bytes, ops=ops,
-                        reference=reference, step=step)
+                        reference=reference, step=step, graft=graft)
     left_sel, right_sel, source, chosen = resolve(a, b)
     left, right = load(left_sel, right_sel)
     target = check_out(out, force, left_sel, right_sel, source, given=a)
@@ -106,7 +106,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
 
 
 def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, layers_only: bool, max_bytes: int,
-             ops: bool, reference: bool, step: int | None) -> Located:
+             ops: bool, reference: bool, step: int | None, graft: str = "right") -> Located:
     """Prefill vs decode of one side: its recorded decode at step s (the first step where a prefill of
     prompt + tokens[:s] gives token s another logprob) against that prefill's last position."""
     if b is not None:
@@ -147,6 +147,7 @@ def _prefill(a: str, b: str | None, *, out, force: bool, prompt: int | None, lay
             found = _search(doc, sides, at.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
             _kv_note(doc)
             if found is not None:
+                grafts.graft(doc, sides, found, mode=graft, reference=reference, bound=max_bytes)
                 categorize(doc, found, sides)
     finally:
         for r in sides:

@@ -64,12 +64,24 @@ def judge(pairs: list[Pair]) -> Verdict:
     first = differing[0] if differing else None
     own = [p for p in differing if p.inputs_equal is True]
     verdict = Verdict(own[0] if own else None, next((p for p in own if beyond(p)), None), first)
+    first = _through_cache(differing) or first
     if first is not None and first.inputs_equal is False and first.kv_equal is False and not _other_inputs_differ(first):
         steps = [first.kv_step] if first.kv_step is not None else \
             [s for s in (first.left.cached_from_step, first.right.cached_from_step) if s is not None]
         if steps and (verdict.first_bitwise is None or verdict.first_bitwise.left.order > first.left.order):
             verdict.back_to = min(steps)
     return verdict
+
+
+def _through_cache(differing: list[Pair]) -> Pair | None:
+    """The first differing attention whose cached K/V differ, where every output that differs before
+    it is its own child's (modules complete before their parent: hf's o_proj before its self_attn)."""
+    for p in differing:
+        if p.kv_equal is False:
+            return p
+        if not any(p.left.name.startswith(q.left.name + ".") for q in differing if q.kv_equal is False):
+            return None
+    return None
 
 
 def _other_inputs_differ(p: Pair) -> bool:

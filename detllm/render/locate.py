@@ -60,7 +60,9 @@ def graft_lines(doc: dict[str, Any]) -> list[str]:
         if key in g:
             r = g[key]
             fig = (f"; logits max |Δ| {_g(r['logits_max_abs_diff_before'])} -> {_g(r['logits_max_abs_diff_after'])}"
-                   if "logits_max_abs_diff_after" in r else "")
+                   if "logits_max_abs_diff_after" in r else
+                   f"; step {r['judged_at_step']} logprob {r.get('logprob_before')!r} -> {r.get('logprob_after')!r} (the other side's "
+                   f"{r.get('logprob_other_side')!r})" if "judged_at_step" in r else "")
             out.append(f"graft ({what}): {r['outcome'].replace('_', ' ').upper()}: {r['why']}{fig}")
     out.append(f"graft: {g['op']} at step {g['step']}, {g['positions']}; {g['reruns']} extra re-run(s), {g['seconds']} s")
     return out

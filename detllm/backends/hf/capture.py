@@ -23,7 +23,7 @@ def check_spec(requests: Sequence[Request], decoding: Decoding, spec: CaptureSpe
         raise UsageError(f"capture level {spec.level!r} is unknown: one of {', '.join(CAPTURE_LEVELS[1:])}")
     if not 0 <= spec.row < len(requests):
         raise UsageError(f"capture row {spec.row} is not in a batch of {len(requests)}")
-    if not 0 <= spec.step < decoding.max_new_tokens:
+    if not 0 <= spec.step <= max(spec.step, spec.run_to or 0) < decoding.max_new_tokens:
         raise UsageError(f"capture step {spec.step} is past the {decoding.max_new_tokens} tokens the run generates")
     if spec.max_bytes <= 0:
         raise UsageError(f"capture bound {spec.max_bytes} bytes must be positive")
@@ -66,7 +66,7 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
     try:
         with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
             gens = backend._generate(torch, requests, decoding, seed, n_logprobs, True,
-                                     at_step=backend.stepper(moved, at), steps=spec.step + 1)
+                                     at_step=backend.stepper(moved, at), steps=max(spec.step, spec.run_to or 0) + 1)
     except RuntimeError as exc:
         raise BackendError(f"transformers failed while capturing: {str(exc).splitlines()[0][:300]}") from exc
     tap = found.get("tap")
@@ -82,7 +82,8 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
                      f"{spec.step} it is fed padding, and what was captured is that")
     if "graft" in found:
         g = found["graft"]
-        notes.append(f"grafted {spec.graft.name}: written {g['done']} time(s)" + (f"; not written: {g['why']}" if g["why"] else ""))
+        notes.append(f"grafted {spec.graft.name}: written {g['done']} time(s)" + (f"; not written: {g['why']}" if g["why"] else "")
+                     + (f"; into {g['trimmed']}" if g.get("trimmed") else ""))
     if spec.warm_up:
         notes.append("hf keeps no cache across batches: the warm-up batches were not run (nothing to warm)")
     if spec.backward:

@@ -33,6 +33,7 @@ from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, threads_bind, valid
 class VLLMBackend(Backend):
     name = "vllm"
     Options = VLLMOptions
+    grafts = True  # CaptureSpec.graft: modules, tensor_parallel_size=1 (grafting.py)
 
     def __init__(self, model: str = "tiny", *, options: VLLMOptions | None = None, revision: str | None = None,
                  dtype: str = "float32", device: str = "cpu", n_logprobs: int = 5, max_new_tokens: int = 0,
@@ -241,7 +242,7 @@ class VLLMBackend(Backend):
             llm.reset_prefix_cache()  # a re-run starts cold, as the recorded run's first batch did
             for batch in spec.warm_up:  # then what warmed the cache before the recorded batch, in order
                 self.generate(list(batch), decoding, seed=seed, n_logprobs=n_logprobs, logprobs=True)
-        upto = dataclasses.replace(decoding, max_new_tokens=spec.step + 1)  # steps 0..spec.step, scheduled as recorded
+        upto = dataclasses.replace(decoding, max_new_tokens=max(spec.step, spec.run_to or 0) + 1)  # steps 0..spec.step, scheduled as recorded
         return capture_batch(llm, requests, spec, lambda: self.generate(requests, upto, seed=seed, n_logprobs=n_logprobs, logprobs=True),
                              engine_facts(llm, self.attention_backend_name(), self.perturbation))
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 from ...core.errors import BackendError, UsageError
 from ...taps import LAYER_KINDS
 from ..capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec
+from . import grafting
 from .names import ATTENTION_OP, Piece, Rule, rules
 from .rows import Span, runner_of, spans
 from .weights import HFWeights
@@ -327,6 +328,8 @@ def install(llm: Any, state: _State) -> Hooks:
                 module = model.get_submodule(rule.module)
                 hooks.handles.append(module.register_forward_pre_hook(_pre_hook(state, rule), with_kwargs=True))
                 hooks.handles.append(module.register_forward_hook(_post_hook(state, rule), with_kwargs=True))
+            if state.spec.graft is not None:  # locate's graft (grafting.py): before the capture's own hooks
+                hooks.handles += grafting.install(model, state)
         except Exception:
             hooks.remove()
             raise
@@ -359,6 +362,7 @@ def capture_batch(llm: Any, requests: Sequence[Any], spec: CaptureSpec, run: Cal
     if not state.done:
         made = len(generations[spec.row].token_ids)
         raise BackendError(f"vLLM never ran step {spec.step} for prompt row {spec.row} (it generated {made} tokens)")
+    grafting.note(state)
     tensors, level, notes = _bounded(state, spec)
     engine = dict(engine_facts, schedule=state.steps, captured_forward_tokens=state.steps[-1]["tokens"] if state.steps else None)
     return Capture(generations=generations, tensors=tensors, level=level, notes=sorted(state.notes) + notes, engine=engine)

@@ -319,24 +319,6 @@ def test_past_the_memory_bound_only_layer_boundaries_are_kept(backend, request_)
     assert [t.order for t in cap.tensors] == [0, 1, 2, 3] and all(type(t.output) is np.ndarray for t in cap.tensors), "copies, not views of the mapped dump"
 
 
-def test_locating_a_llamacpp_batch_is_refused_up_front_with_what_to_do(dumper, tmp_path, cli):
-    """Issue 32 point 7: a batched llama.cpp side is refused before any server starts (exit 4, one line),
-    and the refusal says what to do instead: the same pair on hf or vllm, or a batch-1 run with diff --locate."""
-    import detllm
-
-    from .conftest import write_prompts
-
-    prompts = write_prompts(tmp_path / "p.jsonl", [PROMPT, "def fib(n):"])
-    folder = detllm.run(backend="llamacpp", model="tiny", prompts=prompts, tier=2, max_new_tokens=2, batch_size=2,
-                        out=tmp_path / "b2").out_dir
-    r = cli("locate", folder, folder, "--step", "0", "--out", tmp_path / "loc")
-    assert r.exit_code == 4, r.output
-    line = r.stderr.strip()
-    assert len(line.splitlines()) == 1 and "batch has 2 rows" in line and "cannot be located yet" in line, line
-    assert "on hf or vllm" in line and "--locate" in line, line
-    assert not (tmp_path / "loc").exists()
-
-
 def test_a_tied_embedding_model_keeps_its_logits(dumper):
     """Review E4: SmolLM2's output projection reads token_embd.weight (tied embeddings); its MUL_MAT is the
     logits (lm_head), not a second embedding dropped as already taken, at module and layer level alike."""

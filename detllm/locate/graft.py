@@ -68,7 +68,7 @@ def _one(sides, found, name: str, *, into: str, step: int, reference: bool, boun
     caps = [found.caps[0], cap] if into == "right" else [cap, found.caps[1]]
     rows = (len(sides[0].requests), len(sides[1].requests))
     after, _, _ = pair_up(caps[0].tensors, caps[1].tensors, rows, kv=True)
-    return _outcome(found, after, name, cap, dst)
+    return {**_outcome(found, after, name, cap, dst), "written": note}
 
 
 def _logits(pairs) -> Any:

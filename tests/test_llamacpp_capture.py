@@ -17,7 +17,7 @@ import pytest
 from detllm.backends.base import CaptureSpec, Request
 from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions
 from detllm.backends.llamacpp.capture import SKIP_NODES, SKIP_OPS, find_dumper, run_dump
-from detllm.backends.llamacpp.names import NameMap, unpermute
+from detllm.backends.llamacpp.names import NameMap, repermute, unpermute
 from detllm.core.config import Decoding
 from detllm.core.errors import UsageError
 from detllm.models import builtin_path
@@ -140,6 +140,8 @@ def test_unpermute_undoes_gguf_q_k_permutation():
     w = rng.standard_normal((2 * 64, 128)).astype(np.float32)  # tiny's q_proj: 2 heads of 64
     x = rng.standard_normal((5, 128)).astype(np.float32)
     assert np.array_equal(unpermute(x @ permute_qk(w, 2).T, 2), x @ w.T)
+    # a graft into llama.cpp goes the other way: HF's q output re-permuted is what GGUF's permuted weight computes
+    assert np.array_equal(repermute(x @ w.T, 2), x @ permute_qk(w, 2).T)
 
 
 def test_weights_name_hugging_face_modules_through_the_gguf_map():
@@ -170,10 +172,9 @@ def test_capture_reproduces_the_server_and_names_modules(captures, request_):
         assert np.array_equal(by["model.layers.1"].inputs[0][-1], by["model.layers.0"].output[-1])
 
 
-def test_a_batch_is_refused(backend, request_):
-    with pytest.raises(UsageError, match="one sequence; this batch has 2 rows"):
-        backend.capture([request_, request_], Decoding(max_new_tokens=2), seed=0, n_logprobs=0,
-                        spec=CaptureSpec(step=0, row=0))
+def test_a_row_outside_the_batch_is_refused(backend, request_):
+    with pytest.raises(UsageError, match="row 1 is not a row of this batch of 1"):
+        backend.capture([request_], Decoding(max_new_tokens=2), seed=0, n_logprobs=0, spec=CaptureSpec(step=0, row=1))
 
 
 def test_layers_level_keeps_the_boundaries(backend, request_):
@@ -254,10 +255,13 @@ def test_locate_hf_vs_llamacpp_names_the_first_layer(runs):
     assert doc["status"] == "located" and first["module"] in {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}, first
     assert doc["first_beyond_tolerance_op"] is None
     # issue 33: within tolerance, but the difference then grows inside the attention core that only llama.cpp's side
-    # captured (hf's is inside self_attn): not judged, never benign; llama.cpp does not graft, and says so
+    # captured (hf's is inside self_attn): not judged, never benign
     assert doc["category"]["name"] == "not_judged" and doc["line"].startswith("not judged: the difference grows from"), doc["line"]
     assert "model.layers.0.self_attn.o_proj's input" in doc["category"]["why"] and "self_attn" in doc["category"]["why"]
-    assert doc["graft"]["into_right"]["outcome"] == "not_grafted" and "does not graft yet" in doc["graft"]["into_right"]["why"]
+    # hf's output grafted into llama.cpp's node by detllm-dump (q/k re-permuted into GGUF's order): the divergence remains
+    g = doc["graft"]["into_right"]
+    assert g["outcome"] in ("one_of_many", "partial") and "written 1 time(s) (7 row(s)" in g["written"], g
+    assert ("re-permuted" in g["written"]) == (first["module"] != "model.layers.0.self_attn.v_proj"), g["written"]
 
 
 def test_a_build_without_the_dumper_captures_nothing(dumper, tmp_path):

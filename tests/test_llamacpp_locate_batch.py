@@ -112,3 +112,15 @@ def test_an_edited_gguf_weight_is_located_and_the_graft_confirms_it(tmp_path, cl
     assert g["outcome"] == "confirmed" and g["logits_max_abs_diff_before"] > 0, g
     assert "written 1 time(s)" in g["written"] and "re-permuted" in g["written"], g["written"]
     assert "CONFIRMED" in r.stdout
+
+
+def test_a_batch_the_dumper_does_not_reproduce_is_said_and_nothing_compared(check, tmp_path, monkeypatch):
+    """The wiring of the reproduction check: with a bound no re-run can meet, the batched side is "not
+    reproduced here" (its dumper's row 0 is not the server's) and no op is compared."""
+    from detllm.backends.llamacpp import rows
+
+    monkeypatch.setattr(rows, "BOUND", -1.0)
+    doc = locate(f"{check}::batch_1", f"{check}::batch_4", out=tmp_path / "loc", graft="off").doc
+    assert doc["status"] == "not_reproduced" and doc["line"].startswith("not reproduced here: the right side"), doc["line"]
+    assert "detllm-dump's re-run of the batch of 4 did not compute llama-server's row 0" in doc["right"]["not_reproduced"]
+    assert doc["left"]["reproduced"] and doc["first_bitwise_op"] is None and doc["layers"] == []

@@ -160,6 +160,8 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
             return cap, f"prompt {rec['prompt_index']} (batch row {pos}), {what}"
     if rerun.own_check is not None:
         return cap, rerun.own_check(cap)
+    if (cap.engine or {}).get("not_reproduced"):  # the engine re-ran the batch, its capture did not (llama.cpp's dumper)
+        return cap, cap.engine["not_reproduced"]
     return cap, None
 
 

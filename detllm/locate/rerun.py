@@ -48,7 +48,7 @@ class Rerun:
 def check_capture(config: RunConfig, label: str, rows: int = 1) -> None:
     """BackendUnavailableError (exit 4) for a backend without internals to capture (served
     endpoints), or one whose recorded config its capture refuses for a batch of `rows` (vLLM at
-    tensor_parallel_size > 1, a llama.cpp batch), before anything is loaded or written."""
+    tensor_parallel_size > 1, a llama.cpp GPU run), before anything is loaded or written."""
     cls = backend_class(config.backend)
     if cls.capture is Backend.capture:
         raise BackendUnavailableError(f"{label}: backend {config.backend!r} has no internals locate can capture",

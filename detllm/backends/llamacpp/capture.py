@@ -21,7 +21,7 @@ from . import rows as batchrows
 from .names import UNPERMUTED_ARCHS, NameMap, node_name, unpermute
 
 DUMPER = "detllm-dump"
-DUMP_FORMAT, DUMP_VERSION = "detllm-dump", 1
+DUMP_FORMAT, DUMP_VERSION = "detllm-dump", 2  # 2: "rows", "sequences", "row", "graft" (a batch, the graft)
 LAYER_KINDS = ("embedding", "layer", "logits")  # what a "layers" capture keeps
 # what the dumper is asked for: a "layers" capture needs the embedding, the boundaries and the logits;
 # a "modules" one every activation, less the views/reshapes of nodes captured anyway and the cache

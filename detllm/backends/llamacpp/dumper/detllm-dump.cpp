@@ -16,7 +16,7 @@
 //
 // DIR/tensors.bin: the captured tensors, float32, contiguous, ggml order (ne[0] fastest), back to back.
 // DIR/logits.bin:  the last row's logits at each step 0..S, float32 [S+1][n_vocab].
-// DIR/index.json:  {"format": "detllm-dump", "version": 1, ..., "evals": [[first position, tokens], ...],
+// DIR/index.json:  {"format": "detllm-dump", "version": 2, ..., "evals": [[first position, tokens], ...], "rows", "graft",
 //                  "tensors": [{"name", "op", "type", "ne", "eval", "order", "offset", "nbytes",
 //                               "src": [{"name", "op", "type", "ne", "src": [names]}]}]}
 //                  "eval" indexes "evals": the prompt is decoded one ubatch per llama_decode (chunks of
@@ -602,7 +602,7 @@ int main(int argc, char ** argv) {
     const std::string index_path = out_dir + "/index.json";
     FILE * f = fopen(index_path.c_str(), "w");
     if (!f) { fprintf(stderr, "detllm-dump: error: cannot write %s\n", index_path.c_str()); return 1; }
-    fprintf(f, "{\"format\": \"detllm-dump\", \"version\": 1, \"model\": %s, \"step\": %d, \"n_vocab\": %d,\n"
+    fprintf(f, "{\"format\": \"detllm-dump\", \"version\": 2, \"model\": %s, \"step\": %d, \"n_vocab\": %d,\n"
                " \"n_embd\": %d, \"n_layer\": %d, \"threads\": %d, \"threads_batch\": %d, \"n_ctx\": %d, \"n_seq_max\": %d,\n"
                " \"n_batch\": %d, \"n_ubatch\": %d, \"flash_attn\": %s, \"type_k\": %s, \"type_v\": %s,\n"
                " \"prompt\": %s, \"fed\": %s, \"argmax\": %s, \"evals\": [%s],\n \"sequences\": %d, \"row\": %d, \"rows\": %s,\n"

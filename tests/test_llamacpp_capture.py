@@ -313,6 +313,11 @@ def test_locate_llamacpp_flash_attention_on_vs_off_names_the_attention(tmp_path)
     assert doc["status"] == "located", doc["line"]
     for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
         assert doc[key]["module"] == "model.layers.0.self_attn/attention" and doc[key]["kind"] == "attention", doc[key]
+    # issue 33: layer 0's attention output (kqv_out-0) grafted into the flash-attention side by detllm-dump: the logits'
+    # difference shrinks, and layer 1's attention differs on its own (flash attention computes every layer in F16)
+    g = doc["graft"]["into_right"]
+    assert g["outcome"] == "partial" and g["next_op"]["module"] == "model.layers.1.self_attn/attention", g
+    assert g["shrink"] > 1 and "7 row(s) of kqv_out-0" in g["written"], g
 
 
 def test_past_the_memory_bound_only_layer_boundaries_are_kept(backend, request_):

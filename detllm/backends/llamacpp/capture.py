@@ -168,7 +168,7 @@ def tensors(dump: Dump, spec: CaptureSpec, arch: str, n_head: int, n_head_kv: in
         g["positions"] += positions
         g["in_shapes"].append(in_shapes)
         g["out_shapes"].append(_whole(rec))
-        if base is not None and base.endswith("attn_output") and len(evals) == 1 and inputs:
+        if base is not None and base.endswith("attn_output") and sum(1 for e in evals if e) == 1 and inputs:
             _attention(groups, rec, hf, inputs[0], by_name, fa=any(r["op"] == "FLASH_ATTN_EXT" for r in dump.records),
                        positions=positions, prompt_len=len(idx["prompt"]),
                        heads=(n_head, n_head_kv), unperm=arch in UNPERMUTED_ARCHS, reference=spec.reference)
@@ -185,8 +185,8 @@ def tensors(dump: Dump, spec: CaptureSpec, arch: str, n_head: int, n_head_kv: in
                      "lm_head), the layer boundaries and each layer's attention op (self_attn/attention: its output is "
                      "o_proj's input; inputs roped query/key, value and the cached K/V); no softmax, activation or rotary "
                      "internals")
-        if len(evals) > 1:
-            notes.append(f"attention ops not captured: the step ran in {len(evals)} ubatches")
+        if sum(1 for e in evals if e) > 1:  # the evaluations holding the captured sequence's rows (a batch has others)
+            notes.append(f"attention ops not captured: the step's rows ran in {sum(1 for e in evals if e)} ubatches")
     return out, notes
 
 

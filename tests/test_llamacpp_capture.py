@@ -133,6 +133,12 @@ def test_a_bad_argument_is_one_line(dumper, gguf, tmp_path):
     r = subprocess.run([str(dumper), "-m", str(gguf), "--tokens", "999999", "--step", "0", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
+    for extra, said in ((["--tokens", "1,2;3", "--forced", "5,6"], "--forced gives the generated tokens of 1 sequence(s); --tokens has 2"),
+                        (["--tokens", "1,2;3", "--forced", "5;6", "--row", "2"], "--row 2 is not a sequence of the batch"),
+                        (["--tokens", "1,2", "--graft", "l_out-0"], "--graft needs --graft-file (readable) and --graft-pos")):
+        r = subprocess.run([str(dumper), "-m", str(gguf), "--step", "0", "--out", str(tmp_path), *extra],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip() == f"detllm-dump: error: {said}", r.stderr
 
 
 def test_unpermute_undoes_gguf_q_k_permutation():

@@ -402,7 +402,7 @@ int main(int argc, char ** argv) {
     const bool batched = prompts.size() > 1;
     if (!batched && !prompts.empty()) prompt = prompts[0];
     if (!batched && !gens.empty()) forced = gens[0];
-    if (model_path.empty() || out_dir.empty() || prompts.empty() || step < 0) {
+    if (model_path.empty() || out_dir.empty() || prompts.empty() || prompts[0].empty() || step < 0) {
         usage_error("-m, --tokens, --step and --out are required");
     }
     if (batched) {

@@ -44,40 +44,60 @@ def check(tmp_path_factory):
                         max_new_tokens=3, options=OPTIONS, out=tmp / "check").out_dir
 
 
-def test_batch_1_vs_4_is_located_on_a_real_row_difference(check, tmp_path):
+@pytest.fixture(scope="module")
+def server():
+    llama_server_or_fail()
+    with LlamaCppBackend("tiny", LlamaCppOptions(**OPTIONS), slots=4) as b:
+        yield b, [Request(i, tuple(b.tokenize(p)), p) for i, p in enumerate(PROMPTS)]
+
+
+def test_batch_1_vs_4_is_located_on_a_real_row_difference(check, server, tmp_path):
     doc = locate(f"{check}::batch_1", f"{check}::batch_4", out=tmp_path / "loc").doc
     assert doc["status"] == "located", doc["line"]
     right = doc["right"]
     assert right["reproduced"] and any("a batch of 4: detllm-dump re-ran it" in n for n in right["notes"]), right
     op, step = doc["first_bitwise_op"]["module"], doc["captured_step"]
     # the named op, captured again here from both schedules: row 0's inputs agree bitwise, its output does not
-    with LlamaCppBackend("tiny", LlamaCppOptions(**OPTIONS), slots=4) as b:
-        reqs = [Request(i, tuple(b.tokenize(p)), p) for i, p in enumerate(PROMPTS)]
-        spec = CaptureSpec(step=step, row=0, level="modules")
-        one = b.capture(reqs[:1], Decoding(max_new_tokens=3), seed=0, n_logprobs=5, spec=spec)
-        four = b.capture(reqs, Decoding(max_new_tokens=3), seed=0, n_logprobs=5, spec=spec)
-        got = [{t.name: t for t in c.tensors}[op] for c in (one, four)]
-        assert all(np.array_equal(x, y) for x, y in zip(got[0].inputs, got[1].inputs)) and got[0].inputs, op
-        assert not np.array_equal(got[0].output, got[1].output), op
-        # the rows cut from the batched graph are row 0's: its embedding is token_embd's rows of prompt 0's tokens
-        emb = {t.name: t for t in four.tensors}["model.embed_tokens"].output
-        W = np.fromfile(b.gguf, dtype=np.float32, count=int(np.prod(b.info.tensor_layout["token_embd.weight"][0])),
-                        offset=b.info.tensor_layout["token_embd.weight"][1]).reshape(-1, emb.shape[-1])
-        ids = list(reqs[0].input_ids) + list(four.generations[0].token_ids[:step])
-        assert np.array_equal(emb, W[[ids[p] for p in {t.name: t for t in four.tensors}["model.embed_tokens"].positions]])
-        assert four.engine["dumper_topk_gap_max_abs_diff"] <= BOUND and "not_reproduced" not in four.engine
-        sched = four.engine["dumper_schedule"]
-        assert sched and all(set(e["sequences"]) == {"0", "1", "2", "3"} for e in sched), sched
-        # the bound tells schedules apart: row 0 computed alone does not match what the server gave it in the batch
-        alone = run_dump(find_dumper(b.binary), b.gguf, reqs[0].input_ids, four.generations[0].token_ids[:step], step,
-                         b.dump_settings(), patterns=(r"^result_output$",))
-        top = four.generations[0].top_logprobs
-        gap = max(abs((lp - top[i][0][1]) - float(alone.logits[i][t] - alone.logits[i][top[i][0][0]]))
-                  for i in range(step + 1) for t, lp in top[i])
-        assert gap > BOUND, gap
+    b, reqs = server
+    spec = CaptureSpec(step=step, row=0, level="modules")
+    one = b.capture(reqs[:1], Decoding(max_new_tokens=3), seed=0, n_logprobs=5, spec=spec)
+    four = b.capture(reqs, Decoding(max_new_tokens=3), seed=0, n_logprobs=5, spec=spec)
+    got = [{t.name: t for t in c.tensors}[op] for c in (one, four)]
+    assert all(np.array_equal(x, y) for x, y in zip(got[0].inputs, got[1].inputs)) and got[0].inputs, op
+    assert not np.array_equal(got[0].output, got[1].output), op
+    # the rows cut from the batched graph are row 0's: its embedding is token_embd's rows of prompt 0's tokens
+    emb = {t.name: t for t in four.tensors}["model.embed_tokens"].output
+    W = np.fromfile(b.gguf, dtype=np.float32, count=int(np.prod(b.info.tensor_layout["token_embd.weight"][0])),
+                    offset=b.info.tensor_layout["token_embd.weight"][1]).reshape(-1, emb.shape[-1])
+    ids = list(reqs[0].input_ids) + list(four.generations[0].token_ids[:step])
+    assert np.array_equal(emb, W[[ids[p] for p in {t.name: t for t in four.tensors}["model.embed_tokens"].positions]])
+    assert four.engine["dumper_topk_gap_max_abs_diff"] <= BOUND and "not_reproduced" not in four.engine
+    sched = four.engine["dumper_schedule"]
+    assert sched and all(set(e["sequences"]) == {"0", "1", "2", "3"} for e in sched), sched
+    # the bound tells schedules apart: row 0 computed alone does not match what the server gave it in the batch
+    alone = run_dump(find_dumper(b.binary), b.gguf, reqs[0].input_ids, four.generations[0].token_ids[:step], step,
+                     b.dump_settings(), patterns=(r"^result_output$",))
+    top = four.generations[0].top_logprobs
+    gap = max(abs((lp - top[i][0][1]) - float(alone.logits[i][t] - alone.logits[i][top[i][0][0]]))
+              for i in range(step + 1) for t, lp in top[i])
+    assert gap > BOUND, gap
     assert doc["category"]["name"] == "reduction_order" and "operand shapes differ" in doc["category"]["why"], doc["category"]
     g = doc["graft"]["into_right"]  # the left's row grafted into the batched graph's row 0
     assert "written 1 time(s)" in g["written"] and g["outcome"] in ("one_of_many", "partial", "confirmed"), g
+
+
+def test_a_decode_step_in_the_batch_reads_its_own_kv_stream(server):
+    """Row 1 of the batch at step 2 (one ubatch of 4 rows): the dumper reproduces the server's row, and the
+    K/V cached for it are its own stream's: the keys its prompt wrote at step 0 in the same batch, bitwise (f32 cache)."""
+    b, reqs = server
+    caps = {s: b.capture(reqs, Decoding(max_new_tokens=3), seed=0, n_logprobs=5, spec=CaptureSpec(step=s, row=1, level="modules"))
+            for s in (0, 2)}
+    assert caps[2].engine["dumper_topk_gap_max_abs_diff"] <= BOUND and caps[2].engine["dumper_schedule"] == [
+        {"rows": 4, "sequences": {str(i): [len(reqs[i].input_ids) + 1, 1] for i in range(4)}}]
+    att = [{t.name: t for t in caps[s].tensors}["model.layers.0.self_attn/attention"] for s in (0, 2)]
+    n = len(reqs[1].input_ids)
+    assert att[1].input_names[3:] == ["past_keys", "past_values"] and att[1].inputs[3].shape[0] == n + 1
+    assert np.array_equal(att[1].inputs[3][:n], att[0].inputs[1]) and np.array_equal(att[1].inputs[4][:n], att[0].inputs[2])
 
 
 def test_the_same_batch_twice_locates_nothing(check, tmp_path):

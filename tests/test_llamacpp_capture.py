@@ -17,7 +17,7 @@ import pytest
 from detllm.backends.base import CaptureSpec, Request
 from detllm.backends.llamacpp import LlamaCppBackend, LlamaCppOptions
 from detllm.backends.llamacpp.capture import SKIP_NODES, SKIP_OPS, find_dumper, run_dump
-from detllm.backends.llamacpp.names import NameMap, unpermute
+from detllm.backends.llamacpp.names import NameMap, repermute, unpermute
 from detllm.core.config import Decoding
 from detllm.core.errors import UsageError
 from detllm.models import builtin_path
@@ -133,6 +133,12 @@ def test_a_bad_argument_is_one_line(dumper, gguf, tmp_path):
     r = subprocess.run([str(dumper), "-m", str(gguf), "--tokens", "999999", "--step", "0", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
+    for extra, said in ((["--tokens", "1,2;3", "--forced", "5,6"], "--forced gives the generated tokens of 1 sequence(s); --tokens has 2"),
+                        (["--tokens", "1,2;3", "--forced", "5;6", "--row", "2"], "--row 2 is not a sequence of the batch"),
+                        (["--tokens", "1,2", "--graft", "l_out-0"], "--graft needs --graft-file (readable) and --graft-pos")):
+        r = subprocess.run([str(dumper), "-m", str(gguf), "--step", "0", "--out", str(tmp_path), *extra],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip() == f"detllm-dump: error: {said}", r.stderr
 
 
 def test_unpermute_undoes_gguf_q_k_permutation():
@@ -140,6 +146,8 @@ def test_unpermute_undoes_gguf_q_k_permutation():
     w = rng.standard_normal((2 * 64, 128)).astype(np.float32)  # tiny's q_proj: 2 heads of 64
     x = rng.standard_normal((5, 128)).astype(np.float32)
     assert np.array_equal(unpermute(x @ permute_qk(w, 2).T, 2), x @ w.T)
+    # a graft into llama.cpp goes the other way: HF's q output re-permuted is what GGUF's permuted weight computes
+    assert np.array_equal(repermute(x @ w.T, 2), x @ permute_qk(w, 2).T)
 
 
 def test_weights_name_hugging_face_modules_through_the_gguf_map():
@@ -170,10 +178,9 @@ def test_capture_reproduces_the_server_and_names_modules(captures, request_):
         assert np.array_equal(by["model.layers.1"].inputs[0][-1], by["model.layers.0"].output[-1])
 
 
-def test_a_batch_is_refused(backend, request_):
-    with pytest.raises(UsageError, match="one sequence; this batch has 2 rows"):
-        backend.capture([request_, request_], Decoding(max_new_tokens=2), seed=0, n_logprobs=0,
-                        spec=CaptureSpec(step=0, row=0))
+def test_a_row_outside_the_batch_is_refused(backend, request_):
+    with pytest.raises(UsageError, match="row 1 is not a row of this batch of 1"):
+        backend.capture([request_], Decoding(max_new_tokens=2), seed=0, n_logprobs=0, spec=CaptureSpec(step=0, row=1))
 
 
 def test_layers_level_keeps_the_boundaries(backend, request_):
@@ -254,10 +261,13 @@ def test_locate_hf_vs_llamacpp_names_the_first_layer(runs):
     assert doc["status"] == "located" and first["module"] in {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}, first
     assert doc["first_beyond_tolerance_op"] is None
     # issue 33: within tolerance, but the difference then grows inside the attention core that only llama.cpp's side
-    # captured (hf's is inside self_attn): not judged, never benign; llama.cpp does not graft, and says so
+    # captured (hf's is inside self_attn): not judged, never benign
     assert doc["category"]["name"] == "not_judged" and doc["line"].startswith("not judged: the difference grows from"), doc["line"]
     assert "model.layers.0.self_attn.o_proj's input" in doc["category"]["why"] and "self_attn" in doc["category"]["why"]
-    assert doc["graft"]["into_right"]["outcome"] == "not_grafted" and "does not graft yet" in doc["graft"]["into_right"]["why"]
+    # hf's output grafted into llama.cpp's node by detllm-dump (q/k re-permuted into GGUF's order): the divergence remains
+    g = doc["graft"]["into_right"]
+    assert g["outcome"] in ("one_of_many", "partial") and "written 1 time(s) (7 row(s)" in g["written"], g
+    assert ("re-permuted" in g["written"]) == (first["module"] != "model.layers.0.self_attn.v_proj"), g["written"]
 
 
 def test_a_build_without_the_dumper_captures_nothing(dumper, tmp_path):
@@ -309,6 +319,11 @@ def test_locate_llamacpp_flash_attention_on_vs_off_names_the_attention(tmp_path)
     assert doc["status"] == "located", doc["line"]
     for key in ("first_bitwise_op", "first_beyond_tolerance_op"):
         assert doc[key]["module"] == "model.layers.0.self_attn/attention" and doc[key]["kind"] == "attention", doc[key]
+    # issue 33: layer 0's attention output (kqv_out-0) grafted into the flash-attention side by detllm-dump: the logits'
+    # difference shrinks, and layer 1's attention differs on its own (flash attention computes every layer in F16)
+    g = doc["graft"]["into_right"]
+    assert g["outcome"] == "partial" and g["next_op"]["module"] == "model.layers.1.self_attn/attention", g
+    assert g["shrink"] > 1 and "7 row(s) of kqv_out-0" in g["written"], g
 
 
 def test_past_the_memory_bound_only_layer_boundaries_are_kept(backend, request_):
@@ -317,24 +332,6 @@ def test_past_the_memory_bound_only_layer_boundaries_are_kept(backend, request_)
     assert cap.level == "layers" and any("byte bound" in n for n in cap.notes)
     assert [t.name for t in cap.tensors] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
     assert [t.order for t in cap.tensors] == [0, 1, 2, 3] and all(type(t.output) is np.ndarray for t in cap.tensors), "copies, not views of the mapped dump"
-
-
-def test_locating_a_llamacpp_batch_is_refused_up_front_with_what_to_do(dumper, tmp_path, cli):
-    """Issue 32 point 7: a batched llama.cpp side is refused before any server starts (exit 4, one line),
-    and the refusal says what to do instead: the same pair on hf or vllm, or a batch-1 run with diff --locate."""
-    import detllm
-
-    from .conftest import write_prompts
-
-    prompts = write_prompts(tmp_path / "p.jsonl", [PROMPT, "def fib(n):"])
-    folder = detllm.run(backend="llamacpp", model="tiny", prompts=prompts, tier=2, max_new_tokens=2, batch_size=2,
-                        out=tmp_path / "b2").out_dir
-    r = cli("locate", folder, folder, "--step", "0", "--out", tmp_path / "loc")
-    assert r.exit_code == 4, r.output
-    line = r.stderr.strip()
-    assert len(line.splitlines()) == 1 and "batch has 2 rows" in line and "cannot be located yet" in line, line
-    assert "on hf or vllm" in line and "--locate" in line, line
-    assert not (tmp_path / "loc").exists()
 
 
 def test_a_tied_embedding_model_keeps_its_logits(dumper):

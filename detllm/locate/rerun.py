@@ -48,7 +48,7 @@ class Rerun:
 def check_capture(config: RunConfig, label: str, rows: int = 1) -> None:
     """BackendUnavailableError (exit 4) for a backend without internals to capture (served
     endpoints), or one whose recorded config its capture refuses for a batch of `rows` (vLLM at
-    tensor_parallel_size > 1, a llama.cpp batch), before anything is loaded or written."""
+    tensor_parallel_size > 1, a llama.cpp GPU run), before anything is loaded or written."""
     cls = backend_class(config.backend)
     if cls.capture is Backend.capture:
         raise BackendUnavailableError(f"{label}: backend {config.backend!r} has no internals locate can capture",
@@ -160,6 +160,8 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
             return cap, f"prompt {rec['prompt_index']} (batch row {pos}), {what}"
     if rerun.own_check is not None:
         return cap, rerun.own_check(cap)
+    if (cap.engine or {}).get("not_reproduced"):  # the engine re-ran the batch, its capture did not (llama.cpp's dumper)
+        return cap, cap.engine["not_reproduced"]
     return cap, None
 
 

@@ -59,6 +59,7 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     uses_torch = False
     Options = LlamaCppOptions
+    grafts = True  # CaptureSpec.graft: detllm-dump writes the other side's rows into the node (rows.py)
 
     def __init__(self, model: str | Path = "tiny", options: LlamaCppOptions | None = None, *,
                  slots: int = 1, threads: int | None = None, device: str = "cpu", dtype: str = "auto") -> None:
@@ -94,11 +95,6 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def capture_refusal(cls, config: RunConfig, rows: int) -> tuple[str, str] | None:
-        if rows > 1:
-            return (f"llama.cpp capture re-runs one sequence through detllm-dump, and this side's batch has {rows} rows: "
-                    "a llama.cpp batch cannot be located yet",
-                    "locate the same batch pair on hf or vllm (detllm check --backend hf --vary-batch 1,8, then locate), or "
-                    "locate this model's llama.cpp run at batch 1 against hf (detllm diff A B --locate)")
         if config.device not in ("cpu", "auto"):
             return (f"llama.cpp capture computes on the CPU; this run used {config.device!r}", "locate a --device cpu llamacpp run")
         return None
@@ -191,7 +187,7 @@ class LlamaCppBackend(Backend):
             max_tier=2, logprobs=True, sampling=True, batch_invariant=False,
             notes=("llama.cpp is not batch invariant: the prompts of a batch share each llama_decode call and "
                    "logprobs change with the batch composition (up to ~3e-4 seen on tiny)",),
-            capture="layers" if (self.binary.parent / DUMPER).is_file() else "none",  # one sequence, through detllm-dump (capture.py)
+            capture="layers" if (self.binary.parent / DUMPER).is_file() else "none",  # through detllm-dump (capture.py)
         )
 
     def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, spec: CaptureSpec) -> Capture:

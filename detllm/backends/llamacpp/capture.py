@@ -1,7 +1,8 @@
 """The `llamacpp` backend's capture (`detllm locate`): run detllm-dump (our libllama program, built
 next to llama-server by scripts/build_llamacpp.sh) on one recorded sequence, read the raw tensors
 it wrote at the chosen step, name them in Hugging Face naming (names.py), add each layer's attention
-op with its cached K/V, and evaluate each op in float64 (the tolerance). One sequence only.
+op with its cached K/V, and evaluate each op in float64 (the tolerance). A batch is re-run as
+llama-server scheduled it and the prompt's rows cut out (rows.py); a graft is written by the dumper.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any, Sequence
 
 from ...core.errors import BackendError, BackendUnavailableError, UsageError
 from ..capture import Capture, CapturedTensor, CaptureSpec
+from . import rows as batchrows
 from .names import UNPERMUTED_ARCHS, NameMap, node_name, unpermute
 
 DUMPER = "detllm-dump"
-DUMP_FORMAT, DUMP_VERSION = "detllm-dump", 1
+DUMP_FORMAT, DUMP_VERSION = "detllm-dump", 2  # 2: "rows", "sequences", "row", "graft" (a batch, the graft)
 LAYER_KINDS = ("embedding", "layer", "logits")  # what a "layers" capture keeps
 # what the dumper is asked for: a "layers" capture needs the embedding, the boundaries and the logits;
 # a "modules" one every activation, less the views/reshapes of nodes captured anyway and the cache
@@ -52,11 +54,15 @@ class Dump:
 
 def run_dump(dumper: Path, gguf: Path, prompt: Sequence[int], forced: Sequence[int], step: int, settings: dict[str, Any],
              patterns: Sequence[str] = (), skips: Sequence[str] = (), skip_ops: Sequence[str] = (),
-             timeout: float = 600.0) -> Dump:
-    """Run detllm-dump on one sequence and read what it wrote. `settings` mirror llama-server's:
+             timeout: float = 600.0, batch: Sequence[Sequence[int]] = (), gens: Sequence[Sequence[int]] = (), row: int = 0,
+             extra: Sequence[str] = ()) -> Dump:
+    """Run detllm-dump on one sequence (or a `batch`: every row's prompt, `gens` every row's generated
+    tokens, `row` the one captured) and read what it wrote. `settings` mirror llama-server's:
     threads, threads_batch, n_ctx, n_seq, batch, ubatch, flash_attn, kv_type (None: the default)."""
-    argv = [str(dumper), "-m", str(gguf), "--tokens", ",".join(str(int(t)) for t in prompt), "--step", str(step)]
-    if step:
+    argv = [str(dumper), "-m", str(gguf), "--tokens", batchrows.ids(batch if len(batch) > 1 else [prompt]), "--step", str(step)]
+    if len(batch) > 1:
+        argv += ["--forced", batchrows.ids(gens), "--row", str(row)]
+    elif step:
         argv += ["--forced", ",".join(str(int(t)) for t in forced[:step])]
     for flag, key in (("-t", "threads"), ("-tb", "threads_batch"), ("-c", "n_ctx"), ("-np", "n_seq"), ("-b", "batch"),
                       ("-ub", "ubatch"), ("-fa", "flash_attn"), ("-ctk", "kv_type"), ("-ctv", "kv_type")):
@@ -68,6 +74,7 @@ def run_dump(dumper: Path, gguf: Path, prompt: Sequence[int], forced: Sequence[i
         argv += ["--skip", p]
     for op in skip_ops:
         argv += ["--skip-op", op]
+    argv += list(extra)
     with tempfile.TemporaryDirectory(prefix="detllm-dump-") as out:
         try:
             proc = subprocess.run([*argv, "--out", out], capture_output=True, text=True, timeout=timeout, check=False)
@@ -107,6 +114,7 @@ def read_dump(folder: Path) -> Dump:
             if first + count > data.size or int(rec["nbytes"]) != 4 * count:
                 raise BackendError(f"{DUMPER}: tensor {rec['name']!r} lies outside tensors.bin")
             rec["data"] = data[first:first + count].reshape(ne[3], ne[2], ne[1], ne[0])
+    batchrows.cut(index, records)  # a batch: the captured row's rows only
     return Dump(index, records, logits.reshape(step + 1, n_vocab))
 
 
@@ -151,15 +159,16 @@ def tensors(dump: Dump, spec: CaptureSpec, arch: str, n_head: int, n_head_kv: in
             positions = positions[len(positions) - rows.shape[-2]:] if rows.shape[-2] <= len(positions) else []
         if base is not None and base.endswith(("attn_q", "attn_k")) and arch in UNPERMUTED_ARCHS:
             rows = unpermute(rows, n_head if base.endswith("attn_q") else n_head_kv)
-        inputs = _inputs(rec, hf, kind, by_name, names)
+        in_shapes: list = []
+        inputs = _inputs(rec, hf, kind, by_name, names, in_shapes)
         g = groups.setdefault(hf, {"kind": kind, "order": rec["order"], "out": [], "inputs": [], "positions": [],
                                    "in_shapes": [], "out_shapes": []})
         g["out"].append(rows)
         g["inputs"].append(inputs)
         g["positions"] += positions
-        g["in_shapes"].append([(1, *a.shape) for a in inputs])
-        g["out_shapes"].append((1, *rows.shape))
-        if base is not None and base.endswith("attn_output") and len(evals) == 1 and inputs:
+        g["in_shapes"].append(in_shapes)
+        g["out_shapes"].append(_whole(rec))
+        if base is not None and base.endswith("attn_output") and sum(1 for e in evals if e) == 1 and inputs:
             _attention(groups, rec, hf, inputs[0], by_name, fa=any(r["op"] == "FLASH_ATTN_EXT" for r in dump.records),
                        positions=positions, prompt_len=len(idx["prompt"]),
                        heads=(n_head, n_head_kv), unperm=arch in UNPERMUTED_ARCHS, reference=spec.reference)
@@ -176,8 +185,8 @@ def tensors(dump: Dump, spec: CaptureSpec, arch: str, n_head: int, n_head_kv: in
                      "lm_head), the layer boundaries and each layer's attention op (self_attn/attention: its output is "
                      "o_proj's input; inputs roped query/key, value and the cached K/V); no softmax, activation or rotary "
                      "internals")
-        if len(evals) > 1:
-            notes.append(f"attention ops not captured: the step ran in {len(evals)} ubatches")
+        if sum(1 for e in evals if e) > 1:  # the evaluations holding the captured sequence's rows (a batch has others)
+            notes.append(f"attention ops not captured: the step's rows ran in {sum(1 for e in evals if e)} ubatches")
     return out, notes
 
 
@@ -223,8 +232,16 @@ def _attention(groups: dict, o_proj: dict[str, Any], o_name: str, out: Any, by_n
         ref = float(np.max(np.abs(out.astype(np.float64) - expect))) if out.size else 0.0
     groups[o_name.rsplit(".", 1)[0] + "/attention"] = {"ref": ref,
         "kind": "attention", "order": o_proj["order"] - 0.5, "out": [out], "inputs": [inputs], "positions": list(positions),
-        "in_shapes": [[(1, *a.shape) for a in inputs]], "out_shapes": [(1, *out.shape)], "names": KV_INPUTS[:len(inputs)],
+        "in_shapes": [[_flat_whole(get[x], a) for x, a in zip("qkv", inputs)] + [(1, *a.shape) for a in inputs[3:]]],
+        "out_shapes": [(1, *out.shape) if "whole" not in get["q"] else (1, get["q"]["whole"][0], out.shape[-1])],
+        "names": KV_INPUTS[:len(inputs)],
         "cached": [0 if p < prompt_len else p - prompt_len + 1 for p in range(first)]}
+
+
+def _flat_whole(rec: dict[str, Any], a: Any) -> tuple[int, ...]:
+    """A roped q/k or v node's whole shape ([tokens, heads, head_dim], every sequence's rows) as [1, tokens, features]."""
+    w = rec.get("whole")
+    return (1, *a.shape) if w is None else (1, w[0], a.shape[-1])
 
 
 def _batch_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -232,14 +249,24 @@ def _batch_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return (1, sum(s[1] for s in shapes), *shapes[0][2:]) if shapes and len(shapes[0]) >= 3 else (shapes[0] if shapes else ())
 
 
-def _inputs(rec: dict[str, Any], hf: str, kind: str, by_name: dict, names: NameMap) -> list[Any]:
+def _whole(rec: dict[str, Any]) -> tuple[int, ...]:
+    """A node's shape as the engine computed it, [1, rows, ...] (a batch: every sequence's rows, before the cut)."""
+    return (1, *rec.get("whole", _rows(rec["data"]).shape))
+
+
+def _inputs(rec: dict[str, Any], hf: str, kind: str, by_name: dict, names: NameMap, shapes: list | None = None) -> list[Any]:
     """The captured activations a node read (weights left out): a layer boundary's input is the previous
-    boundary (or the embedding), a norm's is what its RMS_NORM read, a matmul's its activation operand."""
+    boundary (or the embedding), a norm's is what its RMS_NORM read, a matmul's its activation operand.
+    `shapes` collects each one's whole shape (_whole)."""
     ev = rec["eval"]
+    shapes = [] if shapes is None else shapes
     if kind == "layer":
         n = int(hf.rsplit(".", 1)[1])
         prev = by_name.get((ev, f"l_out-{n - 1}")) if n else (by_name.get((ev, "inp_embd")) or by_name.get((ev, "embd")))
-        return [_rows(prev["data"])] if prev is not None and prev["data"] is not None else []
+        if prev is None or prev["data"] is None:
+            return []
+        shapes.append(_whole(prev))
+        return [_rows(prev["data"])]
     found = []
     for src in rec["src"]:
         if names.module(src["name"]) is not None or src["name"].endswith(".weight"):
@@ -248,6 +275,7 @@ def _inputs(rec: dict[str, Any], hf: str, kind: str, by_name: dict, names: NameM
         got = by_name.get((ev, wanted))
         if got is not None and got["data"] is not None:
             found.append(_rows(got["data"]))
+            shapes.append(_whole(got))
     return found
 
 
@@ -258,23 +286,28 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     settings, feeding the server's tokens, and writes the nodes of step spec.step."""
     import numpy as np
 
-    if len(requests) != 1 or spec.row != 0:
-        raise UsageError(f"llama.cpp capture re-runs one sequence; this batch has {len(requests)} rows "
-                         "(batched llama.cpp runs are out of scope)",
-                         hint="locate a batch-1 llamacpp run, or capture a batch with hf or vllm")
+    if not 0 <= spec.row < len(requests):
+        raise UsageError(f"row {spec.row} is not a row of this batch of {len(requests)}")
     if backend.device != "cpu":
         raise BackendUnavailableError(f"llama.cpp capture computes on the CPU; this run used {backend.device!r}",
                                       hint="locate a --device cpu llamacpp run")
     dumper = find_dumper(backend.binary)
     cut = dataclasses.replace(decoding, max_new_tokens=min(decoding.max_new_tokens, spec.step + 1))
     gens = backend.generate(requests, cut, seed=seed, n_logprobs=n_logprobs, logprobs=n_logprobs > 0)
-    tokens = list(gens[0].token_ids)
+    tokens = list(gens[spec.row].token_ids)
     if len(tokens) <= spec.step:
         raise UsageError(f"the re-run stopped after {len(tokens)} tokens; step {spec.step} was not reached")
     settings = backend.dump_settings()
     layers = spec.level == "layers"
-    dump = run_dump(dumper, backend.gguf, requests[0].input_ids, tokens[:spec.step], spec.step, settings,
-                    patterns=LAYER_NODES if layers else (), skips=SKIP_NODES, skip_ops=SKIP_OPS)
+    meta, arch = backend.info.metadata, backend.info.architecture
+    n_head = int(meta.get(f"{arch}.attention.head_count") or 1)
+    n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv") or n_head)
+    prompt = requests[spec.row].input_ids
+    with tempfile.TemporaryDirectory(prefix="detllm-graft-") as tmp:
+        extra, graft_note = batchrows.graft_args(spec, backend.info, Path(tmp), (n_head, n_head_kv), len(prompt) + spec.step - 1)
+        dump = run_dump(dumper, backend.gguf, prompt, tokens[:spec.step], spec.step, settings,
+                        patterns=LAYER_NODES if layers else (), skips=SKIP_NODES, skip_ops=SKIP_OPS,
+                        batch=[r.input_ids for r in requests], gens=[g.token_ids for g in gens], row=spec.row, extra=extra)
     meta, arch = backend.info.metadata, backend.info.architecture
     n_head = int(meta.get(f"{arch}.attention.head_count") or 1)
     n_head_kv = int(meta.get(f"{arch}.attention.head_count_kv") or n_head)
@@ -283,7 +316,7 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     if spec.reference and level != "layers":
         eps = float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5)
         notes += reference_errors(found, backend.gguf, backend.info, n_head, n_head_kv, eps,
-                                  [*requests[0].input_ids, *tokens[:spec.step]])
+                                  [*prompt, *tokens[:spec.step]])
     if level != "layers" and sum(int(t.output.nbytes) + sum(int(i.nbytes) for i in t.inputs) for t in found) > spec.max_bytes:
         found = [dataclasses.replace(t, order=k) for k, t in enumerate(t for t in found if t.kind in LAYER_KINDS)]
         level = "layers"
@@ -294,21 +327,33 @@ def capture_sequence(backend: Any, requests: Sequence[Any], decoding: Any, *, se
     # softmax sum (summed in an order we cannot replay; on a 49k vocabulary it is off by ~2e-4), so
     # compare the gaps to the best entry, where the sum cancels: logprob_j - logprob_0 = logit_j - logit_0
     drift = None
-    if gens[0].top_logprobs:
+    if gens[spec.row].top_logprobs:
         drift = max((abs((lp - top[0][1]) - float(dump.logits[i][tok] - dump.logits[i][top[0][0]]))
-                     for i, top in enumerate(gens[0].top_logprobs[:spec.step + 1]) for tok, lp in top), default=None)
+                     for i, top in enumerate(gens[spec.row].top_logprobs[:spec.step + 1]) for tok, lp in top), default=None)
     greedy_same = [int(t) for t in dump.index["argmax"]] == tokens[:spec.step + 1]
-    notes += ["one sequence, re-run by llama-server (the generations) and by detllm-dump (the tensors) with the same "
-              "settings; batched llama.cpp runs are out of scope",
+    notes += [f"a batch of {len(requests)}: detllm-dump re-ran it as llama-server schedules its slots (row i on slot i, "
+              "each iteration the generating slots' tokens then the prompts, up to -b tokens, split into the ubatches "
+              f"llama_decode makes) and row {spec.row}'s rows were cut out of each graph evaluation" if len(requests) > 1 else
+              "one sequence, re-run by llama-server (the generations) and by detllm-dump (the tensors) with the same "
+              "settings",
               "RMS_NORM nodes are never captured (a cut there would undo the CPU backend's RMS_NORM+MUL fusion); "
               "a norm module is its MUL with the norm weight"]
     if settings.get("threads") is None:
         notes.append("llama-server did not log its thread count: detllm-dump ran with 1 thread, perhaps not the server's")
     if arch not in UNPERMUTED_ARCHS:
         notes.append(f"q/k outputs are in GGUF's row order: no un-permute rule for architecture {arch!r}")
+    if graft_note:
+        notes.append(graft_note(dump.index.get("graft") or {}))
     engine = {"dumper": str(dumper), "dumper_argv": dump.argv, "evals": dump.index["evals"],
               "dumper_argmax_equals_server_tokens": greedy_same, "dumper_topk_gap_max_abs_diff": drift}
+    if len(requests) > 1:
+        engine["dumper_schedule"] = batchrows.schedule(dump.index)
+        if not greedy_same or drift is None or drift > batchrows.BOUND:
+            engine["not_reproduced"] = (f"detllm-dump's re-run of the batch of {len(requests)} did not compute llama-server's "
+                                        f"row {spec.row}: " + ("its argmax tokens differ from the server's" if not greedy_same else
+                                                               f"top-k logprob gaps differ by {drift!r} (bound {batchrows.BOUND:g})"))
     return Capture(generations=gens, tensors=found, level=level, notes=notes, engine=engine)
+
 
 
 def weight(gguf_path: Path, info: Any, name: str) -> Any:

@@ -79,4 +79,10 @@ def unpermute(a: Any, n_head: int) -> Any:
     return a.reshape(*a.shape[:-1], n_head, head_dim // 2, 2).swapaxes(-1, -2).reshape(a.shape)
 
 
-__all__ = ["LAYER_OUT", "UNPERMUTED_ARCHS", "NameMap", "node_name", "unpermute"]
+def repermute(a: Any, n_head: int) -> Any:
+    """The inverse of `unpermute`: Hugging Face's q/k feature order back to GGUF's (a graft into llama.cpp)."""
+    head_dim = a.shape[-1] // n_head
+    return a.reshape(*a.shape[:-1], n_head, 2, head_dim // 2).swapaxes(-1, -2).reshape(a.shape)
+
+
+__all__ = ["LAYER_OUT", "UNPERMUTED_ARCHS", "NameMap", "node_name", "repermute", "unpermute"]

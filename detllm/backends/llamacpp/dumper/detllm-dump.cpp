@@ -3,7 +3,8 @@
 // Built by scripts/build_llamacpp.sh as an extra target of the same pinned llama.cpp build.
 //
 //   detllm-dump -m MODEL.gguf --tokens 1,2,3 --step S --out DIR [--forced 7,8] [--match REGEX]... [--skip REGEX]...
-//               [--skip-op OP]...
+//               [--skip-op OP]... [--tokens 1,2;3,4,5 --forced 7,8,9;6,6,6 --row R]
+//               [--graft NAME --graft-file F --graft-pos P,... [--graft-op OP]]
 //               [-t N] [-tb N] [-c N] [-np N] [-b N] [-ub N] [-fa on|off|auto] [-ctk T] [-ctv T] [-v]
 //
 // Step 0 is the prompt's forward (it yields generated token 0); step k > 0 feeds generated token
@@ -15,17 +16,32 @@
 //
 // DIR/tensors.bin: the captured tensors, float32, contiguous, ggml order (ne[0] fastest), back to back.
 // DIR/logits.bin:  the last row's logits at each step 0..S, float32 [S+1][n_vocab].
-// DIR/index.json:  {"format": "detllm-dump", "version": 1, ..., "evals": [[first position, tokens], ...],
+// DIR/index.json:  {"format": "detllm-dump", "version": 2, ..., "evals": [[first position, tokens], ...], "rows", "graft",
 //                  "tensors": [{"name", "op", "type", "ne", "eval", "order", "offset", "nbytes",
 //                               "src": [{"name", "op", "type", "ne", "src": [names]}]}]}
 //                  "eval" indexes "evals": the prompt is decoded one ubatch per llama_decode (chunks of
 //                  -b split by -ub, as llama_decode splits one sequence), so each is one graph evaluation.
 // A tensor of a type that is not f32/f16/bf16/i32 is listed with "offset": null (no data).
+//
+// A batch (--tokens A;B;...; --forced G_A;G_B;... the tokens each sequence generated; --row R): the
+// sequences run as llama-server's update_slots batches its slots (slot i = sequence i): each server
+// iteration one llama_batch, first the sampled token of every generating slot, then the prompt tokens of
+// the slots still processing, in slot order, up to -b tokens; each batch split into the ubatches
+// llama_decode makes of it (split_equal, ported below) and each ubatch decoded by its own llama_decode,
+// so every graph evaluation is known. The captured step is row R's step S; "rows" gives, per
+// evaluation, [sequence, position, output] of each row, and logits.bin holds row R's logits.
+// --graft NAME --graft-file F --graft-pos P,...: at the captured step, after the first node per
+// evaluation whose name is NAME or that reads a tensor named NAME (and whose op is --graft-op, if given)
+// is computed, its rows of the captured sequence at those positions are overwritten with F's float32
+// rows (one ne[0]-long row per position), before any consumer runs (the node is asked for, so its
+// graph split ends there); the node's captured data is the grafted one. index.json's "graft" says
+// how many rows and evaluations were written.
 #include "llama.h"
 #include "ggml.h"
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <array>
 #include <clocale>
 #include <cmath>
 #include <cstdint>
@@ -51,6 +67,17 @@ struct dumper {
     std::string index;                 // JSON entries, comma separated
     std::vector<uint8_t> buf;
     std::vector<float> out;
+    // which rows each evaluation of the captured step holds ([sequence, position, output]) and whose they are
+    std::vector<std::vector<std::array<int, 3>>> rows;
+    int row = 0;                       // the sequence captured (and grafted)
+    // the graft
+    std::string graft, graft_op;
+    std::vector<int> graft_pos;
+    std::vector<float> graft_val;      // graft_pos.size() rows of graft_width floats
+    int64_t graft_width = 0;
+    int graft_eval = -1;               // the last evaluation grafted (first matching node per evaluation)
+    int graft_rows = 0, graft_evals = 0;
+    std::string graft_why;
 };
 
 std::string json_str(const char * s) {
@@ -101,6 +128,62 @@ float value_at(const uint8_t * base, ggml_type type) {
     }
 }
 
+bool is_graft(const dumper & d, const ggml_tensor * t) {
+    if (d.graft.empty() || (!d.graft_op.empty() && d.graft_op != ggml_op_desc(t))) return false;
+    if (d.graft == t->name) return true;
+    for (int i = 0; i < GGML_MAX_SRC && t->src[i]; ++i) {
+        if (d.graft == t->src[i]->name) return true;
+    }
+    return false;
+}
+
+// the captured sequence's rows of this evaluation as the node holds them: every row, or only the output
+// rows where the node kept those (llama.cpp's last layer); -1 where the node's row count fits neither
+std::vector<int> own_rows(const dumper & d, const ggml_tensor * t, std::vector<int> & pos) {
+    std::vector<int> idx;
+    pos.clear();
+    if (d.eval >= (int) d.rows.size()) return idx;
+    const auto & rows = d.rows[d.eval];
+    int n_out = 0;
+    for (const auto & r : rows) n_out += r[2];
+    const bool all = t->ne[1] == (int64_t) rows.size(), outs = !all && t->ne[1] == n_out;
+    if (!all && !outs) { idx.push_back(-1); return idx; }
+    int k = 0;
+    for (const auto & r : rows) {
+        if (!all && !r[2]) continue;
+        if (r[0] == d.row) { idx.push_back(k); pos.push_back(r[1]); }
+        ++k;
+    }
+    return idx;
+}
+
+void write_graft(dumper & d, ggml_tensor * t) {
+    d.graft_eval = d.eval;
+    if (t->type != GGML_TYPE_F32 || !ggml_backend_buffer_is_host(t->buffer) || t->ne[2] != 1 || t->ne[3] != 1) {
+        d.graft_why = std::string("node ") + t->name + " is not a 2-d float32 tensor in host memory";
+        return;
+    }
+    if (t->ne[0] != d.graft_width) {
+        d.graft_why = std::string("node ") + t->name + " has rows of " + std::to_string(t->ne[0]) + " values, the graft " +
+                      std::to_string(d.graft_width);
+        return;
+    }
+    std::vector<int> pos;
+    const std::vector<int> idx = own_rows(d, t, pos);
+    if (!idx.empty() && idx[0] < 0) { d.graft_why = std::string("node ") + t->name + "'s rows match no row layout"; return; }
+    int written = 0;
+    for (size_t i = 0; i < idx.size(); ++i) {
+        const auto it = std::find(d.graft_pos.begin(), d.graft_pos.end(), pos[i]);
+        if (it == d.graft_pos.end()) continue;
+        const float * src = d.graft_val.data() + (size_t) (it - d.graft_pos.begin()) * d.graft_width;
+        uint8_t * dst = (uint8_t *) t->data + (size_t) idx[i] * t->nb[1];
+        for (int64_t j = 0; j < t->ne[0]; ++j) *(float *) (dst + j * t->nb[0]) = src[j];
+        ++written;
+    }
+    d.graft_rows += written;
+    d.graft_evals += written > 0;
+}
+
 bool on_eval(ggml_tensor * t, bool ask, void * user_data) {
     auto * d = (dumper *) user_data;
     if (!d->active) {
@@ -109,8 +192,10 @@ bool on_eval(ggml_tensor * t, bool ask, void * user_data) {
     if (ask) {
         // never an RMS_NORM: stopping after it would split the RMS_NORM+MUL pair the CPU backend
         // fuses into one kernel, and the captured step would compute other bits than a plain run
-        return t->op != GGML_OP_RMS_NORM && matches(*d, t);
+        return t->op != GGML_OP_RMS_NORM && (matches(*d, t) || (d->graft_eval != d->eval && is_graft(*d, t)));
     }
+    if (d->graft_eval != d->eval && is_graft(*d, t)) write_graft(*d, t);  // before the copy: the record is the grafted node
+    if (!matches(*d, t)) return true;  // asked for the graft only
 
     std::string entry = "{\"name\": " + json_str(t->name) + ", \"op\": " + json_str(ggml_op_desc(t)) +
                         ", \"type\": " + json_str(ggml_type_name(t->type)) + ", \"ne\": " + ne_json(t) +
@@ -179,6 +264,59 @@ std::vector<llama_token> parse_ids(const std::string & s) {
     return ids;
 }
 
+std::vector<std::vector<llama_token>> parse_seqs(const std::string & s) {
+    std::vector<std::vector<llama_token>> seqs;
+    size_t i = 0;
+    while (true) {
+        size_t j = s.find(';', i);
+        const std::string part = s.substr(i, j == std::string::npos ? std::string::npos : j - i);
+        seqs.push_back(part.empty() ? std::vector<llama_token>() : parse_ids(part));
+        if (j == std::string::npos) break;
+        i = j + 1;
+    }
+    return seqs;
+}
+
+// the ubatches llama_decode makes of one batch on a non-unified KV cache of several streams
+// (llama_batch_allocr::split_equal(n_ubatch, sequential = true, n_keep_tail = 0) at the pinned version,
+// for tokens of one sequence each): per ubatch the batch indices, sequence by sequence
+std::vector<std::vector<int>> split_equal(const std::vector<int> & seq, int n_ubatch) {
+    std::vector<std::vector<int>> out;
+    std::vector<bool> used(seq.size(), false);
+    size_t n_used = 0;
+    while (n_used < seq.size()) {
+        std::vector<int> cur;  // sequence ids, increasing by one
+        for (size_t i = 0; i < seq.size(); ++i) {
+            if (used[i] || std::find(cur.begin(), cur.end(), seq[i]) != cur.end()) continue;
+            if (!cur.empty() && seq[i] != cur.back() + 1) continue;
+            cur.push_back(seq[i]);
+            if ((int) cur.size() > n_ubatch) break;
+        }
+        const size_t n_seqs = cur.size();
+        std::vector<std::vector<int>> per(n_seqs), left(n_seqs);
+        for (size_t s = 0; s < n_seqs; ++s)
+            for (size_t i = 0; i < seq.size(); ++i)
+                if (!used[i] && seq[i] == cur[s]) left[s].push_back((int) i);
+        std::vector<size_t> at(n_seqs, 0);
+        while (true) {
+            bool can = true;
+            for (size_t s = 0; s < n_seqs; ++s) can = can && at[s] < left[s].size();
+            if (!can) break;
+            for (size_t s = 0; s < n_seqs; ++s) {
+                const int idx = left[s][at[s]++];
+                per[s].push_back(idx);
+                used[idx] = true;
+                ++n_used;
+            }
+            if ((per[0].size() + 1) * n_seqs > (size_t) n_ubatch) break;
+        }
+        std::vector<int> ub;
+        for (const auto & p : per) ub.insert(ub.end(), p.begin(), p.end());
+        out.push_back(ub);
+    }
+    return out;
+}
+
 int parse_int(const std::string & flag, const char * v, int lo) {
     char * end = nullptr;
     long x = strtol(v, &end, 10);
@@ -204,6 +342,8 @@ int main(int argc, char ** argv) {
     std::setlocale(LC_NUMERIC, "C");
     std::string model_path, out_dir;
     std::vector<llama_token> prompt, forced;
+    std::vector<std::vector<llama_token>> prompts, gens;  // a batch: every sequence's prompt and generated tokens
+    std::string graft_file;
     int step = -1, threads = 1, threads_batch = -1, n_ctx = 1024, n_seq = 1, n_batch = 2048, n_ubatch = 512;
     llama_flash_attn_type fa = LLAMA_FLASH_ATTN_TYPE_AUTO;
     ggml_type type_k = GGML_TYPE_F16, type_v = GGML_TYPE_F16;
@@ -217,8 +357,13 @@ int main(int argc, char ** argv) {
             return argv[++i];
         };
         if (a == "-m") model_path = next();
-        else if (a == "--tokens") prompt = parse_ids(next());
-        else if (a == "--forced") forced = parse_ids(next());
+        else if (a == "--tokens") prompts = parse_seqs(next());
+        else if (a == "--forced") gens = parse_seqs(next());
+        else if (a == "--row") d.row = parse_int(a, next(), 0);
+        else if (a == "--graft") d.graft = next();
+        else if (a == "--graft-op") d.graft_op = next();
+        else if (a == "--graft-file") graft_file = next();
+        else if (a == "--graft-pos") { for (llama_token p : parse_ids(next())) d.graft_pos.push_back((int) p); }
         else if (a == "--step") step = parse_int(a, next(), 0);
         else if (a == "--out") out_dir = next();
         else if (a == "--match") {
@@ -247,14 +392,38 @@ int main(int argc, char ** argv) {
         else if (a == "-ctv") type_v = parse_type(a, next());
         else if (a == "-v") verbose = true;
         else if (a == "-h" || a == "--help") {
-            printf("usage: detllm-dump -m MODEL.gguf --tokens IDS --step S --out DIR [--forced IDS] [--match REGEX]... [--skip REGEX]... [--skip-op OP]...\n"
+            printf("usage: detllm-dump -m MODEL.gguf --tokens IDS[;IDS...] --step S --out DIR [--forced IDS[;IDS...]] [--row R]\n"
+                   "                   [--match REGEX]... [--skip REGEX]... [--skip-op OP]... [--graft NAME --graft-file F --graft-pos P,... [--graft-op OP]]\n"
                    "                   [-t N] [-tb N] [-c N] [-np N] [-b N] [-ub N] [-fa on|off|auto] [-ctk T] [-ctv T] [-v]\n");
             return 0;
         }
         else usage_error("unknown argument '" + a + "'");
     }
-    if (model_path.empty() || out_dir.empty() || prompt.empty() || step < 0) {
+    const bool batched = prompts.size() > 1;
+    if (!batched && !prompts.empty()) prompt = prompts[0];
+    if (!batched && !gens.empty()) forced = gens[0];
+    if (model_path.empty() || out_dir.empty() || prompts.empty() || prompts[0].empty() || step < 0) {
         usage_error("-m, --tokens, --step and --out are required");
+    }
+    if (batched) {
+        for (const auto & p : prompts) if (p.empty()) usage_error("--tokens: every sequence of a batch needs a token");
+        if (gens.size() != prompts.size()) usage_error("--forced gives the generated tokens of " + std::to_string(gens.size()) +
+                                                       " sequence(s); --tokens has " + std::to_string(prompts.size()));
+        if (d.row >= (int) prompts.size()) usage_error("--row " + std::to_string(d.row) + " is not a sequence of the batch");
+        if ((int) gens[d.row].size() < step + 1) usage_error("--forced: sequence " + std::to_string(d.row) + " generated " +
+                                                             std::to_string(gens[d.row].size()) + " tokens; step " + std::to_string(step) + " needs " + std::to_string(step + 1));
+        if ((int) prompts.size() > n_seq) usage_error("a batch of " + std::to_string(prompts.size()) + " sequences needs -np >= " + std::to_string(prompts.size()));
+    } else if (d.row != 0) {
+        usage_error("--row is for a batch (several --tokens sequences)");
+    }
+    if (!d.graft.empty()) {
+        FILE * g = graft_file.empty() ? nullptr : fopen(graft_file.c_str(), "rb");
+        if (!g || d.graft_pos.empty()) usage_error("--graft needs --graft-file (readable) and --graft-pos");
+        float v;
+        while (fread(&v, sizeof v, 1, g) == 1) d.graft_val.push_back(v);
+        fclose(g);
+        if (d.graft_val.empty() || d.graft_val.size() % d.graft_pos.size()) usage_error("--graft-file does not hold one row per --graft-pos");
+        d.graft_width = (int64_t) (d.graft_val.size() / d.graft_pos.size());
     }
     if (!forced.empty() && (int) forced.size() < step) {
         usage_error("--forced gives " + std::to_string(forced.size()) + " tokens; step " + std::to_string(step) + " needs " + std::to_string(step));
@@ -270,8 +439,8 @@ int main(int argc, char ** argv) {
     if (!model) { fprintf(stderr, "detllm-dump: error: cannot load %s\n", model_path.c_str()); return 1; }
     const llama_vocab * vocab = llama_model_get_vocab(model);
     const int n_vocab = llama_vocab_n_tokens(vocab);
-    for (llama_token id : prompt) if (id >= n_vocab) usage_error("token id " + std::to_string(id) + " is outside the vocabulary");
-    for (llama_token id : forced) if (id >= n_vocab) usage_error("token id " + std::to_string(id) + " is outside the vocabulary");
+    for (const auto & seq : prompts) for (llama_token id : seq) if (id >= n_vocab) usage_error("token id " + std::to_string(id) + " is outside the vocabulary");
+    for (const auto & seq : gens) for (llama_token id : seq) if (id >= n_vocab) usage_error("token id " + std::to_string(id) + " is outside the vocabulary");
 
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = (uint32_t) n_ctx;
@@ -298,7 +467,7 @@ int main(int argc, char ** argv) {
     std::vector<llama_token> argmax;
     llama_batch batch = llama_batch_init(std::max(n_batch, 1), 0, 1);
     int pos = 0;
-    for (int s = 0; s <= step; ++s) {
+    for (int s = 0; s <= step && !batched; ++s) {
         std::vector<llama_token> input;
         if (s == 0) input = prompt;
         else input.push_back(forced.empty() ? argmax.back() : forced[s - 1]);
@@ -313,6 +482,8 @@ int main(int argc, char ** argv) {
                 batch.n_tokens = (int32_t) n;
                 if (d.active) {
                     d.evals += (d.evals.empty() ? "[" : ", [") + std::to_string(pos) + ", " + std::to_string(n) + "]";
+                    d.rows.emplace_back();
+                    for (size_t i = 0; i < n; ++i) d.rows.back().push_back({0, pos + (int) i, u0 + i + 1 == input.size()});
                 }
                 for (size_t i = 0; i < n; ++i) {
                     batch.token[i] = input[u0 + i];
@@ -335,6 +506,77 @@ int main(int argc, char ** argv) {
         for (int i = 1; i < n_vocab; ++i) if (logits[i] > logits[best]) best = i;
         argmax.push_back(best);
     }
+    if (batched) {
+        // llama-server's update_slots, one iteration per loop: the sampled tokens of the generating slots, then
+        // prompt tokens, slot by slot, up to n_batch; sampled tokens are the server's own (--forced)
+        const int n_seqs = (int) prompts.size();
+        std::vector<int> done(n_seqs, 0), sampled(n_seqs, 0);  // prompt tokens processed; tokens sampled
+        batch = (llama_batch_free(batch), llama_batch_init(std::max(n_batch, n_seqs), 0, 1));
+        prompt = prompts[d.row];
+        bool finished = false;
+        for (int iter = 0; !finished; ++iter) {
+            std::vector<std::array<int, 4>> b;  // [sequence, token, position, output]
+            for (int j = 0; j < n_seqs; ++j) {
+                if (done[j] == (int) prompts[j].size() && sampled[j] > 0 && sampled[j] < (int) gens[j].size()) {
+                    b.push_back({j, gens[j][sampled[j] - 1], (int) prompts[j].size() + sampled[j] - 1, 1});
+                }
+            }
+            for (int j = 0; j < n_seqs && (int) b.size() < n_batch; ++j) {
+                while (done[j] < (int) prompts[j].size() && (int) b.size() < n_batch) {
+                    b.push_back({j, prompts[j][done[j]], done[j], 0});
+                    if (++done[j] == (int) prompts[j].size()) b.back()[3] = 1;
+                }
+            }
+            if (b.empty()) { fprintf(stderr, "detllm-dump: error: the batch ended before row %d reached step %d\n", d.row, step); return 1; }
+            // the captured step: row R's prompt (step 0) or the iteration that feeds its token S-1
+            d.active = false;
+            for (const auto & t : b) {
+                if (t[0] == d.row && (step == 0 ? t[2] < (int) prompt.size() : t[2] == (int) prompt.size() + step - 1)) d.active = true;
+            }
+            if (d.active && step > 0) fed.assign(gens[d.row].begin(), gens[d.row].begin() + step);
+            for (size_t off = 0; off < b.size(); off += (size_t) n_batch) {  // the server's views of n_batch tokens
+                const size_t n_view = std::min(b.size() - off, (size_t) n_batch);
+                std::vector<int> seq;
+                for (size_t i = 0; i < n_view; ++i) seq.push_back(b[off + i][0]);
+                for (const auto & ub : split_equal(seq, n_ubatch)) {
+                    batch.n_tokens = (int32_t) ub.size();
+                    if (d.active) d.rows.emplace_back();
+                    for (size_t i = 0; i < ub.size(); ++i) {
+                        const auto & t = b[off + ub[i]];
+                        batch.token[i] = t[1];
+                        batch.pos[i] = t[2];
+                        batch.n_seq_id[i] = 1;
+                        batch.seq_id[i][0] = t[0];
+                        batch.logits[i] = t[3];
+                        if (d.active) d.rows.back().push_back({t[0], t[2], t[3]});
+                    }
+                    if (d.active) {
+                        int first = -1, n_own = 0;
+                        for (const auto & r : d.rows.back()) if (r[0] == d.row) { if (first < 0) first = r[1]; ++n_own; }
+                        d.evals += (d.evals.empty() ? "[" : ", [") + std::to_string(first) + ", " + std::to_string(n_own) + "]";
+                    }
+                    const int rc = llama_decode(ctx, batch);
+                    if (rc != 0) { fprintf(stderr, "detllm-dump: error: llama_decode failed at iteration %d (code %d)\n", iter, rc); return 1; }
+                    for (size_t i = 0; i < ub.size(); ++i) {
+                        const auto & t = b[off + ub[i]];
+                        if (!t[3]) continue;
+                        const float * logits = llama_get_logits_ith(ctx, (int32_t) i);
+                        sampled[t[0]]++;
+                        if (t[0] != d.row) continue;
+                        if (fwrite(logits, sizeof(float), (size_t) n_vocab, logits_f) != (size_t) n_vocab) {
+                            fprintf(stderr, "detllm-dump: error: writing logits.bin failed\n");
+                            return 1;
+                        }
+                        int best = 0;
+                        for (int v = 1; v < n_vocab; ++v) if (logits[v] > logits[best]) best = v;
+                        argmax.push_back(best);
+                        if ((int) argmax.size() == step + 1) finished = true;
+                    }
+                    if (d.active) d.eval++;
+                }
+            }
+        }
+    }
     fclose(d.data);
     fclose(logits_f);
 
@@ -343,18 +585,34 @@ int main(int argc, char ** argv) {
         for (size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
         return r + "]";
     };
+    std::string rows_json = "[";
+    for (size_t e = 0; e < d.rows.size(); ++e) {
+        rows_json += e ? ", [" : "[";
+        for (size_t i = 0; i < d.rows[e].size(); ++i) {
+            const auto & r = d.rows[e][i];
+            rows_json += (i ? ", [" : "[") + std::to_string(r[0]) + ", " + std::to_string(r[1]) + ", " + std::to_string(r[2]) + "]";
+        }
+        rows_json += "]";
+    }
+    rows_json += "]";
+    const std::string graft_json = d.graft.empty() ? "null" :
+        "{\"node\": " + json_str(d.graft.c_str()) + ", \"op\": " + json_str(d.graft_op.c_str()) + ", \"rows_written\": " +
+        std::to_string(d.graft_rows) + ", \"evals_written\": " + std::to_string(d.graft_evals) + ", \"why\": " +
+        (d.graft_why.empty() ? std::string("null") : json_str(d.graft_why.c_str())) + "}";
     const std::string index_path = out_dir + "/index.json";
     FILE * f = fopen(index_path.c_str(), "w");
     if (!f) { fprintf(stderr, "detllm-dump: error: cannot write %s\n", index_path.c_str()); return 1; }
-    fprintf(f, "{\"format\": \"detllm-dump\", \"version\": 1, \"model\": %s, \"step\": %d, \"n_vocab\": %d,\n"
+    fprintf(f, "{\"format\": \"detllm-dump\", \"version\": 2, \"model\": %s, \"step\": %d, \"n_vocab\": %d,\n"
                " \"n_embd\": %d, \"n_layer\": %d, \"threads\": %d, \"threads_batch\": %d, \"n_ctx\": %d, \"n_seq_max\": %d,\n"
                " \"n_batch\": %d, \"n_ubatch\": %d, \"flash_attn\": %s, \"type_k\": %s, \"type_v\": %s,\n"
-               " \"prompt\": %s, \"fed\": %s, \"argmax\": %s, \"evals\": [%s],\n \"tensors\": [\n  %s]}\n",
+               " \"prompt\": %s, \"fed\": %s, \"argmax\": %s, \"evals\": [%s],\n \"sequences\": %d, \"row\": %d, \"rows\": %s,\n"
+               " \"graft\": %s,\n \"tensors\": [\n  %s]}\n",
             json_str(model_path.c_str()).c_str(), step, n_vocab, llama_model_n_embd(model), llama_model_n_layer(model),
             threads, threads_batch, n_ctx, n_seq, n_batch, n_ubatch,
             fa == LLAMA_FLASH_ATTN_TYPE_ENABLED ? "\"on\"" : fa == LLAMA_FLASH_ATTN_TYPE_DISABLED ? "\"off\"" : "\"auto\"",
             json_str(ggml_type_name(type_k)).c_str(), json_str(ggml_type_name(type_v)).c_str(),
-            ids_json(prompt).c_str(), ids_json(fed).c_str(), ids_json(argmax).c_str(), d.evals.c_str(), d.index.c_str());
+            ids_json(prompt).c_str(), ids_json(fed).c_str(), ids_json(argmax).c_str(), d.evals.c_str(),
+            (int) prompts.size(), d.row, rows_json.c_str(), graft_json.c_str(), d.index.c_str());
     fclose(f);
 
     llama_batch_free(batch);

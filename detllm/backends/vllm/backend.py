@@ -73,10 +73,6 @@ class VLLMBackend(Backend):
     @classmethod
     def capture_refusal(cls, config: RunConfig, rows: int) -> tuple[str, str] | None:
         opts = parse_options(VLLMOptions, config.options, "vllm")
-        if opts.tensor_parallel_size > 1:
-            return (f"recorded with tensor_parallel_size={opts.tensor_parallel_size}: its layers ran in {opts.tensor_parallel_size} "
-                    "worker processes, where locate's hooks cannot reach (vLLM capture needs tensor_parallel_size=1)",
-                    "locate a run recorded with --opt tensor_parallel_size=1 (diff tells a TP=2 run from a TP=1 one)")
         if opts.enforce_eager is False:
             return ("recorded with enforce_eager=false: compiled graphs run no module hooks (vLLM capture needs an eager engine)",
                     "locate a run recorded with --opt enforce_eager=true")
@@ -165,7 +161,7 @@ class VLLMBackend(Backend):
         else:
             notes = (why,)
         return Capabilities(max_tier=3 if on else 2, logprobs=True, sampling=True, batch_invariant=on, notes=notes,
-                            capture="modules" if self.options.tensor_parallel_size == 1 and self.enforce_eager else "none")
+                            capture="modules" if self.enforce_eager else "none")
 
     def tokenize(self, text: str) -> list[int]:
         # vLLM encodes a text prompt with tokenizer.encode(text, add_special_tokens=True): the same call here.
@@ -232,18 +228,21 @@ class VLLMBackend(Backend):
     def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
                 spec: CaptureSpec) -> Capture:
         from .capture import capture_batch, engine_facts
+        from .tpcapture import capture_batch_tp
 
         if self.capabilities().capture == "none":
-            raise BackendUnavailableError("vLLM capture needs tensor_parallel_size=1 and an eager engine (hooks run in this process)",
-                                          hint="--opt tensor_parallel_size=1 --opt enforce_eager=true")
+            raise BackendUnavailableError("vLLM capture needs an eager engine (compiled graphs skip module hooks)",
+                                          hint="--opt enforce_eager=true")
         llm = self.engine()
         if self.options.prefix_caching:
             llm.reset_prefix_cache()  # a re-run starts cold, as the recorded run's first batch did
             for batch in spec.warm_up:  # then what warmed the cache before the recorded batch, in order
                 self.generate(list(batch), decoding, seed=seed, n_logprobs=n_logprobs, logprobs=True)
         upto = dataclasses.replace(decoding, max_new_tokens=spec.step + 1)  # steps 0..spec.step, scheduled as recorded
-        return capture_batch(llm, requests, spec, lambda: self.generate(requests, upto, seed=seed, n_logprobs=n_logprobs, logprobs=True),
-                             engine_facts(llm, self.attention_backend_name(), self.perturbation))
+        # tensor_parallel_size > 1: the layers run in the worker processes, hooked on every rank
+        capture = capture_batch_tp if self.options.tensor_parallel_size > 1 else capture_batch
+        return capture(llm, requests, spec, lambda: self.generate(requests, upto, seed=seed, n_logprobs=n_logprobs, logprobs=True),
+                       engine_facts(llm, self.attention_backend_name(), self.perturbation))
 
     @staticmethod
     def _generation(req: Request, out: Any, tokenizer: Any, n_logprobs: int, want_logprobs: bool) -> Generation:

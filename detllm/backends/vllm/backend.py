@@ -339,6 +339,9 @@ class VLLMBackend(Backend):
         found = installed_vllm()
         return {"enforce_eager": (build_platform(*found) if found else "cpu") == "cpu"}  # eager on the CPU build
 
+    def engine_loaded(self) -> bool:
+        return self._llm is not None and current_llm() is self._llm
+
     def holds_device(self) -> bool:
         return self.platform != "cpu"  # a GPU engine reserves most of the device's memory
 

@@ -66,10 +66,11 @@ def _category(doc, found, sides, b: Pair) -> dict[str, Any]:
     split = sharded.row_parallel(found, b.left.name)  # tensor parallelism: the capture's own record of the split
     if split is not None:
         how = sharded.how(split, b.left.name)
+    nxt = ("the same tensor_parallel_size on both sides, or tier 1" if split is not None else
+           "a batch-invariant kernel (--opt batch_invariant=true where the backend has it) or tier 1")
     cat = {"name": "reduction_order", "why": f"{b.left.name} ({b.left.kind}) is a reduction {how}, |Δ| {d:.3g} within "
                                             f"both sides' float64 error (tolerance {tol:.3g}): expected floating-point "
-                                            "behaviour; next: a batch-invariant kernel (--opt batch_invariant=true where the "
-                                            "backend has it) or tier 1"}
+                                            f"behaviour; next: {nxt}"}
     return {**cat, "row_parallel": split} if split is not None else cat
 
 

@@ -96,6 +96,21 @@ def test_silu_and_mul_input_is_gates_then_ups_and_attention_heads_concatenate():
     assert got["a"].inputs[1].tobytes() == past.tobytes() and got["a"].input_shapes[1] == (2, 5, HD)
 
 
+def test_a_row_parallel_reduction_is_named_only_from_the_captures_own_record():
+    from types import SimpleNamespace
+
+    from detllm.locate.sharded import how, row_parallel
+
+    record = {"ranks": 2, "row_parallel": {"l.o_proj": {"input_columns_per_rank": 64, "sum_equals_output": False}}}
+    found = SimpleNamespace(caps=[SimpleNamespace(engine={}), SimpleNamespace(engine={"tensor_parallel": record})])
+    rp = row_parallel(found, "l.o_proj")
+    assert rp == {"side": "right", "tensor_parallel_size": 2, "input_columns_per_rank": 64,
+                  "partials_sum_equals_output": False, "other_side_tensor_parallel_size": 1}
+    assert "do not equal its output" in how(rp, "l.o_proj") and "all 128 in one GEMM" in how(rp, "l.o_proj")
+    assert row_parallel(found, "l.down_proj") is None  # an o_proj/down_proj name alone says nothing
+    assert row_parallel(SimpleNamespace(caps=[SimpleNamespace(engine={})] * 2), "l.o_proj") is None  # TP=1 on both sides
+
+
 # ------------------------------------------------------------------ real engines, in a process of their own
 
 TP_LOCATE = """

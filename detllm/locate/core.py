@@ -90,7 +90,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     try:
         seen: dict = {}
         for r in sides:
-            reruns.start(r, seen)  # model files checked (exit 7) and engines loaded before anything is written
+            reruns.start(r, seen)  # model files checked (exit 7) and backends made before anything is written
         found = _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
         _cached_prefix(doc)
         if found is not None:

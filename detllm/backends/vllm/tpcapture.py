@@ -1,10 +1,8 @@
-"""The vllm backend's capture under tensor parallelism (tensor_parallel_size > 1): capture.py's
-hooks installed in every worker process through `LLM.collective_rpc`, each rank keeping its own
-shard of the prompt's rows, handed back after the re-run and put together by unshard.py.
-
-Owns what runs in the workers (install, collect, remove) and what each rank says of its layout
-(which vLLM module is column- or row-parallel, its per-rank cuts, the K/V head replicas, the
-row-parallel partial products before the all-reduce). Comparing captures is locate's.
+"""The vllm backend's capture at tensor_parallel_size > 1: capture.py's hooks installed in every
+worker process through `LLM.collective_rpc`, each rank keeping its shard of the prompt's rows, handed
+back after the re-run and put together by unshard.py. Owns what runs in the workers (install,
+collect) and what each rank says of its layout (column- or row-parallel, per-rank cuts, K/V head
+replicas, the row-parallel partial products before the all-reduce). Comparing captures is locate's.
 """
 
 from __future__ import annotations

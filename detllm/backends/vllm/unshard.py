@@ -1,11 +1,8 @@
-"""Putting a tensor-parallel capture back together: each rank's records (tpcapture.py) into one
-record per Hugging Face name, as a TP=1 engine would have captured it.
-
-Column-parallel outputs (q/k/v of qkv_proj, gate/up of gate_up_proj, silu_and_mul, the attention
-heads) and row-parallel inputs (o_proj, down_proj) are concatenated per part in rank order; K/V
-heads replicated on several ranks (kv_heads < TP) are taken once. Row-parallel outputs (after the
-all-reduce) and every replicated tensor are checked equal on every rank. The float64 reference is
-evaluated here, on the full tensors, with the weights from the model's files. No vLLM import.
+"""Putting a tensor-parallel capture back together: each rank's records (tpcapture.py) into one record
+per Hugging Face name, as a TP=1 engine would have captured it: column-parallel outputs and row-parallel
+inputs concatenated per part in rank order (replicated K/V heads once), row-parallel outputs (after the
+all-reduce) and replicated tensors checked equal on every rank, and the float64 reference evaluated on
+the full tensors with the weights from the model's files. No vLLM import.
 """
 
 from __future__ import annotations
@@ -33,14 +30,14 @@ def _kv(parts: list[Any], replicas: int) -> list[Any]:
 
 def _same(parts: list[Any]) -> float | None:
     """None when every rank holds the same array bitwise, else the largest |Δ| from rank 0's."""
-    first = parts[0]
-    worst = 0.0
+    first, worst = parts[0], None
     for p in parts[1:]:
         if p.shape != first.shape:
             return float("inf")
         if p.tobytes() != first.tobytes():
-            worst = max(worst, float(np.nanmax(np.abs(p.astype(np.float64) - first.astype(np.float64)))) if p.size else 0.0)
-    return worst if any(p.tobytes() != first.tobytes() for p in parts[1:]) else None
+            gap = float(np.nanmax(np.abs(p.astype(np.float64) - first.astype(np.float64)))) if p.size else 0.0
+            worst = max(worst or 0.0, gap)
+    return worst
 
 
 def _act(parts: list[Any]) -> Any:

@@ -89,6 +89,8 @@ def install_in_worker(worker: Any, target_id: str, target_pos: int, spec: Captur
     state = single._State(target_id=target_id, target_pos=target_pos, spec=spec)
     hooks = single.Hooks()
     layout: dict[str, dict[str, Any]] = {}
+    if _LIVE:  # an earlier capture that never collected (its install failed on another rank): its hooks go first
+        _LIVE["hooks"].remove()
     _LIVE.clear()
     _LIVE.update(state=state, hooks=hooks, partials={}, layout=layout)
     try:
@@ -145,8 +147,8 @@ def capture_batch_tp(llm: Any, requests: Sequence[Any], spec: CaptureSpec, run: 
     target_pos = len(requests[spec.row].input_ids) + spec.step - 1
     # each rank keeps its shard; the float64 reference is evaluated on the full tensors, after unsharding
     rank_spec = dataclasses.replace(spec, reference=False, max_bytes=max(1, spec.max_bytes // tp), warm_up=())
-    llm.collective_rpc(install_in_worker, args=(target_id, target_pos, rank_spec))
     try:
+        llm.collective_rpc(install_in_worker, args=(target_id, target_pos, rank_spec))
         generations = run()
     finally:
         ranks = sorted(llm.collective_rpc(collect_in_worker), key=lambda r: r["rank"])

@@ -83,24 +83,25 @@ def test_a_batch_run_in_waves_is_cut_to_the_prompt_and_located(tmp_path):
     assert not any(r.get("kept_whole") for r in doc["layers"])
 
 
-def test_a_tp2_side_is_refused_up_front_naming_tp(clean, tmp_path, cli):
-    """Review E7: a side recorded with tensor_parallel_size=2 is refused before either side's engine
-    starts (the capability is known from the recorded config), in one line naming TP=2 and what to do."""
+def test_a_compiled_side_is_refused_up_front_naming_enforce_eager(clean, tmp_path, cli):
+    """Review E7 (a TP=2 side was refused the same way until issue 34 captured every rank): a side
+    recorded with enforce_eager=false is refused before either side's engine starts (the capability is
+    known from the recorded config), in one line naming it and what to do."""
     import json
     import shutil
 
     from detllm.backends.vllm import engine
 
-    tp2 = tmp_path / "tp2"
-    shutil.copytree(clean, tp2)
-    cfg = json.loads((tp2 / "run_config.json").read_text())
-    cfg["config"]["options"]["tensor_parallel_size"] = "2"  # as a TP=2 run records it (its records are not read)
-    (tp2 / "run_config.json").write_text(json.dumps(cfg))
+    compiled = tmp_path / "compiled"
+    shutil.copytree(clean, compiled)
+    cfg = json.loads((compiled / "run_config.json").read_text())
+    cfg["config"]["options"]["enforce_eager"] = "false"  # as a compiled run records it (its records are not read)
+    (compiled / "run_config.json").write_text(json.dumps(cfg))
     before = engine._ENGINE
-    r = cli("locate", clean, tp2, "--step", "0", "--out", tmp_path / "loc")
+    r = cli("locate", clean, compiled, "--step", "0", "--out", tmp_path / "loc")
     assert r.exit_code == 4, r.output
     line = r.stderr.strip()
-    assert len(line.splitlines()) == 1 and "tensor_parallel_size=2" in line and "tensor_parallel_size=1" in line, line
+    assert len(line.splitlines()) == 1 and "enforce_eager=false" in line and "enforce_eager=true" in line, line
     assert engine._ENGINE is before and not (tmp_path / "loc").exists()  # no engine started or restarted
 
 

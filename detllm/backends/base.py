@@ -200,6 +200,11 @@ class Backend(ABC):
         enforce_eager: True on its CPU build); answered without building the backend."""
         return {}
 
+    def engine_loaded(self) -> bool:
+        """False where this backend's engine was let go for another one (vLLM: one engine per process)
+        and its next call loads it again; locate re-runs a loaded side first. Default: True."""
+        return True
+
     def holds_device(self) -> bool:
         """True when this backend keeps the accelerator for the whole process, beyond close()
         (vLLM's GPU engine): no other process can start an engine beside it. Default: False."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import sharded
 from .align import Pair
 from .rule import beyond, tolerance
 
@@ -63,10 +64,15 @@ def _category(doc, found, sides, b: Pair) -> dict[str, Any]:
                                             "equal inputs: another kernel or vector width, not a reduction order"}
     how = ("with equal operand shapes (threads, split sizes or kernel choice)" if same else
            f"whose operand shapes differ ({[list(s) for s in b.left.input_shapes]} vs {[list(s) for s in b.right.input_shapes]})")
-    return {"name": "reduction_order", "why": f"{b.left.name} ({b.left.kind}) is a reduction {how}, |Δ| {d:.3g} within "
-                                             f"both sides' float64 error (tolerance {tol:.3g}): expected floating-point "
-                                             "behaviour; next: a batch-invariant kernel (--opt batch_invariant=true where the "
-                                             "backend has it) or tier 1"}
+    split = sharded.row_parallel(found, b.left.name)  # tensor parallelism: the capture's own record of the split
+    if split is not None:
+        how = sharded.how(split, b.left.name)
+    nxt = ("the same tensor_parallel_size on both sides, or tier 1" if split is not None else
+           "a batch-invariant kernel (--opt batch_invariant=true where the backend has it) or tier 1")
+    cat = {"name": "reduction_order", "why": f"{b.left.name} ({b.left.kind}) is a reduction {how}, |Δ| {d:.3g} within "
+                                            f"both sides' float64 error (tolerance {tol:.3g}): expected floating-point "
+                                            f"behaviour; next: {nxt}"}
+    return {**cat, "row_parallel": split} if split is not None else cat
 
 
 class _Plain:

@@ -90,7 +90,7 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     try:
         seen: dict = {}
         for r in sides:
-            reruns.start(r, seen)  # model files checked (exit 7) and engines loaded before anything is written
+            reruns.start(r, seen)  # model files checked (exit 7) and backends made before anything is written
         found = _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
         _cached_prefix(doc)
         if found is not None:
@@ -197,7 +197,10 @@ def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, 
                   reference: bool, strict: bool = True) -> list | None:
     """Both sides captured at `step`; None (doc says why) when a side did not reproduce its trace:
     `strict`, that ends the search (not reproduced here); else only this capture is set aside."""
-    got = [reruns.capture(r, step, level=level, max_bytes=bound // 2, tier=tier, reference=reference) for r in sides]
+    # a side whose engine is loaded first: with one engine per process (vLLM) the other side's is let go once, not twice
+    order = sorted(range(len(sides)), key=lambda i: not (sides[i].backend is not None and sides[i].backend.engine_loaded()))
+    caught = {i: reruns.capture(sides[i], step, level=level, max_bytes=bound // 2, tier=tier, reference=reference) for i in order}
+    got = [caught[i] for i in range(len(sides))]
     for (cap, differs), r, key in zip(got, sides, ("left", "right")):
         if differs is not None and not strict:
             doc["not_captured"].append(f"the {level} capture changed the {key} side's outputs ({differs}): its {level} were "

@@ -58,8 +58,9 @@ def _one(sides, found, name: str, *, into: str, step: int, reference: bool, boun
     dst, src = (1, 0) if into == "right" else (0, 1)
     r = sides[dst]
     if r.backend is None or not getattr(r.backend, "grafts", False):
-        return {"outcome": "not_grafted", "why": f"backend {r.config.backend!r} does not graft yet (hf, vLLM and llama.cpp do); the located op "
-                                                 "is where the bits part, not proven to be the cause"}
+        return {"outcome": "not_grafted", "why": getattr(r.backend, "no_graft_why", None)
+                or f"backend {r.config.backend!r} does not graft yet (hf, vLLM and llama.cpp do); the located op "
+                   "is where the bits part, not proven to be the cause"}
     value = next((t.output for t in found.caps[src].tensors if t.name == name), None)
     if value is None:
         return {"outcome": "not_grafted", "why": f"{name} was not captured on the {('left', 'right')[src]} side"}

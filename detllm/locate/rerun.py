@@ -127,7 +127,10 @@ def attach(rerun: Rerun, backend: Backend, *, shared: bool = False) -> None:
     rerun.offers = backend.capabilities().capture
     if rerun.offers == "none":
         raise BackendUnavailableError(f"{rerun.side.label}: backend {rerun.config.backend!r} as configured captures nothing")
-    fillers = [tuple(backend.tokenize(t)) for t in FILLERS]
+    # tokenized only where the batch has fillers: a vLLM backend starts its engine to tokenize, and with one
+    # engine per process starting both sides' engines here would cost the first side's a restart
+    needed = any(r.is_filler for batch in (rerun.requests, *rerun.warm) for r in batch)
+    fillers = [tuple(backend.tokenize(t)) for t in FILLERS] if needed else []
     rerun.backend, rerun.shares_backend = backend, shared
     def filled(reqs: list[Request]) -> list[Request]:
         return [dataclasses.replace(r, input_ids=fillers[(-r.prompt_index - 1) % len(fillers)]) if r.is_filler else r for r in reqs]

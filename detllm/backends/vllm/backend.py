@@ -33,7 +33,14 @@ from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, threads_bind, valid
 class VLLMBackend(Backend):
     name = "vllm"
     Options = VLLMOptions
-    grafts = True  # CaptureSpec.graft: modules, tensor_parallel_size=1 (grafting.py)
+    @property
+    def grafts(self) -> bool:  # CaptureSpec.graft: modules at tensor_parallel_size 1 (grafting.py); the sharded capture does not graft
+        return self.options.tensor_parallel_size == 1
+
+    @property
+    def no_graft_why(self) -> str:  # locate's not_grafted line where grafts is False
+        return (f"vLLM does not graft at tensor_parallel_size {self.options.tensor_parallel_size} (only at 1); the located op "
+                "is where the bits part, not proven to be the cause")
 
     def __init__(self, model: str = "tiny", *, options: VLLMOptions | None = None, revision: str | None = None,
                  dtype: str = "float32", device: str = "cpu", n_logprobs: int = 5, max_new_tokens: int = 0,
@@ -74,10 +81,6 @@ class VLLMBackend(Backend):
     @classmethod
     def capture_refusal(cls, config: RunConfig, rows: int) -> tuple[str, str] | None:
         opts = parse_options(VLLMOptions, config.options, "vllm")
-        if opts.tensor_parallel_size > 1:
-            return (f"recorded with tensor_parallel_size={opts.tensor_parallel_size}: its layers ran in {opts.tensor_parallel_size} "
-                    "worker processes, where locate's hooks cannot reach (vLLM capture needs tensor_parallel_size=1)",
-                    "locate a run recorded with --opt tensor_parallel_size=1 (diff tells a TP=2 run from a TP=1 one)")
         if opts.enforce_eager is False:
             return ("recorded with enforce_eager=false: compiled graphs run no module hooks (vLLM capture needs an eager engine)",
                     "locate a run recorded with --opt enforce_eager=true")
@@ -166,7 +169,7 @@ class VLLMBackend(Backend):
         else:
             notes = (why,)
         return Capabilities(max_tier=3 if on else 2, logprobs=True, sampling=True, batch_invariant=on, notes=notes,
-                            capture="modules" if self.options.tensor_parallel_size == 1 and self.enforce_eager else "none")
+                            capture="modules" if self.enforce_eager else "none")
 
     def tokenize(self, text: str) -> list[int]:
         # vLLM encodes a text prompt with tokenizer.encode(text, add_special_tokens=True): the same call here.
@@ -233,18 +236,21 @@ class VLLMBackend(Backend):
     def capture(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
                 spec: CaptureSpec) -> Capture:
         from .capture import capture_batch, engine_facts
+        from .tpcapture import capture_batch_tp
 
         if self.capabilities().capture == "none":
-            raise BackendUnavailableError("vLLM capture needs tensor_parallel_size=1 and an eager engine (hooks run in this process)",
-                                          hint="--opt tensor_parallel_size=1 --opt enforce_eager=true")
+            raise BackendUnavailableError("vLLM capture needs an eager engine (compiled graphs skip module hooks)",
+                                          hint="--opt enforce_eager=true")
         llm = self.engine()
         if self.options.prefix_caching:
             llm.reset_prefix_cache()  # a re-run starts cold, as the recorded run's first batch did
             for batch in spec.warm_up:  # then what warmed the cache before the recorded batch, in order
                 self.generate(list(batch), decoding, seed=seed, n_logprobs=n_logprobs, logprobs=True)
         upto = dataclasses.replace(decoding, max_new_tokens=max(spec.step, spec.run_to or 0) + 1)  # steps 0..spec.step, scheduled as recorded
-        return capture_batch(llm, requests, spec, lambda: self.generate(requests, upto, seed=seed, n_logprobs=n_logprobs, logprobs=True),
-                             engine_facts(llm, self.attention_backend_name(), self.perturbation))
+        # tensor_parallel_size > 1: the layers run in the worker processes, hooked on every rank
+        capture = capture_batch_tp if self.options.tensor_parallel_size > 1 else capture_batch
+        return capture(llm, requests, spec, lambda: self.generate(requests, upto, seed=seed, n_logprobs=n_logprobs, logprobs=True),
+                       engine_facts(llm, self.attention_backend_name(), self.perturbation))
 
     @staticmethod
     def _generation(req: Request, out: Any, tokenizer: Any, n_logprobs: int, want_logprobs: bool) -> Generation:
@@ -340,6 +346,9 @@ class VLLMBackend(Backend):
     def defaults_here(cls) -> dict[str, Any]:
         found = installed_vllm()
         return {"enforce_eager": (build_platform(*found) if found else "cpu") == "cpu"}  # eager on the CPU build
+
+    def engine_loaded(self) -> bool:
+        return self._llm is not None and current_llm() is self._llm
 
     def holds_device(self) -> bool:
         return self.platform != "cpu"  # a GPU engine reserves most of the device's memory

@@ -1,0 +1,58 @@
+"""Reaching a Ray cluster: `--ray ADDRESS` (or `auto`, read from RAY_ADDRESS) checked and probed with a
+short TCP connect before ray is imported, so an unreachable cluster is one line and exit 4 within
+seconds with nothing written; a missing `ray` is a usage error naming the extra. Owns nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from ..core.errors import BackendUnavailableError, UsageError
+
+PROBE_S = 3.0  # the TCP connect to the GCS; ray.init's own wait for an absent cluster is far longer
+
+
+def resolve_address(address: str) -> str:
+    """host:port of the cluster's GCS; `auto` reads RAY_ADDRESS (a ray:// client address is refused)."""
+    addr = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
+    if not addr:
+        raise UsageError("--ray auto reads RAY_ADDRESS, which is not set", hint="give the head's address, e.g. --ray 10.0.0.1:6379")
+    if addr.startswith("ray://"):
+        raise UsageError(f"--ray {addr!r} is a Ray Client address; detllm connects as a driver to the GCS",
+                         hint="run detllm on a node of the cluster (or in a RayJob) and give the head's host:6379")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--ray expects HOST:PORT of the cluster's head (GCS), got {addr!r}")
+    return addr
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise UsageError("--ray needs Ray, which is not installed", hint="pip install 'detllm[ray]'") from exc
+    return ray
+
+
+def connect(address: str) -> Any:
+    """ray, connected as a driver to the cluster at `address` (resolve_address'd). Unreachable:
+    BackendUnavailableError (exit 4) after at most PROBE_S, before anything is written."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+    except OSError as exc:
+        raise BackendUnavailableError(f"cannot reach the Ray cluster at {address} ({type(exc).__name__}: {exc})",
+                                      hint="nothing was written; is the head up and --ray its GCS address (port 6379 by default)?") from exc
+    ray = import_ray()
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+        except (ConnectionError, RuntimeError) as exc:
+            raise BackendUnavailableError(f"cannot connect to the Ray cluster at {address} ({type(exc).__name__}: {str(exc)[:200]})",
+                                          hint="nothing was written; check the address and that this Ray matches the cluster's") from exc
+    return ray
+
+
+__all__ = ["connect", "import_ray", "resolve_address"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Any
 
 from ..core.errors import BackendUnavailableError, UsageError
@@ -48,7 +49,9 @@ def connect(address: str) -> Any:
     ray = import_ray()
     if not ray.is_initialized():
         try:
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+            with warnings.catch_warnings():  # Ray's FutureWarning about accelerator variables at num_gpus=0: not ours to print
+                warnings.simplefilter("ignore", FutureWarning)
+                ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
         except (ConnectionError, RuntimeError) as exc:
             raise BackendUnavailableError(f"cannot connect to the Ray cluster at {address} ({type(exc).__name__}: {str(exc)[:200]})",
                                           hint="nothing was written; check the address and that this Ray matches the cluster's") from exc

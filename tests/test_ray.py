@@ -1,0 +1,167 @@
+"""`check --ray` on a real Ray cluster on loopback (ray.cluster_utils.Cluster): 3 nodes of 1 CPU, two with
+the stand-in resource accelerator_type:A and one with accelerator_type:B, whose raylet runs with
+ATEN_CPU_CAPABILITY one level below what torch reports here (a real environment difference: hf tiny's
+logprobs move by ~1e-6 at tier 2). Started once per session; every check runs in a `detllm`
+subprocess (the driver), each task at 1 thread on tiny. The node-death test comes last: it removes a node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+
+LOWER = {"AVX512": "avx2", "AVX2": "default"}
+CHECK = ["check", "--backend", "hf", "--model", "tiny", "--tier", "2", "--runs", "2", "--threads", "1", "--max-new-tokens", "8",
+         "--prompt", "The capital of France is", "--prompt", "Once upon a time", "--no-progress"]
+MB = 2**20
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """(Cluster, [head, a2, b]): b is the node whose raylet runs with ATEN_CPU_CAPABILITY lowered."""
+    from ray.cluster_utils import Cluster
+
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    if capability not in LOWER:
+        pytest.skip(f"torch's CPU capability here is {capability}: there is no lower level to give one node")
+    kw = dict(num_cpus=1, object_store_memory=80 * MB)
+    c = Cluster(initialize_head=True, head_node_args=dict(resources={"accelerator_type:A": 1}, include_dashboard=False, **kw))
+    nodes = [c.head_node, c.add_node(resources={"accelerator_type:A": 1}, **kw),
+             c.add_node(resources={"accelerator_type:B": 1}, env_vars={"ATEN_CPU_CAPABILITY": LOWER[capability]}, **kw)]
+    try:
+        yield c, nodes
+    finally:
+        c.shutdown()
+
+
+def detllm(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "detllm", *args], capture_output=True, text=True, timeout=kw.pop("timeout", 400), **kw)
+
+
+def fleet(out: Path) -> dict:
+    return json.loads((out / "fleet.json").read_text())
+
+
+def placement(out: Path, replica: dict) -> dict:
+    return json.loads((out / replica["folder"] / "env.json").read_text())["volatile"]["placement"]
+
+
+@pytest.fixture(scope="session")
+def per_node(cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ray") / "nodes"
+    return detllm(*CHECK, "--ray", cluster[0].address, "--per", "node", "--out", str(out)), out
+
+
+def test_per_node_names_the_node_whose_environment_differs(cluster, per_node):
+    _, nodes = cluster
+    res, out = per_node
+    assert res.returncode == 1, res.stderr
+    doc = fleet(out)
+    assert doc["category"] == "OUTLIER"
+    by_node = {placement(out, r)["node_id"]: r for r in doc["replicas"]}
+    assert set(by_node) == {n.node_id for n in nodes}, "one replica per node, pinned there"
+    odd = by_node[nodes[2].node_id]
+    assert odd["outlier"] and not any(r["outlier"] for r in doc["replicas"] if r is not odd)
+    assert by_node[nodes[0].node_id]["group"] == by_node[nodes[1].node_id]["group"] != odd["group"], "the other two agree bitwise"
+    (expl,) = doc["explanations"]
+    assert expl["replicas"] == [odd["index"]] and expl["causes"][0]["code"] == "ENV_MISMATCH"
+    env = json.loads((out / odd["folder"] / "env.json").read_text())
+    assert env["env_vars"]["ATEN_CPU_CAPABILITY"] == LOWER[str(torch.backends.cpu.get_cpu_capability())]
+    p = env["volatile"]["placement"]
+    assert p["accelerator_type"] == "B" and p["env_vars"]["OMP_NUM_THREADS"] == "1" and "OMP_NUM_THREADS" not in env["env_vars"]
+    assert f"ray node {nodes[2].node_id[:12]}" in odd["source"]
+
+
+def test_the_ray_fleet_folder_verifies_and_packs(per_node, tmp_path):
+    _, out = per_node
+    res = detllm("verify", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "3 replica folder(s) verified" in res.stdout and "FAIL OUTLIER" in res.stdout
+    assert detllm("pack", str(out), "-o", str(tmp_path / "f.tar.gz")).returncode == 0
+    rep = detllm("report", str(tmp_path / "f.tar.gz"))
+    assert rep.returncode == 0 and rep.stdout == (out / "fleet.txt").read_text()
+
+
+def test_per_accelerator_type_groups_by_the_stand_in_types(cluster, tmp_path):
+    c, nodes = cluster
+    res = detllm(*CHECK, "--ray", c.address, "--per", "accelerator_type", "--out", str(tmp_path / "t"), "--json")
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout)
+    assert [r["source"].split(" on node")[0] for r in doc["replicas"]] == ["ray accelerator_type:A", "ray accelerator_type:B"]
+    b = doc["replicas"][1]
+    assert placement(tmp_path / "t", b)["node_id"] == nodes[2].node_id
+    assert placement(tmp_path / "t", doc["replicas"][0])["node_id"] in {nodes[0].node_id, nodes[1].node_id}
+    # two types that differ: a 1-1 split names no outlier (the fleet's rule), the groups say who differs
+    assert doc["category"] == "NO_MAJORITY" and doc["replicas"][0]["group"] != b["group"]
+
+
+def _held(cluster, tmp_path, per: str):
+    """A driver whose task on node b waits on tmp_path/hold (task._hold), and b's task's pid once it started."""
+    c, nodes = cluster
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "detllm", *CHECK, "--ray", c.address, "--per", per, "--out", str(tmp_path / "out"),
+                             "--ray-test-hold", f"{nodes[2].node_id}:{hold}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (hold / "started").exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    return proc, int((hold / "started").read_text())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_ctrl_c_cancels_every_task_and_exits_130(cluster, tmp_path):
+    proc, pid = _held(cluster, tmp_path, "accelerator_type")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "detllm: interrupted" in err
+    assert not (tmp_path / "out").exists(), "nothing written"
+    for _ in range(150):  # the cancelled task's worker is killed (force=True); wait for it, not for a time
+        if _gone(pid):
+            break
+        time.sleep(0.2)
+    assert _gone(pid), "the held task's worker is still running"
+
+
+def test_unreachable_cluster_is_exit_4_and_writes_nothing(tmp_path):
+    res = detllm("check", "--backend", "hf", "--prompt", "hi", "--ray", "127.0.0.1:1", "--out", str(tmp_path / "o"), timeout=60)
+    assert res.returncode == 4 and res.stderr.count("\n") == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_without_ray_no_command_imports_ray(tmp_path):
+    probe = ("import sys, detllm\nfrom typer.testing import CliRunner\nfrom detllm.cli import app\n"
+             f"r = CliRunner().invoke(app, ['check', '--backend', 'fake', '--out', {str(tmp_path / 'r')!r}])\n"
+             "print(r.exit_code, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+    assert out.stdout.split() == ["0", "False"], out.stderr
+
+
+def test_a_node_that_dies_mid_task_is_a_failed_replica_and_the_others_are_judged(cluster, tmp_path):
+    c, nodes = cluster
+    proc, _ = _held(cluster, tmp_path, "node")
+    c.remove_node(nodes[2])  # once its task is known to run: no timing luck
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    doc = fleet(tmp_path / "out")
+    failed = [r for r in doc["replicas"] if r["status"] == "error"]
+    assert len(failed) == 1 and failed[0]["folder"] is None and nodes[2].node_id[:12] in failed[0]["source"]
+    assert failed[0]["error"]["message"].startswith("ray: ") and "died" in failed[0]["error"]["message"].lower()
+    ok = [r for r in doc["replicas"] if r["status"] == "ok"]
+    assert len(ok) == 2 and ok[0]["group"] == ok[1]["group"] and doc["category"] == "ENDPOINT_ERROR"

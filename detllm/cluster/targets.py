@@ -45,7 +45,7 @@ def plan(nodes: list[dict[str, Any]], per: str, num_cpus: float) -> list[Target]
     alive = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= num_cpus]
     if kind == "node":
         targets = [Target(f"node {n['NodeID'][:12]} {n.get('NodeManagerAddress', '?')}"
-                          + (f" {acc}" if (acc := accelerator_of(n["Resources"])) else ""), node_id=n["NodeID"])
+                          + (f" accelerator_type:{acc}" if (acc := accelerator_of(n["Resources"])) else ""), node_id=n["NodeID"])
                    for n in sorted(alive, key=lambda n: n["NodeID"])]
     else:
         prefix = (ACCELERATOR if kind == ACCELERATOR else name) + ":"

@@ -48,6 +48,11 @@ def detllm(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "detllm", *args], capture_output=True, text=True, timeout=kw.pop("timeout", 400), **kw)
 
 
+def errors(doc: dict) -> str:
+    """Each failed replica's source and error, for an assertion's message."""
+    return "\n".join(f"{r['source']}: {r['error']['message']}" for r in doc["replicas"] if r["error"])
+
+
 def fleet(out: Path) -> dict:
     return json.loads((out / "fleet.json").read_text())
 
@@ -65,8 +70,8 @@ def per_node(cluster, tmp_path_factory):
 def test_per_node_names_the_node_whose_environment_differs(cluster, per_node):
     _, nodes = cluster
     res, out = per_node
-    assert res.returncode == 1, res.stderr
     doc = fleet(out)
+    assert res.returncode == 1, errors(doc) or res.stderr
     assert doc["category"] == "OUTLIER"
     by_node = {placement(out, r)["node_id"]: r for r in doc["replicas"]}
     assert set(by_node) == {n.node_id for n in nodes}, "one replica per node, pinned there"
@@ -98,8 +103,8 @@ def test_the_ray_fleet_folder_verifies_and_packs(per_node, tmp_path):
 def test_per_accelerator_type_groups_by_the_stand_in_types(cluster, tmp_path):
     c, nodes = cluster
     res = detllm(*CHECK, "--ray", c.address, "--per", "accelerator_type", "--out", str(tmp_path / "t"), "--json")
-    assert res.returncode == 1, res.stderr
     doc = json.loads(res.stdout)
+    assert res.returncode == 1, errors(doc)
     assert [r["source"].split(" on node")[0] for r in doc["replicas"]] == ["ray accelerator_type:A", "ray accelerator_type:B"]
     b = doc["replicas"][1]
     assert placement(tmp_path / "t", b)["node_id"] == nodes[2].node_id
@@ -156,13 +161,28 @@ def test_without_ray_no_command_imports_ray(tmp_path):
     assert out.stdout.split() == ["0", "False"], out.stderr
 
 
+def test_sweep_runs_every_cell_as_a_task_on_one_node(cluster, tmp_path):
+    c, _ = cluster
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The capital of France is\nOnce upon a time\n")
+    out = tmp_path / "sweep"
+    res = detllm("sweep", "--axis", "threads=1", "--axis", "batch_size=1,2", "--repeats", "2", "--max-new-tokens", "4",
+                 "--prompts", str(prompts), "--ray", c.address, "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((out / "sweep.json").read_text())
+    assert [r["status"] for r in doc["cells"]] == ["ran", "ran"]
+    where = {json.loads((out / r["folder"] / "env.json").read_text())["volatile"]["placement"]["node_id"] for r in doc["cells"]}
+    assert len(where) == 1, "every cell on one node: the axis, not the node, differs between cells"
+    assert detllm("verify", str(out)).returncode == 0
+
+
 def test_a_node_that_dies_mid_task_is_a_failed_replica_and_the_others_are_judged(cluster, tmp_path):
     c, nodes = cluster
     proc, _ = _held(cluster, tmp_path, "node")
     c.remove_node(nodes[2])  # once its task is known to run: no timing luck
     _, err = proc.communicate(timeout=300)
     doc = fleet(tmp_path / "out")
-    assert proc.returncode == 1, "\n".join(f"{r['source']}: {(r['error'] or {}).get('message', '')[:160]}" for r in doc["replicas"])
+    assert proc.returncode == 1, errors(doc)
     failed = [r for r in doc["replicas"] if r["status"] == "error"]
     print("failed replica:", failed[0]["source"], "|", failed[0]["error"]["message"])  # shown with -s (docs/ray.md quotes it)
     assert len(failed) == 1 and failed[0]["folder"] is None and nodes[2].node_id[:12] in failed[0]["source"]

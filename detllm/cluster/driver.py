@@ -77,6 +77,13 @@ def _run(ray: Any, targets: list[Target], config: RunConfig, prompt_set: PromptS
                            scheduling_strategy=NodeAffinitySchedulingStrategy(t.node_id, soft=False) if t.node_id else "DEFAULT",
                            name=f"detllm-check-{i}").remote(config, prompt_set, build, redaction, hold)
             for i, t in enumerate(targets)]
+    return [ans if "ray_error" not in ans else {"pack": None, "placement": None, "error": ans["ray_error"]}
+            for ans in wait_all(ray, refs)]
+
+
+def wait_all(ray: Any, refs: list[Any]) -> list[dict[str, Any]]:
+    """Every task's answer, in order; a task Ray failed is {"ray_error": its error record}. Ctrl-C
+    cancels every task (force: its worker is killed) and goes on to the caller."""
     pending = list(refs)
     try:
         while pending:  # a timed wait, so Ctrl-C is seen at once
@@ -90,7 +97,7 @@ def _run(ray: Any, targets: list[Target], config: RunConfig, prompt_set: PromptS
         try:
             results.append(ray.get(ref))
         except ray.exceptions.RayError as exc:
-            results.append({"pack": None, "placement": None, "error": ray_error(exc)})
+            results.append({"ray_error": ray_error(exc)})
     return results
 
 
@@ -106,7 +113,7 @@ def _source(target: Target, placement: dict[str, Any] | None) -> str:
     return f"ray {target.label} on node {placement['node_id'][:12]} {placement['node_ip']}"
 
 
-def _unpack(pack: bytes, dest: Path) -> None:
+def unpack(pack: bytes, dest: Path) -> None:
     """The replica's pack into `dest` (a new folder), its seal verified there."""
     with tempfile.TemporaryDirectory(prefix="detllm-ray-") as tmp:
         archive = Path(tmp) / "replica.tar.gz"
@@ -125,7 +132,7 @@ def _write(out: Path, targets: list[Target], results: list[dict[str, Any]], conf
         folder, err = out / REPLICA.format(i), res["error"]
         if res["pack"] is not None:
             try:
-                _unpack(res["pack"], folder)
+                unpack(res["pack"], folder)
             except (ArtifactError, IntegrityError) as exc:
                 shutil.rmtree(folder, ignore_errors=True)
                 err = {"kind": "error", "exit_code": exc.exit_code, "message": f"its packed run folder did not verify: {exc.one_line()}"}
@@ -142,4 +149,4 @@ def _write(out: Path, targets: list[Target], results: list[dict[str, Any]], conf
     return FleetOutcome(out, report)
 
 
-__all__ = ["ray_check", "ray_error", "task_gpus"]
+__all__ = ["NUM_CPUS", "ray_check", "ray_error", "task_gpus", "unpack", "wait_all"]

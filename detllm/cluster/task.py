@@ -98,4 +98,30 @@ def run_replica(config: RunConfig, prompt_set: PromptSet, driver_build: dict[str
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["build_mismatch", "local_build", "placement_here", "run_replica"]
+
+
+
+def run_cell(job: dict[str, Any], prompts_jsonl: str, driver_build: dict[str, str]) -> dict[str, Any]:
+    """A sweep cell's task body: the probe worker's job (diagnose/worker.run_job) run here into a private
+    folder, the prompts file written here from its text; its result with "pack" (the sealed folder's
+    .tar.gz bytes, or None) and "placement" added."""
+    import ray
+
+    from ..diagnose.worker import run_job
+
+    placement = placement_here(ray)
+    if (why := build_mismatch(local_build(), driver_build)) is not None:
+        return {"ok": False, "error": why, "exit_code": 2, "pack": None, "placement": placement, "seconds": 0.0}
+    record_placement(placement)
+    tmp = Path(tempfile.mkdtemp(prefix="detllm-ray-"))
+    try:
+        (tmp / "prompts.jsonl").write_text(prompts_jsonl, encoding="utf-8")
+        body = run_job({**job, "prompts": str(tmp / "prompts.jsonl"), "out": str(tmp / "cell")})
+        body["pack"] = create_pack(tmp / "cell", tmp / "cell.tar.gz").read_bytes() if body.get("ok") else None
+        return {**body, "placement": placement}
+    except DetllmError as exc:
+        return {"ok": False, "error": exc.one_line(), "exit_code": exc.exit_code, "pack": None, "placement": placement, "seconds": 0.0}
+    finally:
+        record_placement(None)
+        shutil.rmtree(tmp, ignore_errors=True)
+__all__ = ["build_mismatch", "local_build", "placement_here", "run_cell", "run_replica"]

@@ -153,6 +153,22 @@ def test_unreachable_cluster_is_exit_4_and_writes_nothing(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_port_that_is_not_a_gcs_is_exit_4_and_writes_nothing(tmp_path):
+    """An HTTP server takes the connection; ray.init alone waits on it for minutes (measured > 60 s)."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        res = detllm("check", "--backend", "hf", "--prompt", "hi", "--ray", f"127.0.0.1:{server.server_port}",
+                     "--out", str(tmp_path / "o"), timeout=60)
+    finally:
+        server.shutdown()
+    assert res.returncode == 4 and "does not answer as a Ray GCS" in res.stderr and res.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
 def test_without_ray_no_command_imports_ray(tmp_path):
     probe = ("import sys, detllm\nfrom typer.testing import CliRunner\nfrom detllm.cli import app\n"
              f"r = CliRunner().invoke(app, ['check', '--backend', 'fake', '--out', {str(tmp_path / 'r')!r}])\n"

@@ -69,6 +69,7 @@ def test_missing_ray_names_the_extra(monkeypatch):
     (["run", "--ray", "127.0.0.1:1"], "use `detllm check`"),
     (["check", "--backend", "openai", "--base-url", "http://h/v1", "--ray", "127.0.0.1:1"], "--base-url names endpoints"),
     (["check", "--ray", "ray://h:10001"], "Ray Client address"),
+    (["check", "--per", "accelerator_type"], "give --ray ADDRESS too"),
 ])
 def test_usage_errors_before_anything_is_written(args, text, tmp_path):
     res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "o"), "--prompt", "hi"])

@@ -95,6 +95,8 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 from .cluster import ray_check
                 return ray_check(command, cfg, ray, per, ray_test_hold, base_url, prompts, prompt, prompt_file, out, as_json,
                                  junit, html, redact_env, redact_env_var)
+            if per != "node":
+                raise UsageError("--per says what each replica of a --ray check stands for: give --ray ADDRESS too")
             if base_url and len(base_url) > 1:  # a fleet: N endpoints, one N-way verdict (cli/fleet.py)
                 return fleet_check(command, cfg, base_url, prompts, prompt, prompt_file, out, progress and not as_json,
                                    as_json, junit, html, redact_env, redact_env_var, reference_url)

@@ -1,6 +1,6 @@
 """Reaching a Ray cluster: `--ray ADDRESS` (or `auto`, read from RAY_ADDRESS) checked and probed with a
-short TCP connect before ray is imported, so an unreachable cluster is one line and exit 4 within
-seconds with nothing written; a missing `ray` is a usage error naming the extra. Owns nothing else.
+short TCP connect before ray is imported and a gRPC handshake before ray.init, so an unreachable
+cluster (or a port that is not a GCS) is one line and exit 4 within seconds with nothing written; a missing `ray` is a usage error naming the extra. Owns nothing else.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from ..core.errors import BackendUnavailableError, UsageError
 
 PROBE_S = 3.0  # the TCP connect to the GCS; ray.init's own wait for an absent cluster is far longer
+GRPC_S = 5.0  # then its gRPC handshake: PROBE_S + GRPC_S stay under the 10 s an unreachable cluster may take
 
 
 def resolve_address(address: str) -> str:
@@ -47,6 +48,7 @@ def connect(address: str) -> Any:
         raise BackendUnavailableError(f"cannot reach the Ray cluster at {address} ({type(exc).__name__}: {exc})",
                                       hint="nothing was written; is the head up and --ray its GCS address (port 6379 by default)?") from exc
     ray = import_ray()
+    _answers_grpc(address)
     if not ray.is_initialized():
         try:
             with warnings.catch_warnings():  # Ray's FutureWarning about accelerator variables at num_gpus=0: not ours to print
@@ -56,6 +58,21 @@ def connect(address: str) -> Any:
             raise BackendUnavailableError(f"cannot connect to the Ray cluster at {address} ({type(exc).__name__}: {str(exc)[:200]})",
                                           hint="nothing was written; check the address and that this Ray matches the cluster's") from exc
     return ray
+
+
+def _answers_grpc(address: str) -> None:
+    """The port speaks gRPC (HTTP/2) within GRPC_S: ray.init would wait for minutes on a port that takes
+    the connection and is not a GCS (measured: over 60 s against an HTTP server)."""
+    import grpc  # Ray's own dependency
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=GRPC_S)
+    except grpc.FutureTimeoutError as exc:
+        raise BackendUnavailableError(f"{address} takes connections but does not answer as a Ray GCS (gRPC) within {GRPC_S:g} s",
+                                      hint="nothing was written; is --ray the head's GCS port (6379 by default), not the dashboard or client port?") from exc
+    finally:
+        channel.close()
 
 
 __all__ = ["connect", "import_ray", "resolve_address"]

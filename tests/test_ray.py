@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,10 +102,20 @@ def test_the_ray_fleet_folder_verifies_and_packs(per_node, tmp_path):
 
 
 def test_per_accelerator_type_groups_by_the_stand_in_types(cluster, tmp_path):
+    """With --ship-model: the exported tiny folder travels through the object store to each node."""
     c, nodes = cluster
-    res = detllm(*CHECK, "--ray", c.address, "--per", "accelerator_type", "--out", str(tmp_path / "t"), "--json")
+    assert detllm("models", "export", "tiny", str(tmp_path / "tiny")).returncode == 0
+    args = [str(tmp_path / "tiny") if a == "tiny" else a for a in CHECK]
+    res = detllm(*args, "--ship-model", "--ray", c.address, "--per", "accelerator_type", "--out", str(tmp_path / "t"), "--json")
     doc = json.loads(res.stdout)
     assert res.returncode == 1, errors(doc)
+    from detllm.cluster.shipping import read_model
+
+    landed = Path(tempfile.gettempdir()) / "detllm-shipped" / read_model(str(tmp_path / "tiny"))[1][:16]
+    for r in doc["replicas"]:
+        rc = json.loads((tmp_path / "t" / r["folder"] / "run_config.json").read_text())
+        assert rc["config"]["model"] == str(landed), "each node ran the shipped copy"
+    assert not any(r["identity_mismatch"] for r in doc["replicas"])
     assert [r["source"].split(" on node")[0] for r in doc["replicas"]] == ["ray accelerator_type:A", "ray accelerator_type:B"]
     b = doc["replicas"][1]
     assert placement(tmp_path / "t", b)["node_id"] == nodes[2].node_id

@@ -70,8 +70,28 @@ def test_missing_ray_names_the_extra(monkeypatch):
     (["check", "--backend", "openai", "--base-url", "http://h/v1", "--ray", "127.0.0.1:1"], "--base-url names endpoints"),
     (["check", "--ray", "ray://h:10001"], "Ray Client address"),
     (["check", "--per", "accelerator_type"], "give --ray ADDRESS too"),
+    (["check", "--ship-model"], "give --ray ADDRESS too"),
+    (["check", "--ray", "127.0.0.1:1", "--ship-model"], "--ship-model sends a model folder"),
 ])
 def test_usage_errors_before_anything_is_written(args, text, tmp_path):
     res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "o"), "--prompt", "hi"])
     assert res.exit_code == 2 and text in res.output and "Traceback" not in res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_shipped_model_lands_once_and_is_checked(tmp_path):
+    from detllm.cluster.shipping import land, read_model
+
+    (tmp_path / "m" / "sub").mkdir(parents=True)
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "m" / "sub" / "w.bin").write_bytes(b"\x00\x01")
+    files, digest = read_model(str(tmp_path / "m"))
+    dest = land(files, digest)
+    assert dest.name == digest[:16] and (dest / "sub" / "w.bin").read_bytes() == b"\x00\x01"
+    assert land(files, digest) == dest, "a second task of the node finds it landed"
+    (dest / "config.json").write_text('{"changed": 1}')
+    with pytest.raises(ValueError, match="arrived changed"):
+        land(files, digest)
+    import shutil
+
+    shutil.rmtree(dest)

@@ -10,7 +10,7 @@ from ..runfolder.artifacts import check_output_file
 
 
 def ray_check(command, cfg, address, per, hold, base_url, prompts, prompt, prompt_file, out, as_json, junit, html,
-              redact, redact_vars) -> int:
+              redact, redact_vars, ship_model=False) -> int:
     """`check --ray ADDR`: detllm.cluster.driver.ray_check, then the fleet's outputs (cli/fleet.py)."""
     from ..cluster.driver import ray_check as run_ray
     from ..core.prompts import resolve_prompts
@@ -24,7 +24,7 @@ def ray_check(command, cfg, address, per, hold, base_url, prompts, prompt, promp
     check_output_file(html, "--html")
     prompt_set = resolve_prompts(prompts, texts=prompt or (), jsonl_file=prompt_file)
     outcome = run_ray(cfg, address, per=per, prompt_set=prompt_set, out=out, redact=redact, redact_env_vars=redact_vars,
-                      hold=_hold(hold))
+                      hold=_hold(hold), ship_model=ship_model)
     return emit_fleet(outcome, as_json=as_json, junit=junit, html=html)
 
 

@@ -25,6 +25,7 @@ from ..runfolder.artifacts import default_out_dir, read_json
 from ..runfolder.env import Redaction
 from ..runfolder.fleetseal import begin_fleet, seal_fleet
 from .connect import connect, resolve_address
+from .shipping import read_model
 from .targets import Target, parse_per, plan
 from .task import local_build, run_replica
 
@@ -42,10 +43,11 @@ def task_gpus(config: RunConfig) -> float:
 def ray_check(config: RunConfig, address: str, *, per: str = "node", prompts: Any = None, prompt_set: PromptSet | None = None,
               out: str | Path | None = None, atol: float | None = None, tier: int | None = None, redact: bool = False,
               redact_env_vars: Sequence[str] | None = None, num_cpus: float = NUM_CPUS,
-              hold: tuple[str, str] | None = None) -> FleetOutcome:
+              hold: tuple[str, str] | None = None, ship_model: bool = False) -> FleetOutcome:
     """The same check once per target of `per` on the Ray cluster at `address`, one N-way verdict in
     `out` (a fleet folder). Bad input is refused (exit 2) and an unreachable cluster is exit 4, both
-    before anything is written. `hold` is test-only (task._hold)."""
+    before anything is written. `ship_model`: send the model folder to every node by content hash
+    (shipping.py) instead of each node reading its own path or hub id. `hold` is test-only (task._hold)."""
     if config.backend == "openai":
         raise UsageError("--ray runs the engine on the cluster's nodes; --backend openai checks endpoints",
                          hint="for running servers give several --base-url (docs/fleet.md)")
@@ -56,17 +58,19 @@ def ray_check(config: RunConfig, address: str, *, per: str = "node", prompts: An
     check_fleet_out(out)
     names = tuple(redact_env_vars or ())
     redaction = Redaction(all_vars=bool(redact), names=names) if redact or names else None
+    files = read_model(config.model) if ship_model else None
     ray = connect(resolve_address(address))
     try:
         targets = plan(ray.nodes(), per, num_cpus)
-        results = _run(ray, targets, config, prompt_set, redaction, num_cpus, hold)
+        shipped = None if files is None else (ray.put(files[0]), files[1])  # one copy in the object store, fetched by each node
+        results = _run(ray, targets, config, prompt_set, redaction, num_cpus, hold, shipped)
         return _write(out, targets, results, config, atol, tier)
     finally:
         ray.shutdown()
 
 
 def _run(ray: Any, targets: list[Target], config: RunConfig, prompt_set: PromptSet, redaction: Redaction | None,
-         num_cpus: float, hold: tuple[str, str] | None) -> list[dict[str, Any]]:
+         num_cpus: float, hold: tuple[str, str] | None, shipped: tuple[Any, str] | None = None) -> list[dict[str, Any]]:
     """Submit one task per target and wait for all; each task's answer, or its Ray failure as an error."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -75,7 +79,8 @@ def _run(ray: Any, targets: list[Target], config: RunConfig, prompt_set: PromptS
     build = local_build()
     refs = [remote.options(num_cpus=num_cpus, num_gpus=task_gpus(config), resources=dict(t.resources),
                            scheduling_strategy=NodeAffinitySchedulingStrategy(t.node_id, soft=False) if t.node_id else "DEFAULT",
-                           name=f"detllm-check-{i}").remote(config, prompt_set, build, redaction, hold)
+                           name=f"detllm-check-{i}").remote(config, prompt_set, build, redaction, hold,
+                                                                   shipped[0] if shipped else None, shipped[1] if shipped else None)
             for i, t in enumerate(targets)]
     return [ans if "ray_error" not in ans else {"pack": None, "placement": None, "error": ans["ray_error"]}
             for ans in wait_all(ray, refs)]

@@ -6,6 +6,7 @@ private temporary folder and returns that sealed folder packed (bytes through th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -21,6 +22,7 @@ from ..core.prompts import PromptSet
 from ..pipeline.runner import execute
 from ..runfolder.env import REDACTED, SECRET_NAME, SECRET_VALUE, Redaction, detllm_version, record_placement
 from ..runfolder.schema_io import schema_dir
+from .shipping import land
 from .targets import accelerator_of
 
 RAY_SET = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")  # set per task by Ray (num_gpus, num_cpus), with RAY_*
@@ -76,14 +78,22 @@ def _hold(hold: tuple[str, str] | None, node_id: str) -> None:
 
 
 def run_replica(config: RunConfig, prompt_set: PromptSet, driver_build: dict[str, str], redaction: Redaction | None = None,
-                hold: tuple[str, str] | None = None) -> dict[str, Any]:
+                hold: tuple[str, str] | None = None, shipped_files: dict[str, bytes] | None = None,
+                shipped_digest: str | None = None) -> dict[str, Any]:
     """The task body: {"pack": bytes of the sealed run folder's .tar.gz or None, "error": the fleet's
-    error record or None, "placement": where it ran}. A failed check is an answer, not a Ray error."""
+    error record or None, "placement": where it ran}. A failed check is an answer, not a Ray error.
+    `shipped_files`, `shipped_digest`: the model folder (--ship-model), landed here and used as the model
+    (two arguments: Ray resolves an object reference given as an argument of its own, not one in a tuple)."""
     import ray
 
     placement = placement_here(ray)
     if (why := build_mismatch(local_build(), driver_build)) is not None:
         return {"pack": None, "placement": placement, "error": {"kind": "error", "exit_code": 2, "message": why}}
+    if shipped_files is not None and shipped_digest is not None:
+        try:
+            config = dataclasses.replace(config, model=str(land(shipped_files, shipped_digest)))
+        except (OSError, ValueError) as exc:
+            return {"pack": None, "placement": placement, "error": {"kind": "error", "exit_code": 7, "message": str(exc)}}
     _hold(hold, placement["node_id"])
     record_placement(placement)
     tmp = Path(tempfile.mkdtemp(prefix="detllm-ray-"))

@@ -33,6 +33,8 @@ def test_targets_per_node_type_and_resource():
         plan(NODES, "resource:fast", 1)  # one node holds it: nothing to compare
     with pytest.raises(UsageError, match="finds 0 target"):
         plan(NODES, "node", 2)  # no node has 2 CPUs to give
+    with pytest.raises(UsageError, match="0 target"):
+        plan(NODES, "node", 1, 2)  # a TP=2 task on cuda: no node has 2 GPUs, none is left pending forever
     with pytest.raises(UsageError, match="--per must be"):
         plan(NODES, "gpu", 1)
 

@@ -61,7 +61,7 @@ def ray_check(config: RunConfig, address: str, *, per: str = "node", prompts: An
     files = read_model(config.model) if ship_model else None
     ray = connect(resolve_address(address))
     try:
-        targets = plan(ray.nodes(), per, num_cpus)
+        targets = plan(ray.nodes(), per, num_cpus, task_gpus(config))
         shipped = None if files is None else (ray.put(files[0]), files[1])  # one copy in the object store, fetched by each node
         results = _run(ray, targets, config, prompt_set, redaction, num_cpus, hold, shipped)
         return _write(out, targets, results, config, atol, tier)

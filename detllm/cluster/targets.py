@@ -39,10 +39,12 @@ def accelerator_of(resources: dict[str, Any]) -> str | None:
     return ",".join(kinds) or None
 
 
-def plan(nodes: list[dict[str, Any]], per: str, num_cpus: float) -> list[Target]:
-    """The targets over the alive nodes of ray.nodes(); none: a usage error naming what the cluster has."""
+def plan(nodes: list[dict[str, Any]], per: str, num_cpus: float, num_gpus: float = 0) -> list[Target]:
+    """The targets over the alive nodes of ray.nodes() that can hold one task (so none waits forever
+    for resources no node has); fewer than two: a usage error naming what the cluster has."""
     kind, name = parse_per(per)
-    alive = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= num_cpus]
+    alive = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= num_cpus
+             and n.get("Resources", {}).get("GPU", 0) >= num_gpus]
     if kind == "node":
         targets = [Target(f"node {n['NodeID'][:12]} {n.get('NodeManagerAddress', '?')}"
                           + (f" accelerator_type:{acc}" if (acc := accelerator_of(n["Resources"])) else ""), node_id=n["NodeID"])
@@ -57,7 +59,7 @@ def plan(nodes: list[dict[str, Any]], per: str, num_cpus: float) -> list[Target]
     if len(targets) < 2:
         have = sorted({k for n in alive for k in n["Resources"] if ":" in k and not k.startswith("node:")})
         raise UsageError(f"--per {per} finds {len(targets)} target(s) on the cluster ({len(alive)} alive node(s) with "
-                         f"{num_cpus:g} CPU free to request); a comparison needs two or more",
+                         f"{num_cpus:g} CPU and {num_gpus:g} GPU to give a task); a comparison needs two or more",
                          hint=f"its labelled resources: {', '.join(have) or 'none'}")
     return targets
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core.config import RunConfig
 from ..core.errors import ArtifactError, IntegrityError, UsageError
-from .connect import connect, resolve_address
+from .connect import connect, disconnect, resolve_address
 from .driver import NUM_CPUS, task_gpus, unpack, wait_all
 from .task import local_build, run_cell
 
@@ -32,11 +32,11 @@ def pick_node(nodes: list[dict[str, Any]], cpus: float, gpus: float) -> str:
 def ray_cells(address: str) -> Iterator[Cells]:
     """Connected to the cluster (exit 4 when unreachable, before the sweep writes anything), a
     runner for diagnose.sweep(run_cells=...); disconnects on exit."""
-    ray = connect(resolve_address(address))
+    ray, owned = connect(resolve_address(address))
     try:
         yield lambda jobs: _run(ray, jobs)
     finally:
-        ray.shutdown()
+        disconnect(ray, owned)
 
 
 def _run(ray: Any, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -38,9 +38,16 @@ def import_ray() -> Any:
     return ray
 
 
-def connect(address: str) -> Any:
-    """ray, connected as a driver to the cluster at `address` (resolve_address'd). Unreachable:
-    BackendUnavailableError (exit 4) after at most PROBE_S, before anything is written."""
+def disconnect(ray: Any, owned: bool) -> None:
+    """Leave the cluster if connect() joined it; a caller's own ray.init stays as it was."""
+    if owned:
+        ray.shutdown()
+
+
+def connect(address: str) -> tuple[Any, bool]:
+    """(ray connected as a driver to the cluster at `address` (resolve_address'd), whether this call
+    connected it). Unreachable: BackendUnavailableError (exit 4) within PROBE_S + GRPC_S, before
+    anything is written. A process already connected (a Python caller's ray.init) is used as it is."""
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
@@ -48,16 +55,17 @@ def connect(address: str) -> Any:
         raise BackendUnavailableError(f"cannot reach the Ray cluster at {address} ({type(exc).__name__}: {exc})",
                                       hint="nothing was written; is the head up and --ray its GCS address (port 6379 by default)?") from exc
     ray = import_ray()
+    if ray.is_initialized():
+        return ray, False
     _answers_grpc(address)
-    if not ray.is_initialized():
-        try:
-            with warnings.catch_warnings():  # Ray's FutureWarning about accelerator variables at num_gpus=0: not ours to print
-                warnings.simplefilter("ignore", FutureWarning)
-                ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
-        except (ConnectionError, RuntimeError) as exc:
-            raise BackendUnavailableError(f"cannot connect to the Ray cluster at {address} ({type(exc).__name__}: {str(exc)[:200]})",
-                                          hint="nothing was written; check the address and that this Ray matches the cluster's") from exc
-    return ray
+    try:
+        with warnings.catch_warnings():  # Ray's FutureWarning about accelerator variables at num_gpus=0: not ours to print
+            warnings.simplefilter("ignore", FutureWarning)
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise BackendUnavailableError(f"cannot connect to the Ray cluster at {address} ({type(exc).__name__}: {str(exc)[:200]})",
+                                      hint="nothing was written; check the address and that this Ray matches the cluster's") from exc
+    return ray, True
 
 
 def _answers_grpc(address: str) -> None:
@@ -75,4 +83,4 @@ def _answers_grpc(address: str) -> None:
         channel.close()
 
 
-__all__ = ["connect", "import_ray", "resolve_address"]
+__all__ = ["connect", "disconnect", "import_ray", "resolve_address"]

@@ -24,7 +24,7 @@ from ..runfolder.archive import extract
 from ..runfolder.artifacts import default_out_dir, read_json
 from ..runfolder.env import Redaction
 from ..runfolder.fleetseal import begin_fleet, seal_fleet
-from .connect import connect, resolve_address
+from .connect import connect, disconnect, resolve_address
 from .shipping import read_model
 from .targets import Target, parse_per, plan
 from .task import local_build, run_replica
@@ -59,14 +59,14 @@ def ray_check(config: RunConfig, address: str, *, per: str = "node", prompts: An
     names = tuple(redact_env_vars or ())
     redaction = Redaction(all_vars=bool(redact), names=names) if redact or names else None
     files = read_model(config.model) if ship_model else None
-    ray = connect(resolve_address(address))
+    ray, owned = connect(resolve_address(address))
     try:
         targets = plan(ray.nodes(), per, num_cpus, task_gpus(config))
         shipped = None if files is None else (ray.put(files[0]), files[1])  # one copy in the object store, fetched by each node
         results = _run(ray, targets, config, prompt_set, redaction, num_cpus, hold, shipped)
         return _write(out, targets, results, config, atol, tier)
     finally:
-        ray.shutdown()
+        disconnect(ray, owned)
 
 
 def _run(ray: Any, targets: list[Target], config: RunConfig, prompt_set: PromptSet, redaction: Redaction | None,

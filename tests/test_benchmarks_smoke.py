@@ -26,6 +26,7 @@ SMOKE = {
     "bench_verify.py": (["--prompts", "4", "--tokens", "8", "--repeats", "1", "--drift"],
                         "verdict re-derived from the trace: FAIL"),
     "bench_startup.py": (["--repeat", "1"], "detllm verify"),
+    "bench_ray.py": (["--nodes", "2", "--prompts", "1", "--tokens", "2"], "driver_rss_mib"),
     "bench_fleet.py": (["--sleep", "0", "--prompts", "2", "--runs", "2", "--real", "0"], "wall time, 8 x 2 vs 1 x 2"),
     "bench_check.py": (["--model", "tiny", "--runs", "2", "--vary-batch", "1", "--max-new-tokens", "2", "--repeat", "1",
                         "--threads", "1", "--decode-tokens", "2"], "[PASS]"),

@@ -181,6 +181,8 @@ def test_determinism_records_what_is_in_effect_and_restores_threads(backend):
                  "VLLM_BATCH_INVARIANT", "attention_backend", "tensor_parallel_size", "prefix_caching", "threads"):
         assert name in settings, name
     assert settings["threads"].value == 1 and settings["threads"].applied
+    # always passed (issue 35: inside a Ray placement group vLLM would pick its Ray executor by itself)
+    assert settings["distributed_executor_backend"].value == "uni" and settings["distributed_executor_backend"].applied
     assert settings["VLLM_ENABLE_V1_MULTIPROCESSING"].value == "0"
     assert settings["prefix_caching"].value is False and settings["logprobs_mode"].value == "raw_logprobs"
     assert settings["dtype"].value == "float32" and settings["attention_backend"].value

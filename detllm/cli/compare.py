@@ -136,8 +136,11 @@ def sweep(
     seed: Annotated[int, typer.Option(help="Seed for every run.")] = 0,
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Backend option key=value for every cell (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print sweep.json instead of the table.")] = False,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run every cell at once as a Ray task, all on one node of the cluster at ADDRESS (HOST:PORT or auto) (docs/ray.md).")] = None,
 ) -> None:
     def body() -> int:
+        import contextlib
+
         from ..core.config import Decoding, RunConfig, parse_options
         from ..diagnose.sweep import sweep as run_sweep
         from ..diagnose.sweep_render import render_text
@@ -145,8 +148,16 @@ def sweep(
         cfg = RunConfig(backend=backend, model=model, dtype=dtype, seed=seed, tier=tier,
                         decoding=Decoding(max_new_tokens=max_new_tokens), options=parse_options(opt or []))
         say = None if as_json else (lambda text: typer.echo(f"detllm: {text}", err=True))
-        folder, doc = run_sweep(cfg, axis, repeats=repeats, prompts=prompts, out=out, force=force, progress=say)
+        with contextlib.nullcontext() if ray is None else _ray_cells(ray) as cells:
+            folder, doc = run_sweep(cfg, axis, repeats=repeats, prompts=prompts, out=out, force=force, progress=say, run_cells=cells)
         typer.echo(json.dumps(doc, indent=2) if as_json else render_text(doc) + f"sweep folder: {folder}")
         return 0
 
     guarded(body)
+
+
+def _ray_cells(address: str):
+    """sweep --ray: the cells' runner on the cluster (detllm.cluster.cells); ray is imported only here."""
+    from ..cluster.cells import ray_cells
+
+    return ray_cells(address)

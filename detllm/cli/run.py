@@ -72,6 +72,10 @@ def _gen_command(command: str, default_runs: int) -> Callable:
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
         sign_key: SignKey = None,
         junit: JUnit = None,
+        ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="check: run the check on a Ray cluster (HOST:PORT of its head, or auto: RAY_ADDRESS), once per --per target, one N-way verdict (docs/ray.md).")] = None,
+        per: Annotated[str, typer.Option("--per", help="with --ray: node, accelerator_type or resource:NAME: what each replica stands for.")] = "node",
+        ship_model: Annotated[bool, typer.Option("--ship-model", help="with --ray: send the --model folder to every node by content hash, checked on arrival (docs/ray.md).")] = False,
+        ray_test_hold: Annotated[Optional[str], typer.Option("--ray-test-hold", hidden=True)] = None,
     ) -> None:
         def body() -> int:
             from .. import api
@@ -88,6 +92,12 @@ def _gen_command(command: str, default_runs: int) -> Callable:
                 options=parse_options((opt or []) + llama_bin_option(llama_bin, backend)
                                       + served_options(backend, (base_url or [None])[0], api_key_env, chat, cache_probe, command)),
             )
+            if ray is not None:  # a check per node of a Ray cluster (cli/cluster.py)
+                from .cluster import ray_check
+                return ray_check(command, cfg, ray, per, ray_test_hold, base_url, prompts, prompt, prompt_file, out, as_json,
+                                 junit, html, redact_env, redact_env_var, ship_model)
+            if per != "node" or ship_model:
+                raise UsageError(f"{'--ship-model' if ship_model else '--per'} applies to a --ray check: give --ray ADDRESS too")
             if base_url and len(base_url) > 1:  # a fleet: N endpoints, one N-way verdict (cli/fleet.py)
                 return fleet_check(command, cfg, base_url, prompts, prompt, prompt_file, out, progress and not as_json,
                                    as_json, junit, html, redact_env, redact_env_var, reference_url)

@@ -129,9 +129,12 @@ def _check_options(config: RunConfig, cells: list[dict[str, str]], repeats: int)
 
 
 def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, repeats: int = 3, prompts: str | Path | None = None,
-          out: str | Path | None = None, force: bool = False, progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]]:
+          out: str | Path | None = None, force: bool = False, progress: Callable[[str], None] | None = None,
+          run_cells: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None) -> tuple[Path, dict[str, Any]]:
     """Run every cell of the grid; write sweep.json, sweep.txt, sweep.md and heatmap.png (when
-    matplotlib is installed) under `out`; return (folder, document)."""
+    matplotlib is installed) under `out`; return (folder, document). `run_cells`: runs every cell's
+    job at once elsewhere, each writing its folder at job["out"] (sweep --ray: cluster/cells.py);
+    None: one after another in a local probe worker."""
     from ..core.prompts import load_prompts
 
     grid = parse_axes(list(axes)) if axes and isinstance(list(axes)[0], str) else [(a, list(v)) for a, v in axes]  # type: ignore[misc]
@@ -151,14 +154,18 @@ def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, r
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     reference, reference_cell = None, None
+    jobs = [{"kind": "run", "config": (cfg := cell_config(config, cell, repeats)).to_json(), "prompts": str(pfile), "tier": cfg.tier,
+             "out": str(out / "cells" / ("cell-%02d" % i))} for i, cell in enumerate(cells)]
+    if run_cells is not None and progress:
+        progress(f"{len(cells)} cells at once")
+    ran = run_cells(jobs) if run_cells is not None else None
     with Pool(out / "logs") as pool:
         for i, cell in enumerate(cells):
-            if progress:
+            if progress and ran is None:
                 progress(f"cell {i + 1}/{len(cells)}: " + ", ".join(f"{k}={v}" for k, v in cell.items()))
-            folder = out / "cells" / ("cell-%02d" % i)
-            cfg = cell_config(config, cell, repeats)
+            folder = Path(jobs[i]["out"])
             started = time.monotonic()
-            res = pool.shared().run({"kind": "run", "config": cfg.to_json(), "prompts": str(pfile), "tier": cfg.tier, "out": str(folder)})
+            res = ran[i] if ran is not None else pool.shared().run(jobs[i])
             if not res.get("ok"):
                 rows.append({"cell": cell, "status": "error", "error": res.get("error", ""), "folder": str(folder.relative_to(out))})
                 continue
@@ -166,7 +173,7 @@ def sweep(config: RunConfig, axes: list[str] | list[tuple[str, list[str]]], *, r
             if reference is None:
                 reference, reference_cell = records, cell
             rows.append({"cell": cell, "status": "ran", "folder": str(folder.relative_to(out)),
-                         "seconds": round(time.monotonic() - started, 2), **judge_cell(records, reference, atol=config.atol)})
+                         "seconds": round(res["seconds"] if ran is not None else time.monotonic() - started, 2), **judge_cell(records, reference, atol=config.atol)})
     doc = artifacts.stamp("sweep", {
         "detllm_version": detllm_version(), "created_at": artifacts.utc_now(), "backend": config.backend, "model": config.model,
         "config": config.to_json(), "axes": [{"name": a, "values": v} for a, v in grid], "repeats": repeats, "prompts": len(texts),

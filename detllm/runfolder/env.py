@@ -43,6 +43,17 @@ REDACTED = "<redacted>"
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
 VOLATILE_KEYS = ("captured_at", "fingerprint", "volatile")
+# Where a scheduler placed this process (a Ray task: node id, IP, accelerator type, the variables Ray
+# sets per task), set by the task before its check runs: recorded under volatile.placement, never
+# compared, as it differs by design from node to node (cluster/task.py)
+_PLACEMENT: dict[str, Any] | None = None
+
+
+def record_placement(placement: dict[str, Any] | None) -> None:
+    """Record (or clear, None) this process's placement in every env.json it writes from now on; its
+    `env_vars` are then kept out of env.json's compared env_vars."""
+    global _PLACEMENT
+    _PLACEMENT = placement
 
 
 @dataclass(frozen=True)
@@ -198,11 +209,14 @@ def collect_env(backend_info: dict[str, Any] | None = None, *, torch: bool = Tru
         "libraries": {name: dist_version(name) for name in LIBRARIES},
         "torch": torch_info,
         "gpus": gpus,
-        "env_vars": redact_env(dict(os.environ), redaction),
+        "env_vars": {k: v for k, v in redact_env(dict(os.environ), redaction).items()
+                     if _PLACEMENT is None or k not in _PLACEMENT.get("env_vars", {})},
         "kernels": kernels,
         "backend": backend_info,
         "volatile": {"hostname": REDACTED if redaction and redaction.all_vars else socket.gethostname(), "pid": os.getpid()},
     }
+    if _PLACEMENT is not None:
+        body["volatile"]["placement"] = _PLACEMENT
     doc = stamp("env", body)
     doc["fingerprint"] = fingerprint(doc)
     return doc

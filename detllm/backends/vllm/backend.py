@@ -27,7 +27,7 @@ from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Genera
 from .engine import attention_names, current_llm, first_line, release_engine, start_engine, worker_ranks
 from .installed import INSTALL_CPU, INSTALL_CUDA, batch_invariance_support, build_platform, installed_vllm
 from .perturbing import check_target, perturbed
-from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, threads_bind, validate
+from .options import MIN_MAX_LOGPROBS, VLLMOptions, applied, executor_backend, threads_bind, validate
 
 
 class VLLMBackend(Backend):
@@ -132,7 +132,7 @@ class VLLMBackend(Backend):
                 max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs, enforce_eager=self.enforce_eager,
                 gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
                 enable_prefix_caching=opts.prefix_caching, logprobs_mode="raw_logprobs", max_logprobs=self.max_logprobs,
-                use_tqdm_on_load=False,
+                use_tqdm_on_load=False, distributed_executor_backend=executor_backend(opts),
             )
             if opts.attention_backend:
                 kwargs["attention_backend"] = opts.attention_backend.upper()

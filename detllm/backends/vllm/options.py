@@ -26,6 +26,7 @@ class VLLMOptions:
     gpu_memory_utilization: float = ranged(0.9, floats(0, 1, lo_open=True))  # share of GPU memory vLLM may reserve (unused on CPU: kv_cache_gib)
     tensor_parallel_size: int = ranged(1, ints(1, 1024))  # GPUs (CPU: worker processes) the weights are split over; > 1 adds all-reduce order to the numerics
     cpu_threads_bind: str = ""  # CPU build, tensor_parallel_size > 1: VLLM_CPU_OMP_THREADS_BIND, cores per rank ("0|1", "0-1|2-3", "auto", "nobind"); "": --threads cores per rank (default 1), in order
+    distributed_executor_backend: str = ""  # "mp", "ray" or "uni"; "": uni at tensor_parallel_size 1, else mp. Always passed: in a Ray placement group vLLM would pick its Ray executor by itself
     attention_backend: str = ""  # force one (FLASH_ATTN, TRITON_ATTN, ...); "" lets vLLM choose
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1: batch-invariant kernels, needed for tier 3
     kv_cache_gib: int | None = ranged(None, ints(1, 65536))  # KV cache size; None: 1 GiB on CPU (VLLM_CPU_KVCACHE_SPACE), vLLM's choice on GPU
@@ -42,6 +43,8 @@ def validate(opts: VLLMOptions, platform: str) -> None:
         raise UsageError(f"--opt gpu_memory_utilization must be in (0, 1], got {opts.gpu_memory_utilization}")
     if opts.kv_cache_gib is not None and opts.kv_cache_gib < 1:
         raise UsageError(f"--opt kv_cache_gib must be at least 1, got {opts.kv_cache_gib}")
+    if opts.distributed_executor_backend not in ("", "mp", "ray", "uni"):
+        raise UsageError(f"--opt distributed_executor_backend must be mp, ray or uni, got {opts.distributed_executor_backend!r}")
     if opts.cpu_threads_bind and (platform != "cpu" or opts.tensor_parallel_size == 1):
         raise UsageError("--opt cpu_threads_bind binds the OpenMP threads of vLLM's CPU worker processes, which only the CPU build "
                          "with tensor_parallel_size > 1 starts", hint="use --threads for the in-process engine")
@@ -50,6 +53,12 @@ def validate(opts: VLLMOptions, platform: str) -> None:
         if len(ranks) != opts.tensor_parallel_size or not all(_CPU_LIST.fullmatch(r) for r in ranks):
             raise UsageError(f"--opt cpu_threads_bind expects {opts.tensor_parallel_size} CPU lists separated by '|' "
                              f"(one per rank, e.g. 0|1 or 0-1|2-3), 'auto' or 'nobind'; got {opts.cpu_threads_bind!r}")
+
+
+def executor_backend(opts: VLLMOptions) -> str:
+    """The distributed_executor_backend detllm passes: the option, else uni (the engine in this process,
+    where capture's hooks reach it) at tensor_parallel_size 1 and mp (worker processes) above."""
+    return opts.distributed_executor_backend or ("uni" if opts.tensor_parallel_size == 1 else "mp")
 
 
 def threads_bind(opts: VLLMOptions, threads: int | None, cpus: list[int]) -> str | None:
@@ -111,6 +120,9 @@ def applied(vc: Any, opts: VLLMOptions, *, dtype_asked: str, enforce_eager: bool
                 not opts.attention_backend or opts.attention_backend.upper() == attention, attention),
         Applied("tensor_parallel_size", opts.tensor_parallel_size,
                 vc.parallel_config.tensor_parallel_size == opts.tensor_parallel_size, vc.parallel_config.tensor_parallel_size),
+        Applied("distributed_executor_backend", executor_backend(opts),
+                str(vc.parallel_config.distributed_executor_backend) == executor_backend(opts),
+                str(vc.parallel_config.distributed_executor_backend), "always passed: inside a Ray placement group vLLM would choose ray itself"),
         Applied("prefix_caching", opts.prefix_caching, bool(vc.cache_config.enable_prefix_caching) == opts.prefix_caching,
                 bool(vc.cache_config.enable_prefix_caching)),
         Applied("logprobs_mode", "raw_logprobs", vc.model_config.logprobs_mode == "raw_logprobs", vc.model_config.logprobs_mode,

@@ -155,7 +155,7 @@ profiles, cpu = [], {}
 execute = endpoints.execute
 
 def profiled(*a, **kw):  # each replica thread: its own cProfile and its own CPU time
-    prof, t0 = cProfile.Profile(), time.thread_time()
+    prof, t0 = cProfile.Profile(time.thread_time), time.thread_time()  # CPU time of this thread: no GIL waits counted
     if PROFILED:
         prof.enable()
     try:
@@ -189,12 +189,12 @@ for p in profiles[1:]:
     stats.add(p)
 buf = io.StringIO()
 stats.stream = buf
-stats.sort_stats("tottime").print_stats(18)
-print("  replica threads, all together, by own time (cProfile; a C call's time includes waiting for the GIL):")
+stats.sort_stats("tottime").print_stats(25)
+print("  replica threads, all together, by own CPU time (cProfile timed by each thread's CPU clock; GIL waits not counted):")
 print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:6000])
 buf = io.StringIO()
 stats.stream = buf
-stats.sort_stats("cumulative").print_stats("detllm", 25)
+stats.sort_stats("cumulative").print_stats("detllm|httpx|httpcore|anyio", 40)
 print("  replica threads, detllm's functions by cumulative time:")
 print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:8000])
 """

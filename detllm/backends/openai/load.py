@@ -258,7 +258,6 @@ class Endpoint:
     async def _send(self, client, path: str, body: Any, *, root: bool, what: str, t0: float) -> Reply:
         httpx = _httpx()
         url = self.url(path, root=root)
-        shown = safe_url(url)
         retries = 0
         while True:
             started = (time.monotonic() - t0) * 1000
@@ -269,12 +268,12 @@ class Endpoint:
                     retries += 1
                     await asyncio.sleep(0.2 * retries)
                     continue
-                raise self.unreachable(shown, exc) from exc
+                raise self.unreachable(safe_url(url), exc) from exc
             except httpx.TimeoutException as exc:
-                raise BackendError(f"{shown} did not answer {what or 'the request'} within {self.timeout:g} s",
+                raise BackendError(f"{safe_url(url)} did not answer {what or 'the request'} within {self.timeout:g} s",
                                    hint="raise --opt request_timeout, or lower --concurrency") from exc
             except httpx.HTTPError as exc:  # the connection dropped mid-request: the server may have computed it
-                raise BackendError(f"{shown}: the connection dropped during {what or 'a request'} ({type(exc).__name__}: {exc or 'no detail'})",
+                raise BackendError(f"{safe_url(url)}: the connection dropped during {what or 'a request'} ({type(exc).__name__}: {exc or 'no detail'})",
                                    hint="the server crashed or was restarted; nothing was retried") from exc
             if resp.status_code in RETRY_STATUS and retries < self.retries:
                 retries += 1
@@ -282,7 +281,7 @@ class Endpoint:
                 await asyncio.sleep(min(float(after), 10.0) if _num(after) else 0.5 * retries)
                 continue
             if resp.status_code != 200:
-                raise http_error(shown, resp.status_code, _body(resp), retries)
+                raise http_error(safe_url(url), resp.status_code, _body(resp), retries)
             return Reply(_body(resp), dict(resp.headers), retries, started, (time.monotonic() - t0) * 1000)
 
     def unreachable(self, url: str, exc: object) -> Exception:

@@ -94,9 +94,11 @@ class Connection:
         if body is not None:
             data += conn.send(h11.Data(data=body))
         data += conn.send(h11.EndOfMessage())
+        writer = self._writer
         try:
-            self._writer.write(data)  # type: ignore[union-attr]
-            await _within(self._writer.drain(), self.timeout, httpx.WriteTimeout)  # type: ignore[union-attr]
+            writer.write(data)  # type: ignore[union-attr]
+            if writer.transport.get_write_buffer_size():  # type: ignore[union-attr]  # else all went to the socket at once
+                await _within(writer.drain(), self.timeout, httpx.WriteTimeout)  # type: ignore[union-attr]
         except OSError as exc:
             self.close()
             raise httpx.WriteError(_oserror(exc)) from exc

@@ -148,3 +148,30 @@ def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeyp
     with pytest.raises(UsageError, match=r"rejected the request \(HTTP 429"):
         ep.send_batch("/busy", [{"prompt": "x"}], sample=None, interval=1.0)
     assert len(server.bodies) == sent + 2  # a 429 is sent again once (--opt retries=1), then reported
+
+
+def test_https_with_the_clients_tls_context(tmp_path):
+    """An https base URL: the connection is TLS, checked against the context's CAs and the host name."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    s = Server()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    s.httpd.socket = served.wrap_socket(s.httpd.socket, server_side=True)
+    url = f"https://127.0.0.1:{s.port}/v1"
+    try:
+        trusted = ssl.create_default_context(cafile=str(cert))
+        ans = asyncio.run(Connection(url, {}, timeout=10.0, connect_timeout=5.0, tls=trusted).post(f"{url}/plain", json={}))
+        assert ans.json() == DOC
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # a certificate no CA of the context signed
+            asyncio.run(Connection(url, {}, timeout=10.0, connect_timeout=5.0, tls=ssl.create_default_context()).post(f"{url}/plain", json={}))
+    finally:
+        s.close()

@@ -1,8 +1,9 @@
-"""HTTP for the `openai` backend: one async client that starts N requests together, samples
-what the server says about its own batch while they are in flight, retries only where safe,
-and turns every transport or HTTP failure into one detllm error.
+"""HTTP for the `openai` backend: starts N requests together (one connection each, on wire.py's
+transport), samples what the server says about its own batch while they are in flight, retries
+only where safe, and turns every transport or HTTP failure into one detllm error.
 
-Owns sockets, timeouts, retries, the /slots and /metrics samplers and error translation.
+Owns timeouts, retries, the /slots and /metrics samplers and error translation; one-off calls
+(discovery, probe, tokenize) and the samplers use httpx, as does a batch when a proxy is set.
 Knows nothing of tokens, logprobs or runs: backend.py builds the bodies and reads
 the answers. httpx is imported lazily (the `openai` extra).
 """

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import socket
+import ssl
 import zlib
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,7 +37,7 @@ async def _within(aw: Any, seconds: float, exc: type[Exception]) -> Any:
 
 def _oserror(exc: OSError) -> str:
     """'[Errno 111] Connection refused', as httpcore words it (asyncio adds the address)."""
-    if exc.errno and exc.errno > 0 and not isinstance(exc, socket.gaierror):
+    if exc.errno and exc.errno > 0 and not isinstance(exc, (socket.gaierror, ssl.SSLError)):  # an SSLError's errno is its own code
         return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
     return str(exc) or type(exc).__name__
 

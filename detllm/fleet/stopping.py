@@ -78,8 +78,8 @@ def fewer_collections(young: int = GC_YOUNG) -> Iterator[None]:
     """The cyclic collector's young threshold raised to `young` until the block ends, then restored.
     A fleet keeps every replica's records alive (~100 lists per answer of 16 tokens x top-5) while it
     allocates: each full collection walks them all, and CPython runs one each time the heap grew by a
-    quarter: 0.2-0.4 s of 2.3 s of client CPU at 8 endpoints x 100 in flight. What a check frees is
-    acyclic (freed by reference counting), so the heap does not grow for it."""
+    quarter: 0.2-0.4 s of 2.3 s of client CPU at 8 endpoints x 100 in flight. Garbage in cycles
+    (asyncio's tasks and exceptions) waits up to `young` allocations for its collection instead."""
     old = gc.get_threshold()
     gc.set_threshold(max(old[0], young), *old[1:])
     try:

@@ -10,10 +10,15 @@
    identical servers must agree), the client's CPU time and peak RSS. On 2 cores the servers
    compete for the CPU, so the wall time is theirs as much as the client's.
 
+4. --profile: one in-process fleet check at 8 x --prompts with a cProfile per replica thread, timed by
+   that thread's CPU clock (so GIL waits are not counted), and the CPU time of each thread.
+5. --base REV: 1 x and 8 x --prompts with the client of commit REV (a temporary worktree) and of this
+   tree, alternated pair by pair against the same stubs: each side's 8-vs-1 wall ratio and client CPU.
+
 Each client run is a fresh `detllm check` process; its CPU time and peak RSS come from
 getrusage(RUSAGE_CHILDREN) around it.
 
-    .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--profile]
+    .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--profile] [--base REV [--pairs 3]]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,15 +83,16 @@ sys.stdin.read()  # until the benchmark closes our stdin
 """
 
 
-def client(urls: list[str], prompts: Path, in_flight: int, runs: int, out: Path, extra: list[str] | None = None) -> dict:
-    """One `detllm check` process against `urls`; its wall time, CPU time, peak RSS and verdict."""
+def client(urls: list[str], prompts: Path, in_flight: int, runs: int, out: Path, extra: list[str] | None = None,
+           tree: Path = REPO) -> dict:
+    """One `detllm check` process (detllm from `tree`) against `urls`; its wall time, CPU time, peak RSS and verdict."""
     args = DETLLM + ["check", "-b", "openai", "-m", "tiny", "--tier", "2", "--runs", str(runs), "--batch-size", str(in_flight),
                      "--max-new-tokens", "16", "--prompts", str(prompts), "--out", str(out), "--json", "--no-progress", *(extra or [])]
     for u in urls:
         args += ["--base-url", u]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
@@ -101,9 +108,10 @@ def client(urls: list[str], prompts: Path, in_flight: int, runs: int, out: Path,
 def fresh_rss_client(*a, **kw) -> dict:
     """client() in a wrapper process of its own, so ru_maxrss is this run's peak and not an earlier one's."""
     code = ("import json,sys; sys.path.insert(0, %r); from benchmarks.bench_fleet import client; from pathlib import Path; "
-            "a = json.loads(sys.argv[1]); print(json.dumps(client(a[0], Path(a[1]), a[2], a[3], Path(a[4]), a[5])))") % str(REPO)
+            "a = json.loads(sys.argv[1]); print(json.dumps(client(a[0], Path(a[1]), a[2], a[3], Path(a[4]), a[5], Path(a[6]))))") % str(REPO)
     urls, prompts, in_flight, runs, out = a
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps([urls, str(prompts), in_flight, runs, str(out), kw.get("extra")])],
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([urls, str(prompts), in_flight, runs, str(out), kw.get("extra"),
+                                                                   str(kw.get("tree", REPO))])],
                           capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-1500:])
@@ -144,6 +152,53 @@ def stub_figures(args, tmp: Path) -> None:
         stubs.wait(timeout=30)
 
 
+def versus_base(args, tmp: Path) -> None:
+    """1 x --prompts and 8 x --prompts with the client from a base commit's worktree and from this tree,
+    alternated pair by pair (base first, then this tree first) against the same stub endpoints: the
+    8-vs-1 wall ratio and the client CPU of each side, measured under one load."""
+    base = tmp / "base"
+    made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.base], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise SystemExit(f"cannot check out {args.base}: {made.stderr.strip()}")
+    stubs = subprocess.Popen([sys.executable, "-c", STUBS, str(REPO), "8", str(args.sleep), "16"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        urls = json.loads(stubs.stdout.readline())
+        prompts = tmp / "prompts.txt"
+        prompts.write_text("".join(f"prompt number {i} of the fleet benchmark\n" for i in range(args.prompts)))
+        trees = {"base": base, "HEAD": REPO}
+        load0 = os.getloadavg()
+        got: dict[tuple[str, str], list[dict]] = {}
+        for tree in trees.values():  # warm-up (bytecode compiled, page cache): not counted
+            fresh_rss_client(urls[:1], prompts, args.prompts, args.runs, tmp / "warm", tree=tree)
+            shutil.rmtree(tmp / "warm", ignore_errors=True)
+        for i in range(args.pairs):
+            for side in (("base", "HEAD") if i % 2 == 0 else ("HEAD", "base")):
+                for name, use in (("1", urls[:1]), ("8", urls)):
+                    out = tmp / f"vs_{side}_{name}"
+                    got.setdefault((side, name), []).append(fresh_rss_client(use, prompts, args.prompts, args.runs, out, tree=trees[side]))
+                    shutil.rmtree(out, ignore_errors=True)
+        load1 = os.getloadavg()
+    finally:
+        stubs.stdin.close()
+        stubs.wait(timeout=30)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], capture_output=True)
+    med = statistics.median
+    print(f"\n5. base {args.base} vs HEAD, {args.pairs} alternated pairs: 1 x {args.prompts} and 8 x {args.prompts} in flight, "
+          f"{args.runs} runs, stub answers after {args.sleep:g} s; load average {load0[0]:.1f} before, {load1[0]:.1f} after "
+          f"(1-min), on {os.cpu_count()} CPUs")
+    print(f"  {'side':>6} {'wall 1x':>8} {'wall 8x':>8} {'8x/1x':>6} {'CPU 1x':>7} {'CPU 8x':>7} {'RSS 1x':>7} {'RSS 8x':>7}   per-pair 8x/1x")
+    for side in trees:
+        one, eight = got[(side, "1")], got[(side, "8")]
+        ratios = [e["wall_s"] / o["wall_s"] for o, e in zip(one, eight)]
+        print(f"  {side:>6} {med(r['wall_s'] for r in one):>7.2f}s {med(r['wall_s'] for r in eight):>7.2f}s {med(ratios):>5.2f}x "
+              f"{med(r['cpu_s'] for r in one):>6.2f}s {med(r['cpu_s'] for r in eight):>6.2f}s "
+              f"{med(r['peak_rss_mib'] for r in one):>6.1f}M {med(r['peak_rss_mib'] for r in eight):>6.1f}M   "
+              + " ".join(f"{x:.2f}" for x in ratios))
+    b8, h8 = med(r["cpu_s"] for r in got[("base", "8")]), med(r["cpu_s"] for r in got[("HEAD", "8")])
+    print(f"  client CPU at 8 x {args.prompts}: HEAD/base {h8 / b8:.2f}x (medians; CPU is the figure a shared machine does not move)")
+
+
 PROFILE = r"""
 import cProfile, io, json, pstats, sys, threading, time
 sys.path.insert(0, sys.argv[1])
@@ -155,7 +210,7 @@ profiles, cpu = [], {}
 execute = endpoints.execute
 
 def profiled(*a, **kw):  # each replica thread: its own cProfile and its own CPU time
-    prof, t0 = cProfile.Profile(), time.thread_time()
+    prof, t0 = cProfile.Profile(time.thread_time), time.thread_time()  # CPU time of this thread: no GIL waits counted
     if PROFILED:
         prof.enable()
     try:
@@ -189,12 +244,12 @@ for p in profiles[1:]:
     stats.add(p)
 buf = io.StringIO()
 stats.stream = buf
-stats.sort_stats("tottime").print_stats(18)
-print("  replica threads, all together, by own time (cProfile; a C call's time includes waiting for the GIL):")
+stats.sort_stats("tottime").print_stats(25)
+print("  replica threads, all together, by own CPU time (cProfile timed by each thread's CPU clock; GIL waits not counted):")
 print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:6000])
 buf = io.StringIO()
 stats.stream = buf
-stats.sort_stats("cumulative").print_stats("detllm", 25)
+stats.sort_stats("cumulative").print_stats("detllm|httpx|httpcore|anyio", 40)
 print("  replica threads, detllm's functions by cumulative time:")
 print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:8000])
 """
@@ -258,10 +313,17 @@ def main() -> None:
     ap.add_argument("--real", type=int, default=8, help="real llama-servers (0: skip)")
     ap.add_argument("--real-prompts", type=int, default=8)
     ap.add_argument("--profile", action="store_true", help="also profile the client at 8 x --prompts in flight (cProfile per thread)")
+    ap.add_argument("--base", metavar="REV", help="also run 1 x and 8 x --prompts with the client of commit REV and of this tree, "
+                                                   "alternated (--pairs pairs)")
+    ap.add_argument("--pairs", type=int, default=3, help="alternated base/HEAD pairs with --base")
+    ap.add_argument("--skip-stub", action="store_true", help="skip sections 1-2 (with --base or --profile)")
     args = ap.parse_args()
     print(f"cpus: {os.cpu_count()}, python {sys.version.split()[0]}")
     with tempfile.TemporaryDirectory(prefix="detllm-bench-fleet-") as tmp:
-        stub_figures(args, Path(tmp))
+        if not args.skip_stub:
+            stub_figures(args, Path(tmp))
+        if args.base:
+            versus_base(args, Path(tmp))
         if args.profile:
             profile_figures(args, Path(tmp))
         if args.real:

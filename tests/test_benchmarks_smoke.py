@@ -27,7 +27,8 @@ SMOKE = {
                         "verdict re-derived from the trace: FAIL"),
     "bench_startup.py": (["--repeat", "1"], "detllm verify"),
     "bench_ray.py": (["--nodes", "2", "--prompts", "1", "--tokens", "2"], "driver_rss_mib"),
-    "bench_fleet.py": (["--sleep", "0", "--prompts", "2", "--runs", "2", "--real", "0"], "wall time, 8 x 2 vs 1 x 2"),
+    "bench_fleet.py": (["--sleep", "0", "--prompts", "2", "--runs", "2", "--real", "0", "--profile", "--base", "HEAD", "--pairs", "1"],
+                       "wall time, 8 x 2 vs 1 x 2"),
     "bench_check.py": (["--model", "tiny", "--runs", "2", "--vary-batch", "1", "--max-new-tokens", "2", "--repeat", "1",
                         "--threads", "1", "--decode-tokens", "2"], "[PASS]"),
     "bench_check_llamacpp.py": (["--model", "tiny", "--runs", "2", "--vary-batch", "1", "--max-new-tokens", "2",
@@ -73,8 +74,8 @@ def test_benchmark_runs_at_its_smallest_size(script):
         from tests.conftest import llama_server_or_fail
 
         llama_server_or_fail()
-    if script == "bench_vs_base.py" and (shutil.which("git") is None or not (REPO / ".git").exists()):
-        pytest.skip("bench_vs_base.py needs a git checkout to make a worktree from")
+    if script in ("bench_vs_base.py", "bench_fleet.py") and (shutil.which("git") is None or not (REPO / ".git").exists()):
+        pytest.skip(f"{script} needs a git checkout to make a worktree from (bench_fleet: --base)")
     args, expect = SMOKE[script]
     proc = _run(script, args)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

@@ -215,3 +215,28 @@ def test_interrupted_replicas_unwind():
         run_replicas(replica, 3)
     assert time.monotonic() - t0 < 1.5
     assert sorted(closed) == [0, 1, 2] and not any(t.is_alive() for t in threads)
+
+
+def test_a_fleet_check_restores_the_collectors_thresholds(tmp_path):
+    """fewer_collections raises the young threshold only while a fleet runs, and puts it back on the
+    way out, an error's way included (here: no endpoint answering, exit 4)."""
+    import gc
+    import socket
+
+    import detllm
+    from detllm.core.errors import BackendUnavailableError
+    from detllm.fleet.stopping import GC_YOUNG, fewer_collections
+
+    before = gc.get_threshold()
+    with fewer_collections():
+        assert gc.get_threshold() == (max(before[0], GC_YOUNG), *before[1:])
+    assert gc.get_threshold() == before
+    ports = []
+    for _ in range(2):  # ports nothing listens on
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    cfg = detllm.make_config(backend="openai", model="tiny", tier=2, runs=2, options={"retries": "0"})
+    with pytest.raises(BackendUnavailableError):
+        detllm.fleet_check(cfg, [f"http://127.0.0.1:{p}/v1" for p in ports], prompts=["hi"], out=tmp_path / "f")
+    assert gc.get_threshold() == before and not (tmp_path / "f").exists()

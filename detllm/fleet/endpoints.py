@@ -25,7 +25,7 @@ from ..core.prompts import PromptSet, resolve_prompts
 from ..pipeline.runner import execute
 from .folder import REPLICA, FleetOutcome, check_fleet_out, prepare_fleet_out, write_fleet
 from ..runfolder.fleetseal import begin_fleet, seal_fleet
-from .stopping import run_replicas
+from .stopping import fewer_collections, run_replicas
 from ..commands.fleetverdict import Replica, fleet_verdict, own_check, prompt_keys
 
 Progress = Callable[[int, int, int], None]
@@ -101,6 +101,13 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
     if reference_url is not None and reference_url.rstrip("/") not in urls:
         raise UsageError(f"--reference-url {reference_url.split('?', 1)[0]!r} is not one of the --base-url",
                          hint="give the reference replica's URL as one of the --base-url too")
+    with fewer_collections():
+        return _run(configs, urls, prompt_set, out, redaction, progress, config.atol if atol is None else atol, tier, reference_url)
+
+
+def _run(configs: list[RunConfig], urls: list[str], prompt_set: PromptSet, out: Path, redaction: Redaction | None,
+         progress: Progress | None, atol: float, tier: int | None, reference_url: str | None) -> FleetOutcome:
+    """fleet_check once its arguments were checked: the first probes, the replicas' checks, the verdict."""
     # the first probe of every endpoint, before anything is written: none answers, nothing is written (exit 4)
     backends = run_replicas(lambda i: _connect(configs[i]), len(urls))
     if not any(b is not None for b, _ in backends):
@@ -134,7 +141,7 @@ def fleet_check(config: RunConfig, base_urls: Sequence[str], *, prompts: Any = N
             rep.keys = prompt_keys(rep.side.records or [])
         replicas.append(rep)
     reference = urls.index(reference_url.rstrip("/")) if reference_url is not None else None
-    report = fleet_verdict(replicas, command="check", atol=config.atol if atol is None else atol, tier=tier, reference=reference)
+    report = fleet_verdict(replicas, command="check", atol=atol, tier=tier, reference=reference)
     write_fleet(out, report)
     seal_fleet(out)
     return FleetOutcome(out, report)

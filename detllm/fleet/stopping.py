@@ -1,17 +1,21 @@
 """The replicas of a fleet check run side by side, one daemon thread each, and how they stop on Ctrl-C:
 the interrupt is raised in every replica thread too (so each unwinds through its check's cleanup:
 its backend closed, its folder lock released), they get a short grace, and the interrupt goes on to
-the caller (exit 130 in the CLI) without waiting out a request still held by a slow server.
+the caller (exit 130 in the CLI) without waiting out a request still held by a slow server. Also
+how often the collector runs while they do (fewer_collections).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 GRACE_S = 2.0  # how long an interrupted fleet waits for its replica threads to unwind
+GC_YOUNG = 20_000  # allocations between young collections while a fleet runs (CPython's default: 700)
 
 
 class _Done:
@@ -69,4 +73,19 @@ def stop(threads: list[threading.Thread], done: _Done, grace: float = GRACE_S) -
     done.all.wait(grace)
 
 
-__all__ = ["GRACE_S", "run_replicas", "stop"]
+@contextmanager
+def fewer_collections(young: int = GC_YOUNG) -> Iterator[None]:
+    """The cyclic collector's young threshold raised to `young` until the block ends, then restored.
+    A fleet keeps every replica's records alive (~100 lists per answer of 16 tokens x top-5) while it
+    allocates: each full collection walks them all, and CPython runs one each time the heap grew by a
+    quarter: 0.2-0.4 s of 2.3 s of client CPU at 8 endpoints x 100 in flight. Garbage in cycles
+    (asyncio's tasks and exceptions) waits up to `young` allocations for its collection instead."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(old[0], young), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
+__all__ = ["GC_YOUNG", "GRACE_S", "fewer_collections", "run_replicas", "stop"]

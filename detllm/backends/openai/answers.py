@@ -14,6 +14,7 @@ from typing import Any
 from ...core.errors import BackendError
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids spelling
+_INF = float("inf")
 
 
 @dataclass
@@ -44,6 +45,8 @@ def shape(doc: Any) -> str:
 
 def _tok(token: Any, ident: Any) -> tuple[str, int | None]:
     """(text, id): an explicit id wins; vLLM's 'token_id:N' strings carry one."""
+    if ident is None and type(token) is str and not token.startswith("token_id:"):
+        return token, None  # the common case, without the regex (~150,000 calls per 1,600 answers of 16 x top-5)
     text = str(token) if token is not None else ""
     if isinstance(ident, int) and ident >= 0:
         return text, ident
@@ -69,13 +72,20 @@ def steps(lp: Any) -> list[_Step] | None:
         tops = lp.get("top_logprobs") or [None] * len(tokens)
         for tok, l, top in zip(tokens, lps, tops):
             t, tid = _tok(tok, None)
-            pairs = sorted(((*_tok(k, None), _f(v)) for k, v in (top or {}).items()), key=lambda x: -(x[2] if x[2] is not None else -1e30))
+            pairs = [(*_tok(k, None), _f(v)) for k, v in (top or {}).items()]
+            pairs.sort(key=_rank)  # most likely first; stable, so ties keep the server's order
             out.append(_Step(t, tid, _f(l), pairs))
         return out
     return None
 
 
+def _rank(pair: tuple[str, int | None, float | None]) -> float:
+    return -pair[2] if pair[2] is not None else 1e30
+
+
 def _f(x: Any) -> float | None:
+    if type(x) is float:  # the common case: a JSON number with a fraction
+        return x if x == x and -_INF < x < _INF else None
     try:
         v = float(x)
     except (TypeError, ValueError):

@@ -1,8 +1,9 @@
-"""HTTP for the `openai` backend: one async client that starts N requests together, samples
-what the server says about its own batch while they are in flight, retries only where safe,
-and turns every transport or HTTP failure into one detllm error.
+"""HTTP for the `openai` backend: starts N requests together (one connection each, on wire.py's
+transport), samples what the server says about its own batch while they are in flight, retries
+only where safe, and turns every transport or HTTP failure into one detllm error.
 
-Owns sockets, timeouts, retries, the /slots and /metrics samplers and error translation.
+Owns timeouts, retries, the /slots and /metrics samplers and error translation; one-off calls
+(discovery, probe, tokenize) and the samplers use httpx, as does a batch when a proxy is set.
 Knows nothing of tokens, logprobs or runs: backend.py builds the bodies and reads
 the answers. httpx is imported lazily (the `openai` extra).
 """
@@ -158,17 +159,21 @@ class Endpoint:
         n = len(bodies)
         evidence = BatchEvidence(sample)
         async with contextlib.AsyncExitStack() as stack:
-            # a client (one connection) per request: httpcore's pool scans every connection of a client
-            # for each request it serves, n^2 work for n in flight (~1 s of CPU per 200 requests at 100)
-            clients = [await stack.enter_async_context(httpx.AsyncClient(
-                headers=self._headers, timeout=self._timeout(httpx), limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                verify=_tls(), trust_env=_env_proxies())) for _ in range(n + 1)]
+            # a connection per request (wire.py: ~0.3 ms of CPU each, an httpx client ~1.1 ms); through
+            # httpx where the environment names a proxy. The sampler's client is httpx's either way.
+            if _env_proxies():
+                clients = [await stack.enter_async_context(self._client(httpx)) for _ in range(n)]
+            else:
+                clients = self._connections(n)
+                for c in clients:
+                    stack.callback(c.close)
+            polls = await stack.enter_async_context(self._client(httpx)) if sample else None  # the sampler's client
             if preconnect:  # each client's one connection is open (kept alive) before the first body goes out
-                await asyncio.gather(*(c.get(self.url("/health", root=True)) for c in clients[:n]), return_exceptions=True)
+                await asyncio.gather(*(c.get(self.url("/health", root=True)) for c in clients), return_exceptions=True)
             t0 = time.monotonic()
             tasks = [asyncio.create_task(self._send(c, path, b, root=False, what=f"request {i}", t0=t0))
                      for i, (c, b) in enumerate(zip(clients, bodies))]
-            sampler = asyncio.create_task(self._sample(clients[n], sample, interval, evidence)) if sample else None
+            sampler = asyncio.create_task(self._sample(polls, sample, interval, evidence)) if polls is not None else None
             answers = asyncio.gather(*tasks)
             watch = asyncio.create_task(self._watch(n))
             try:
@@ -187,6 +192,18 @@ class Endpoint:
                         side.cancel()
                         await asyncio.gather(side, return_exceptions=True)
         return list(replies), evidence
+
+    def _client(self, httpx) -> Any:
+        # one connection per client: httpcore's pool scans every connection of a client for each
+        # request it serves, n^2 work for n in flight (~1 s of CPU per 200 requests at 100)
+        return httpx.AsyncClient(headers=self._headers, timeout=self._timeout(httpx), verify=_tls(), trust_env=_env_proxies(),
+                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+
+    def _connections(self, n: int) -> list[Any]:
+        from .wire import Connection
+
+        return [Connection(self.root, self._headers, timeout=self.timeout, connect_timeout=self.connect_timeout, tls=_tls()
+                           if self.root.startswith("https:") else None) for _ in range(n)]
 
     async def _watch(self, in_flight: int) -> None:
         """While a group is in flight, ask for /health on a NEW connection every WATCH_INTERVAL s.
@@ -242,7 +259,6 @@ class Endpoint:
     async def _send(self, client, path: str, body: Any, *, root: bool, what: str, t0: float) -> Reply:
         httpx = _httpx()
         url = self.url(path, root=root)
-        shown = safe_url(url)
         retries = 0
         while True:
             started = (time.monotonic() - t0) * 1000
@@ -253,12 +269,12 @@ class Endpoint:
                     retries += 1
                     await asyncio.sleep(0.2 * retries)
                     continue
-                raise self.unreachable(shown, exc) from exc
+                raise self.unreachable(safe_url(url), exc) from exc
             except httpx.TimeoutException as exc:
-                raise BackendError(f"{shown} did not answer {what or 'the request'} within {self.timeout:g} s",
+                raise BackendError(f"{safe_url(url)} did not answer {what or 'the request'} within {self.timeout:g} s",
                                    hint="raise --opt request_timeout, or lower --concurrency") from exc
             except httpx.HTTPError as exc:  # the connection dropped mid-request: the server may have computed it
-                raise BackendError(f"{shown}: the connection dropped during {what or 'a request'} ({type(exc).__name__}: {exc or 'no detail'})",
+                raise BackendError(f"{safe_url(url)}: the connection dropped during {what or 'a request'} ({type(exc).__name__}: {exc or 'no detail'})",
                                    hint="the server crashed or was restarted; nothing was retried") from exc
             if resp.status_code in RETRY_STATUS and retries < self.retries:
                 retries += 1
@@ -266,7 +282,7 @@ class Endpoint:
                 await asyncio.sleep(min(float(after), 10.0) if _num(after) else 0.5 * retries)
                 continue
             if resp.status_code != 200:
-                raise http_error(shown, resp.status_code, _body(resp), retries)
+                raise http_error(safe_url(url), resp.status_code, _body(resp), retries)
             return Reply(_body(resp), dict(resp.headers), retries, started, (time.monotonic() - t0) * 1000)
 
     def unreachable(self, url: str, exc: object) -> Exception:

@@ -1,0 +1,185 @@
+"""The transport of a batch's requests (load.py's hot path): one connection per request on asyncio
+streams, the answer parsed by h11 (the HTTP/1.1 parser httpx itself runs on). About 0.3 ms of CPU per
+request where an httpx client costs 1.1 ms (benchmarks/bench_fleet.py): a fleet reads 800 answers at once.
+
+Owns connecting (TLS included), writing a request, reading its answer under httpx's timeout rules
+(connect, then each write and each read) and raising httpx's own exception classes, so that load.py
+translates every failure in one place. No pool, redirects or proxies: with a proxy in the
+environment load.py sends the batch through httpx instead. h11 is imported lazily (the `openai` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import ssl
+import zlib
+from typing import Any
+from urllib.parse import urlsplit
+
+_READ = 1 << 16  # bytes per socket read
+_dumps = json.dumps  # `json` is httpx's argument name in post()
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+: a deadline without a task per wait
+
+
+async def _within(aw: Any, seconds: float, exc: type[Exception]) -> Any:
+    """`aw`, or `exc("timed out")` after `seconds` (one operation: httpx's per-read/write rule)."""
+    try:
+        if _timeout is not None:
+            async with _timeout(seconds):
+                return await aw
+        return await asyncio.wait_for(aw, seconds)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise exc("timed out") from None
+
+
+def _oserror(exc: OSError) -> str:
+    """'[Errno 111] Connection refused', as httpcore words it (asyncio adds the address)."""
+    if exc.errno and exc.errno > 0 and not isinstance(exc, (socket.gaierror, ssl.SSLError)):  # an SSLError's errno is its own code
+        return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
+    return str(exc) or type(exc).__name__
+
+
+class Answer:
+    """What load.py reads of an answer, spelled as an httpx.Response spells it."""
+
+    def __init__(self, status_code: int, headers: dict[str, str], content: bytes) -> None:
+        self.status_code, self.headers, self.content = status_code, headers, content
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+
+class Connection:
+    """One HTTP/1.1 connection to the endpoint's host. `request` opens it on first use and again when
+    the server closed it; `close` drops it. Not shared between tasks: one request at a time."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], *, timeout: float, connect_timeout: float, tls: Any) -> None:
+        parts = urlsplit(base_url)
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if self.https else 80)
+        self.tls = tls if self.https else None
+        # the request headers of every request, as httpx sends them (Host with a non-default port)
+        self.head = [("Host", parts.netloc.rsplit("@", 1)[-1]), ("Accept", "*/*"), ("Accept-Encoding", "gzip, deflate"),
+                     ("Connection", "keep-alive"), *((k, v) for k, v in headers.items() if k.lower() != "content-type")]
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._h11: Any = None
+
+    async def get(self, url: str) -> Answer:
+        return await self.request("GET", url, None)
+
+    async def post(self, url: str, json: Any) -> Answer:  # noqa: A002 - httpx's name for it
+        body = _dumps(json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")  # httpx's encoding
+        return await self.request("POST", url, body)
+
+    async def request(self, method: str, url: str, body: bytes | None) -> Answer:
+        import h11
+        import httpx
+
+        if self._h11 is None or self._h11.our_state is not h11.IDLE:
+            await self._open()
+        parts = urlsplit(url)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        head = self.head + ([("Content-Type", "application/json"), ("Content-Length", str(len(body)))] if body is not None else [])
+        conn = self._h11
+        data = conn.send(h11.Request(method=method, target=target, headers=head))
+        if body is not None:
+            data += conn.send(h11.Data(data=body))
+        data += conn.send(h11.EndOfMessage())
+        writer = self._writer
+        try:
+            writer.write(data)  # type: ignore[union-attr]
+            if writer.transport.get_write_buffer_size():  # type: ignore[union-attr]  # else all went to the socket at once
+                await _within(writer.drain(), self.timeout, httpx.WriteTimeout)  # type: ignore[union-attr]
+        except OSError as exc:
+            self.close()
+            raise httpx.WriteError(_oserror(exc)) from exc
+        try:
+            return await self._answer(conn)
+        except BaseException:
+            self.close()  # a half-read answer leaves the connection unusable
+            raise
+
+    async def _answer(self, conn: Any) -> Answer:
+        import h11
+        import httpx
+
+        status, headers, chunks = 0, {}, []
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise httpx.RemoteProtocolError(str(exc)) from exc
+            if event is h11.NEED_DATA:
+                try:
+                    data = await _within(self._reader.read(_READ), self.timeout, httpx.ReadTimeout)  # type: ignore[union-attr]
+                except OSError as exc:
+                    raise httpx.ReadError(_oserror(exc)) from exc
+                if data == b"" and conn.their_state is h11.SEND_RESPONSE:  # httpcore's words for it
+                    raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+                conn.receive_data(data)
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            # an InformationalResponse (1xx) is skipped: the final answer follows
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()  # kept alive: the next request goes on this connection
+        else:
+            self.close()
+        return Answer(status, headers, _decoded(b"".join(chunks), headers.get("content-encoding")))
+
+    async def _open(self) -> None:
+        import h11
+        import httpx
+
+        self.close()
+        try:
+            self._reader, self._writer = await _within(
+                asyncio.open_connection(self.host, self.port, ssl=self.tls, server_hostname=self.host if self.tls else None),
+                self.connect_timeout, httpx.ConnectTimeout)
+        except OSError as exc:  # refused, unreachable, name not known, a TLS failure
+            raise httpx.ConnectError(_oserror(exc)) from exc
+        self._h11 = h11.Connection(h11.CLIENT)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = self._h11 = None
+
+
+def _decoded(content: bytes, encoding: str | None) -> bytes:
+    """The body without its content-encoding (gzip or deflate, the two this client accepts)."""
+    import httpx
+
+    if not encoding or encoding.strip().lower() == "identity":
+        return content
+    enc = encoding.strip().lower()
+    try:
+        if enc == "gzip":
+            return zlib.decompress(content, 16 + zlib.MAX_WBITS)
+        if enc == "deflate":
+            try:
+                return zlib.decompress(content)
+            except zlib.error:
+                return zlib.decompress(content, -zlib.MAX_WBITS)  # raw deflate, as some servers send it
+    except zlib.error as exc:
+        raise httpx.DecodingError(f"the answer's {enc} body does not decode ({exc})") from exc
+    raise httpx.DecodingError(f"the answer came with content-encoding {enc!r}, which was not asked for")
+
+
+__all__ = ["Answer", "Connection"]

@@ -1,0 +1,177 @@
+"""The batch path's HTTP/1.1 transport (backends/openai/wire.py) against a real loopback server:
+the answers httpx would read (content-length, chunked, close-delimited, gzip), the connection kept
+for a request after a preconnect, and each failure as the httpx error load.py translates: refused,
+dropped before an answer, no answer in time. The proxy fallback (httpx) gives the same replies."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import time
+from http.server import ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from detllm.backends.openai import load
+from detllm.backends.openai.load import Endpoint
+from detllm.backends.openai.wire import Connection
+from detllm.core.errors import BackendError, UsageError
+
+from .stubhttp import JSONHandler, StubServer
+
+DOC = {"choices": [{"index": 0, "text": " é ☃", "finish_reason": "length"}], "usage": {"prompt_tokens": 3}}
+RAW = json.dumps(DOC, ensure_ascii=False).encode()
+
+
+class Server(StubServer):
+    """Answers POST /v1/<mode> in the way the mode names; counts connections and keeps the bodies."""
+
+    def __init__(self) -> None:
+        self.bodies, self.peers, self.headers = [], set(), []
+        srv = self
+
+        class Handler(JSONHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                srv.peers.add(self.client_address)
+                self.send_json(200 if self.path == "/health" else 404, {"status": "ok"})
+
+            def do_POST(self):
+                srv.peers.add(self.client_address)
+                srv.headers.append({k.lower(): v for k, v in self.headers.items()})
+                srv.bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                mode = self.path.rsplit("/", 1)[-1]
+                if mode == "drop":
+                    self.close_connection = True
+                    return  # closes the socket without a byte
+                if mode == "slow":
+                    time.sleep(1.5)
+                    return  # the client gave up: nothing to answer
+                if mode == "chunked":
+                    self.send_response(200)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for part in (RAW[:7], RAW[7:]):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                if mode == "close":  # no length: the body ends where the server closes
+                    self.send_response(200)
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(RAW)
+                    self.close_connection = True
+                    return
+                body = gzip.compress(RAW) if mode == "gzip" else RAW
+                self.send_response(429 if mode == "busy" else 200)
+                if mode == "gzip":
+                    self.send_header("Content-Encoding", "gzip")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.serve(Handler, ThreadingHTTPServer)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+def _post(server, mode, body=None, timeout=10.0):
+    async def go():
+        conn = Connection(server.url, {"Content-Type": "application/json", "Authorization": "Bearer k"}, timeout=timeout,
+                          connect_timeout=5.0, tls=None)
+        try:
+            return await conn.post(f"{server.url}/{mode}", json=body or {"prompt": "é", "n": 1})
+        finally:
+            conn.close()
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked", "close", "gzip"])
+def test_every_body_framing_reads_the_same_answer(server, mode):
+    ans = _post(server, mode)
+    assert ans.status_code == 200 and ans.json() == DOC
+
+
+def test_the_request_is_what_httpx_sends(server):
+    _post(server, "plain", {"prompt": "é", "temperature": 0.0, "seed": 7})
+    assert server.bodies[-1] == json.dumps({"prompt": "é", "temperature": 0.0, "seed": 7}, ensure_ascii=False,
+                                           separators=(",", ":")).encode()
+    head = server.headers[-1]
+    assert head["content-type"] == "application/json" and head["authorization"] == "Bearer k"
+    assert head["host"] == f"127.0.0.1:{server.port}"
+
+
+def test_a_preconnected_connection_carries_the_request(server):
+    async def go():
+        conn = Connection(server.url, {}, timeout=10.0, connect_timeout=5.0, tls=None)
+        try:
+            assert (await conn.get(server.url.removesuffix("/v1") + "/health")).status_code == 200
+            return await conn.post(f"{server.url}/plain", json={"prompt": "x"})
+        finally:
+            conn.close()
+    before = len(server.peers)
+    assert asyncio.run(go()).json() == DOC
+    assert len(server.peers) == before + 1  # one connection: the GET's, kept alive
+
+
+def test_failures_are_httpx_errors(server):
+    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+        _post(server, "drop")
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "slow", timeout=0.3)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(httpx.ConnectError, match=r"\[Errno 111\] Connection refused"):
+        asyncio.run(Connection(f"http://127.0.0.1:{port}/v1", {}, timeout=1.0, connect_timeout=1.0, tls=None).post(
+            f"http://127.0.0.1:{port}/v1/plain", json={}))
+
+
+@pytest.mark.parametrize("proxied", [False, True], ids=["wire", "httpx"])
+def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeypatch, proxied):
+    monkeypatch.setitem(load._SHARED, "proxies", proxied)  # a proxy in the environment: the batch goes through httpx
+    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    replies, _ = ep.send_batch("/gzip", [{"prompt": str(i)} for i in range(5)], sample=None, interval=1.0, preconnect=True)
+    assert [r.doc for r in replies] == [DOC] * 5 and all(r.retries == 0 for r in replies)
+    with pytest.raises(BackendError, match="connection dropped during request 0"):
+        ep.send_batch("/drop", [{"prompt": "x"}], sample=None, interval=1.0)
+    ep.retries, sent = 1, len(server.bodies)
+    with pytest.raises(UsageError, match=r"rejected the request \(HTTP 429"):
+        ep.send_batch("/busy", [{"prompt": "x"}], sample=None, interval=1.0)
+    assert len(server.bodies) == sent + 2  # a 429 is sent again once (--opt retries=1), then reported
+
+
+def test_https_with_the_clients_tls_context(tmp_path):
+    """An https base URL: the connection is TLS, checked against the context's CAs and the host name."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    s = Server()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    s.httpd.socket = served.wrap_socket(s.httpd.socket, server_side=True)
+    url = f"https://127.0.0.1:{s.port}/v1"
+    try:
+        trusted = ssl.create_default_context(cafile=str(cert))
+        ans = asyncio.run(Connection(url, {}, timeout=10.0, connect_timeout=5.0, tls=trusted).post(f"{url}/plain", json={}))
+        assert ans.json() == DOC
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # a certificate no CA of the context signed
+            asyncio.run(Connection(url, {}, timeout=10.0, connect_timeout=5.0, tls=ssl.create_default_context()).post(f"{url}/plain", json={}))
+    finally:
+        s.close()

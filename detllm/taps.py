@@ -47,6 +47,7 @@ class Tapped:
     dtype: str = ""  # the engine's dtype of the output ("bfloat16" even where `output` holds it as float32)
     ref_error: float | None = None  # max |output - float64 re-evaluation on the same inputs|; None: not evaluated
     phase: str = "forward"  # forward | backward (module grads: output = grad wrt output) | param_grad
+    reeval: Any = None  # lazy_reference: a call that sets ref_error (float64 on the inputs kept), None once run
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,10 @@ class _Tapper:
     """The hooks of one `tap`: a module stack for op names, the records, the bound."""
 
     def __init__(self, model, *, window: Window, ops: bool, reference: bool, max_bytes: int | None,
-                 layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True) -> None:
+                 layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True,
+                 lazy_reference: bool = False) -> None:
         self.model, self.window, self.ops, self.reference, self.ref_rows = model, window, ops, reference, ref_rows
+        self.lazy = lazy_reference
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
         self.names = {m: n for n, m in model.named_modules() if n not in skip}
         self.weights = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}  # never an op's recorded input
@@ -219,7 +222,10 @@ class _Tapper:
             self._in_pass(module, args, kwargs, snap, tensors, names, shapes)
         rec = self._record(name, kind, out, tensors, names, shapes)
         if self.reference and rec is not None:
-            self._reference(module, args, kwargs, snap, out, rec)
+            if self.lazy:
+                rec.reeval = self._later(rec, tensors, lambda: self._reference(module, args, kwargs, snap, None, rec))
+            else:
+                self._reference(module, args, kwargs, snap, out, rec)
         return None
 
     def _inputs(self, module, args, kwargs, snap, kind) -> tuple[list, list, list]:
@@ -294,11 +300,12 @@ class _Tapper:
                 args, kwargs, snap = (one_row(v, n, w.row) for v in (args, kwargs, snap))
                 w = dataclasses.replace(w, row=0, batch=1)
             ref = module_output(module, args, kwargs, snap)
-            want = tuple(out.shape) if w is self.window else (1, *out.shape[1:])
+            shape = tuple(rec.output_shape)
+            want = shape if w is self.window else (1, *shape[1:])
             if ref is None or tuple(ref.shape) != want:
                 self.result.skipped_ref["its float64 copy returned another shape"] += 1
                 return
-            got = self.window.module(out).detach().to(torch.float64)
+            got = (self.window.module(out).detach() if out is not None else torch.from_numpy(rec.output)).to(torch.float64)
             rec.ref_error = float((got - w.module(ref)).abs().max().item()) if got.numel() else 0.0
             if not np.isfinite(rec.ref_error):
                 rec.ref_error = None
@@ -332,10 +339,27 @@ class _Tapper:
             return
         if not clean:
             self.whole.append(name)
-        if self.reference:
-            self._op_reference(func, args, kwargs, tensor, cut, rec)
+        if self.reference and self.lazy:
+            rec.reeval = self._later(rec, [self.window.everywhere(a)[0] for a in ins],
+                                     lambda: self._op_reference(func, args, kwargs, tensor.shape, None, rec))
+        elif self.reference:
+            self._op_reference(func, args, kwargs, tensor.shape, cut, rec)
 
-    def _op_reference(self, func, args, kwargs, tensor, cut, rec) -> None:
+    def _later(self, rec: Tapped, views: list, fn) -> Any:
+        """A call that evaluates rec's float64 reference when asked (locate asks for the ops its rule
+        judges): the inputs are read then, so it first checks that the row of each still holds what
+        was captured (nothing wrote into it in place since); else ref_error stays None."""
+        def run() -> None:
+            import torch
+
+            rec.reeval = None
+            with torch._C.DisableTorchFunction():
+                if any(_numpy(v)[0].tobytes() != a.tobytes() for v, a in zip(views, rec.inputs)):
+                    return
+                fn()
+        return run
+
+    def _op_reference(self, func, args, kwargs, shape, cut, rec) -> None:
         import numpy as np
         import torch
 
@@ -344,8 +368,9 @@ class _Tapper:
         except Exception:  # an op whose float64 form does not exist (dtype-bound kernels): noted by its None
             self.result.skipped_ref["an op without a float64 form"] += 1
             return
-        if ref is not None and ref.shape == tensor.shape:
-            diff = (self.window.everywhere(ref.to(torch.float64))[0] - cut.to(torch.float64)).abs()
+        if ref is not None and ref.shape == shape:
+            got = cut.to(torch.float64) if cut is not None else torch.from_numpy(rec.output).to(torch.float64)
+            diff = (self.window.everywhere(ref.to(torch.float64))[0] - got).abs()
             rec.ref_error = float(diff.max().item()) if diff.numel() else 0.0
             if not np.isfinite(rec.ref_error):
                 rec.ref_error = None
@@ -402,13 +427,14 @@ def _function_mode(tapper: _Tapper):
 def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool = False, row: int | None = None,
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
-        skip: tuple[str, ...] = ("",), ref_rows: bool = True) -> Iterator[Tap]:
+        skip: tuple[str, ...] = ("",), ref_rows: bool = True, lazy_reference: bool = False) -> Iterator[Tap]:
     """Capture while the block runs: every named submodule's inputs and output (forward), each torch
     function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter
     gradients (backward), cut to `window` (or batch `row`). `reference`: each module and op
     re-evaluated in float64 on its own inputs (Tapped.ref_error; `ref_rows`: on the window's row
     only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted);
-    `keep_inputs=False` keeps outputs only. The hooks are gone after the block.
+    `keep_inputs=False` keeps outputs only; `lazy_reference`: each record's `reeval` evaluates its
+    float64 reference when called (the inputs stay referenced until then). The hooks are gone after the block.
 
         with taps.tap(model, forward=True, backward=True, row=None) as t:
             model(**batch).loss.backward()
@@ -416,7 +442,8 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     """
     window = window or Window(row=row)
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
-                     layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows)
+                     layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows,
+                     lazy_reference=lazy_reference)
     with ExitStack() as stack:
         if backward:  # an embedding's integer input has no gradient: torch warns, nothing is wrong
             stack.enter_context(warnings.catch_warnings())

@@ -222,8 +222,8 @@ class HFBackend(Backend):
                   timed: dict | None = None) -> list[Generation]:
         """The one decode loop (generate and capture): `at_step(step)` is entered around each step's
         forward; `steps` stops it early (capture: steps 0..s). `timed` (capture's cost): the last
-        step's forward timed, after the same forward run once on a copy of the cache with
-        timed["bare"] set (at_step then adds no hooks), timed too; its outputs are dropped."""
+        step's forward timed, then the same forward run again on a copy of the cache taken before
+        it, with timed["bare"] set (at_step then adds no hooks), timed too; its outputs are dropped."""
         n = len(requests)
         width = max(len(r.input_ids) for r in requests)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self._eos()), 0)
@@ -247,18 +247,19 @@ class HFBackend(Backend):
         rows: list[int] = []  # the padded batch shape's rows per forward: what was really computed together
         last = min(decoding.max_new_tokens, steps or decoding.max_new_tokens) - 1
         for step in range(last + 1):
-            if timed is not None and step == last:
-                timed["bare"], clock = True, _clock()
-                with (at_step(step) if at_step is not None else nullcontext()):
-                    self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=copy.deepcopy(past),
-                               use_cache=True, **self._last_logits_only)
-                timed["bare"], timed["bare_forward"], clock = False, _since(clock), _clock()
+            timing = timed is not None and step == last
+            if timing:
+                kept, clock = copy.deepcopy(past), _clock()
             with (at_step(step) if at_step is not None else nullcontext()):
                 rows.append(int(cur.shape[0]))
                 out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
                                  use_cache=True, **self._last_logits_only)
-            if timed is not None and step == last:
-                timed["forward"] = _since(clock)
+            if timing:  # the bare forward second: a first forward's warm-up is counted to the capture, never to it
+                timed["forward"], timed["bare"], clock = _since(clock), True, _clock()
+                with (at_step(step) if at_step is not None else nullcontext()):
+                    self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=kept,
+                               use_cache=True, **self._last_logits_only)
+                timed["bare"], timed["bare_forward"] = False, _since(clock)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()  # (n, vocab) raw logits of the next token
             logp = torch.log_softmax(logits, dim=-1)

@@ -125,7 +125,8 @@ class _Tapper:
         self.names = {m: n for n, m in model.named_modules() if n not in skip}
         self.weights = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}  # never an op's recorded input
         self.kinds = {m: module_kind(n, m) for m, n in self.names.items()}
-        self.holders = {m for m in self.names if any(self.kinds.get(c) == "layer" for c in m.modules() if c is not m)}
+        above = {".".join(n.split(".")[:i]) for m, n in self.names.items() if self.kinds[m] == "layer" for i in range(n.count(".") + 1)}
+        self.holders = {m for m, n in self.names.items() if n in above}  # a decoder layer's ancestors (by name: one pass)
         self.result = Tap()
         self.stack: list[Any] = []  # modules entered and not yet left (innermost last)
         self.snaps: dict[int, dict] = {}  # id(module) -> cache snapshot taken as it was entered
@@ -271,16 +272,15 @@ class _Tapper:
         self.op_counts[key] += 1
         ins = [a for a in args if isinstance(a, torch.Tensor) and id(a) not in self.weights]
         cut, clean = self.window.everywhere(tensor)
-        rec = self._record(name, op_kind(op, self.kinds.get(owner, "other")), tensor,
-                           [self.window.everywhere(a)[0] for a in ins], [f"arg{i}" for i in range(len(ins))],
-                           [tuple(a.shape) for a in ins], cut=cut)
+        views = [self.window.everywhere(a)[0] for a in ins]
+        rec = self._record(name, op_kind(op, self.kinds.get(owner, "other")), tensor, views,
+                           [f"arg{i}" for i in range(len(ins))], [tuple(a.shape) for a in ins], cut=cut)
         if rec is None:
             return
         if not clean:
             self.whole.append(name)
         if self.reference and self.lazy:
-            rec.reeval = self._later(rec, [self.window.everywhere(a)[0] for a in ins],
-                                     lambda: self._op_reference(func, args, kwargs, tensor.shape, None, rec))
+            rec.reeval = self._later(rec, views, lambda: self._op_reference(func, args, kwargs, tensor.shape, None, rec))
         elif self.reference:
             self._op_reference(func, args, kwargs, tensor.shape, cut, rec)
 

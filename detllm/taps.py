@@ -107,10 +107,10 @@ def _numpy(t: Any) -> tuple[Any, str]:
     import torch
 
     dtype = str(t.dtype).replace("torch.", "")
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.float()  # numpy has no bfloat16: float32 holds every bfloat16 value exactly
-    return t.cpu().numpy().copy(), dtype
+    src = t.detach()
+    t = (src.float() if src.dtype == torch.bfloat16 else src).cpu()  # numpy has no bfloat16: float32 holds each value exactly
+    # one copy: the float() or cpu() above made one already, else copy the engine's memory once (never both)
+    return (t.numpy().copy() if t.data_ptr() == src.data_ptr() else t.numpy()), dtype
 
 
 class _Tapper:

@@ -6,9 +6,11 @@ logits, and `locate clean perturbed`. Prints per case: named or not, the op name
 peak captured bytes per side and wall time; then the totals. Optionally the batch-variance case
 (check --vary-batch 1,8 --tier 2, locate batch_1 vs batch_8) at the end. `--graft-cost N`: the graft's
 extra cost instead: for N cases, locate with --graft off, right (the default) and both, each timed.
+`--cost PAIRS`: both costs side by side on batch 1 vs 8 (the capture overhead that locate records, the
+graft's extra wall and CPU), PAIRS alternated pairs of --graft off / right, medians, the load average.
 
     .venv/bin/python benchmarks/bench_locate.py [--model smollm2-135m] [--cases 20] [--ops] [--reference]
-        [--batch] [--graft-cost N] [--json out.json]
+        [--batch] [--graft-cost N] [--cost PAIRS] [--json out.json]
 """
 
 from __future__ import annotations
@@ -109,6 +111,50 @@ def graft_cost(run: dict, tmp: Path, specs: list[tuple[str, str]], **locate_kw) 
     return rows
 
 
+def cost_pairs(model: str, tmp: Path, pairs: int, **locate_kw) -> dict:
+    """Both costs in one run, on check --vary-batch 1,8 of `model` (the issue's batch 1 vs 8 case):
+    `pairs` alternated pairs of locate --graft off and --graft right (the order swapped each pair),
+    each timed in wall and CPU (user + sys of this process); the capture overhead is what each locate
+    records in cost.rerun_seconds (its re-runs with capture against the same re-runs without)."""
+    import os
+
+    folder = tmp / "cost"
+    detllm.check(backend="hf", model=model, max_new_tokens=2, tier=2, runs=2, vary_batch=(1, 8), out=folder)
+    load0 = os.getloadavg()
+    got: dict[str, list] = {"off": [], "right": []}
+    over: list[dict] = []
+    for i in range(pairs):
+        for mode in (("off", "right") if i % 2 == 0 else ("right", "off")):
+            w, c = time.perf_counter(), time.process_time()
+            doc = locate(f"{folder}::batch_1", f"{folder}::batch_8", out=tmp / f"c{i}{mode}", force=True, graft=mode,
+                         **locate_kw).doc
+            got[mode].append((time.perf_counter() - w, time.process_time() - c, (doc.get("graft") or {}).get("seconds")))
+            over.append(doc["cost"].get("rerun_seconds") or {})
+            print(f"pair {i} graft {mode:<5} wall {got[mode][-1][0]:6.2f} s  cpu {got[mode][-1][1]:6.2f} s  "
+                  f"capture overhead {_pct(over[-1], 'wall')} wall, {_pct(over[-1], 'cpu')} cpu")
+    med = {m: (statistics.median(r[0] for r in got[m]), statistics.median(r[1] for r in got[m])) for m in got}
+    ov = {u: statistics.median(o["overhead"][u] for o in over if o and o["overhead"].get(u) is not None) for u in ("wall", "cpu")}
+    res = {"model": model, "pairs": pairs, "load_before": load0, "load_after": os.getloadavg(), "median": med, "capture_overhead": ov,
+           "graft_extra": {u: med["right"][i] / med["off"][i] - 1 for i, u in enumerate(("wall", "cpu"))}}
+    print(f"\n{model}, batch 1 vs 8, {pairs} alternated pair(s); load average {load0[0]:.1f} before, {res['load_after'][0]:.1f} after")
+    print(f"capture overhead (re-runs with capture / without - 1, median of {len(over)} locates): "
+          f"{100 * ov['wall']:+.0f}% wall, {100 * ov['cpu']:+.0f}% cpu   (target <= +50%)")
+    print(f"graft extra cost (locate --graft right / --graft off - 1, medians): {100 * res['graft_extra']['wall']:+.0f}% wall "
+          f"({med['off'][0]:.2f} -> {med['right'][0]:.2f} s), {100 * res['graft_extra']['cpu']:+.0f}% cpu "
+          f"({med['off'][1]:.2f} -> {med['right'][1]:.2f} s)   (target <= +25%)")
+    own = [g / (w - g) for w, _, g in got["right"] if g]  # within one locate: less exposed to the load between locates
+    if own:
+        res["graft_within"] = statistics.median(own)
+        print(f"the graft's own re-run (graft.seconds, wall) within the same locate: median {100 * res['graft_within']:+.0f}% over "
+              f"the rest of it ({', '.join(f'{100 * v:+.0f}%' for v in own)})")
+    return res
+
+
+def _pct(t: dict, unit: str) -> str:
+    v = (t.get("overhead") or {}).get(unit)
+    return "-" if v is None else f"{100 * v:+.0f}%"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -117,9 +163,16 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="evaluate each op in float64 too (the tolerance)")
     ap.add_argument("--batch", action="store_true", help="also the batch-variance case (batch 1 vs 8)")
     ap.add_argument("--graft-cost", type=int, default=0, help="the graft's extra cost on this many cases (instead of the naming run)")
+    ap.add_argument("--cost", type=int, default=0, metavar="PAIRS",
+                    help="the capture overhead and the graft's extra cost on batch 1 vs 8, PAIRS alternated pairs (instead)")
     ap.add_argument("--json")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_locate_"))
+    if args.cost:
+        res = cost_pairs(args.model, tmp, args.cost)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return
     run = dict(backend="hf", model=args.model, max_new_tokens=2, tier=2, prompts=PROMPT)
     t0 = time.perf_counter()
     detllm.run(**run, out=tmp / "clean")

@@ -15,21 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output
+from .core.opkinds import _SKIP_OPS, module_kind, op_kind, op_name  # noqa: F401 (grafthook names ops as taps do)
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
-# torch functions that only view, reshape, allocate or ask: no computation of their own to capture
-_SKIP_OPS = {"get", "getitem", "setitem", "bool", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "len", "index", "int",
-             "float_", "_set_grad_enabled", "contiguous", "view", "view_as", "reshape", "reshape_as", "transpose",
-             "permute", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "narrow", "select", "t",
-             "numel", "size", "dim", "tensor", "as_tensor", "arange", "new_ones", "new_zeros", "new_empty", "new_full",
-             "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like", "full_like", "clone", "detach",
-             "dropout", "chunk", "split", "unbind", "repeat_interleave", "stride", "data_ptr", "is_floating_point"}
-_OP_KINDS = {"mm": "gemm", "addmm": "gemm", "bmm": "gemm", "baddbmm": "gemm", "matmul": "gemm", "linear": "gemm",
-             "einsum": "gemm", "softmax": "softmax", "_softmax": "softmax", "log_softmax": "softmax", "silu": "activation",
-             "gelu": "activation", "relu": "activation", "tanh": "activation", "sigmoid": "activation",
-             "embedding": "embedding", "rsqrt": "norm", "layer_norm": "norm", "rms_norm": "norm", "cos": "rotary",
-             "sin": "rotary", "scaled_dot_product_attention": "attention", "all_reduce": "all_reduce"}
-_ARITH = {"add", "sub", "mul", "matmul", "truediv", "floordiv", "pow", "mod", "and", "or", "neg"}
 
 
 @dataclass
@@ -47,6 +35,7 @@ class Tapped:
     dtype: str = ""  # the engine's dtype of the output ("bfloat16" even where `output` holds it as float32)
     ref_error: float | None = None  # max |output - float64 re-evaluation on the same inputs|; None: not evaluated
     phase: str = "forward"  # forward | backward (module grads: output = grad wrt output) | param_grad
+    reeval: Any = None  # lazy_reference: a call that sets ref_error (float64 on the inputs kept), None once run
 
 
 @dataclass(frozen=True)
@@ -114,76 +103,30 @@ class Tap:
         return {t.name: t for t in self.tensors}
 
 
-def module_kind(name: str, module: Any, output_name: str = "lm_head") -> str:
-    """Kind of a module by its type (backends.capture.CAPTURE_KINDS)."""
-    import torch
-
-    cls = type(module).__name__
-    low = cls.lower()
-    if isinstance(module, torch.nn.Embedding):
-        return "embedding"
-    if low.endswith("rmsnorm") or low.endswith("layernorm") or isinstance(module, torch.nn.LayerNorm):
-        return "norm"
-    if isinstance(module, torch.nn.Linear) or cls.endswith("Linear") or cls == "Conv1D":  # BlockLinear, vLLM's *Linear
-        return "logits" if name.split(".")[-1] == output_name else "gemm"
-    if "rotary" in low:
-        return "rotary"
-    if "attention" in low:
-        return "attention"
-    if isinstance(module, torch.nn.Softmax):
-        return "softmax"
-    if low.endswith("activation") or type(module).__module__ == "torch.nn.modules.activation" or low.endswith("act"):
-        return "activation"
-    if low.endswith("decoderlayer") or low.endswith("block") or low.endswith("layer") and _is_stack_member(name):
-        return "layer"
-    return "other"
-
-
-def _is_stack_member(name: str) -> bool:
-    return name.split(".")[-1].isdigit()
-
-
-def op_name(func: Any) -> str:
-    """A torch function's plain name: Tensor.__add__ and torch.add are "add", __iadd__ is "add_"."""
-    name = getattr(func, "__name__", None) or str(func)
-    if name.startswith("__") and name.endswith("__"):
-        core = name[2:-2]
-        if core[:1] in ("i", "r") and core[1:] in _ARITH:
-            core = core[1:] + ("_" if core[0] == "i" else "")
-        return {"truediv": "div", "float": "float_"}.get(core, core)
-    return name
-
-
-def op_kind(op: str, module_kind_: str) -> str:
-    """Kind of an op: its own where it has one; an add straight inside a decoder layer is the residual."""
-    if op in _OP_KINDS:
-        return _OP_KINDS[op]
-    if op in ("add", "add_") and module_kind_ == "layer":
-        return "residual"
-    return "other"
-
-
 def _numpy(t: Any) -> tuple[Any, str]:
     import torch
 
     dtype = str(t.dtype).replace("torch.", "")
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.float()  # numpy has no bfloat16: float32 holds every bfloat16 value exactly
-    return t.cpu().numpy().copy(), dtype
+    src = t.detach()
+    t = (src.float() if src.dtype == torch.bfloat16 else src).cpu()  # numpy has no bfloat16: float32 holds each value exactly
+    # one copy: the float() or cpu() above made one already, else copy the engine's memory once (never both)
+    return (t.numpy().copy() if t.data_ptr() == src.data_ptr() else t.numpy()), dtype
 
 
 class _Tapper:
     """The hooks of one `tap`: a module stack for op names, the records, the bound."""
 
     def __init__(self, model, *, window: Window, ops: bool, reference: bool, max_bytes: int | None,
-                 layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True) -> None:
+                 layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True,
+                 lazy_reference: bool = False) -> None:
         self.model, self.window, self.ops, self.reference, self.ref_rows = model, window, ops, reference, ref_rows
+        self.lazy = lazy_reference
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
         self.names = {m: n for n, m in model.named_modules() if n not in skip}
         self.weights = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}  # never an op's recorded input
         self.kinds = {m: module_kind(n, m) for m, n in self.names.items()}
-        self.holders = {m for m in self.names if any(self.kinds.get(c) == "layer" for c in m.modules() if c is not m)}
+        above = {".".join(n.split(".")[:i]) for m, n in self.names.items() if self.kinds[m] == "layer" for i in range(n.count(".") + 1)}
+        self.holders = {m for m, n in self.names.items() if n in above}  # a decoder layer's ancestors (by name: one pass)
         self.result = Tap()
         self.stack: list[Any] = []  # modules entered and not yet left (innermost last)
         self.snaps: dict[int, dict] = {}  # id(module) -> cache snapshot taken as it was entered
@@ -219,7 +162,10 @@ class _Tapper:
             self._in_pass(module, args, kwargs, snap, tensors, names, shapes)
         rec = self._record(name, kind, out, tensors, names, shapes)
         if self.reference and rec is not None:
-            self._reference(module, args, kwargs, snap, out, rec)
+            if self.lazy:
+                rec.reeval = self._later(rec, tensors, lambda: self._reference(module, args, kwargs, snap, None, rec))
+            else:
+                self._reference(module, args, kwargs, snap, out, rec)
         return None
 
     def _inputs(self, module, args, kwargs, snap, kind) -> tuple[list, list, list]:
@@ -294,11 +240,12 @@ class _Tapper:
                 args, kwargs, snap = (one_row(v, n, w.row) for v in (args, kwargs, snap))
                 w = dataclasses.replace(w, row=0, batch=1)
             ref = module_output(module, args, kwargs, snap)
-            want = tuple(out.shape) if w is self.window else (1, *out.shape[1:])
+            shape = tuple(rec.output_shape)
+            want = shape if w is self.window else (1, *shape[1:])
             if ref is None or tuple(ref.shape) != want:
                 self.result.skipped_ref["its float64 copy returned another shape"] += 1
                 return
-            got = self.window.module(out).detach().to(torch.float64)
+            got = (self.window.module(out).detach() if out is not None else torch.from_numpy(rec.output)).to(torch.float64)
             rec.ref_error = float((got - w.module(ref)).abs().max().item()) if got.numel() else 0.0
             if not np.isfinite(rec.ref_error):
                 rec.ref_error = None
@@ -325,17 +272,33 @@ class _Tapper:
         self.op_counts[key] += 1
         ins = [a for a in args if isinstance(a, torch.Tensor) and id(a) not in self.weights]
         cut, clean = self.window.everywhere(tensor)
-        rec = self._record(name, op_kind(op, self.kinds.get(owner, "other")), tensor,
-                           [self.window.everywhere(a)[0] for a in ins], [f"arg{i}" for i in range(len(ins))],
-                           [tuple(a.shape) for a in ins], cut=cut)
+        views = [self.window.everywhere(a)[0] for a in ins]
+        rec = self._record(name, op_kind(op, self.kinds.get(owner, "other")), tensor, views,
+                           [f"arg{i}" for i in range(len(ins))], [tuple(a.shape) for a in ins], cut=cut)
         if rec is None:
             return
         if not clean:
             self.whole.append(name)
-        if self.reference:
-            self._op_reference(func, args, kwargs, tensor, cut, rec)
+        if self.reference and self.lazy:
+            rec.reeval = self._later(rec, views, lambda: self._op_reference(func, args, kwargs, tensor.shape, None, rec))
+        elif self.reference:
+            self._op_reference(func, args, kwargs, tensor.shape, cut, rec)
 
-    def _op_reference(self, func, args, kwargs, tensor, cut, rec) -> None:
+    def _later(self, rec: Tapped, views: list, fn) -> Any:
+        """A call that evaluates rec's float64 reference when asked (locate asks for the ops its rule
+        judges): the inputs are read then, so it first checks that the row of each still holds what
+        was captured (nothing wrote into it in place since); else ref_error stays None."""
+        def run() -> None:
+            import torch
+
+            rec.reeval = None
+            with torch._C.DisableTorchFunction():
+                if any(_numpy(v)[0].tobytes() != a.tobytes() for v, a in zip(views, rec.inputs)):
+                    return
+                fn()
+        return run
+
+    def _op_reference(self, func, args, kwargs, shape, cut, rec) -> None:
         import numpy as np
         import torch
 
@@ -344,8 +307,9 @@ class _Tapper:
         except Exception:  # an op whose float64 form does not exist (dtype-bound kernels): noted by its None
             self.result.skipped_ref["an op without a float64 form"] += 1
             return
-        if ref is not None and ref.shape == tensor.shape:
-            diff = (self.window.everywhere(ref.to(torch.float64))[0] - cut.to(torch.float64)).abs()
+        if ref is not None and ref.shape == shape:
+            got = cut.to(torch.float64) if cut is not None else torch.from_numpy(rec.output).to(torch.float64)
+            diff = (self.window.everywhere(ref.to(torch.float64))[0] - got).abs()
             rec.ref_error = float(diff.max().item()) if diff.numel() else 0.0
             if not np.isfinite(rec.ref_error):
                 rec.ref_error = None
@@ -402,13 +366,14 @@ def _function_mode(tapper: _Tapper):
 def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool = False, row: int | None = None,
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
-        skip: tuple[str, ...] = ("",), ref_rows: bool = True) -> Iterator[Tap]:
+        skip: tuple[str, ...] = ("",), ref_rows: bool = True, lazy_reference: bool = False) -> Iterator[Tap]:
     """Capture while the block runs: every named submodule's inputs and output (forward), each torch
     function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter
     gradients (backward), cut to `window` (or batch `row`). `reference`: each module and op
     re-evaluated in float64 on its own inputs (Tapped.ref_error; `ref_rows`: on the window's row
     only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted);
-    `keep_inputs=False` keeps outputs only. The hooks are gone after the block.
+    `keep_inputs=False` keeps outputs only; `lazy_reference`: each record's `reeval` evaluates its
+    float64 reference when called (the inputs stay referenced until then). The hooks are gone after the block.
 
         with taps.tap(model, forward=True, backward=True, row=None) as t:
             model(**batch).loss.backward()
@@ -416,7 +381,8 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     """
     window = window or Window(row=row)
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
-                     layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows)
+                     layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows,
+                     lazy_reference=lazy_reference)
     with ExitStack() as stack:
         if backward:  # an embedding's integer input has no gradient: torch warns, nothing is wrong
             stack.enter_context(warnings.catch_warnings())

@@ -71,8 +71,15 @@ def test_perturbation_is_beyond_tolerance_with_float64_reference(clean, tmp_path
     assert doc["first_bitwise_op"]["module"] == "model.layers.1.mlp.down_proj"
     beyond = doc["first_beyond_tolerance_op"]
     assert beyond is not None and beyond["module"] == "model.layers.1.mlp.down_proj"
-    assert beyond["max_abs_diff"] > beyond["tolerance"] > 0
+    assert beyond["max_abs_diff"] > beyond["tolerance"] > 0  # the float64 reference evaluated on demand, the weight edited again
     assert all(r["output_equal"] for r in doc["layers"] if r["order"] < beyond_order(doc, beyond["module"]))
+    timed = doc["cost"]["rerun_seconds"]  # each side's re-run with capture and without it (its captured step's forward again)
+    for side in ("left", "right"):
+        assert all(v > 0 for k in ("without_capture", "with_capture") for v in timed[side][k]), timed
+    assert set(timed["overhead"]) == {"wall", "cpu"}
+    from detllm.render.locate import render_text
+
+    assert "re-runs without capture" in render_text(doc)
 
 
 def beyond_order(doc, module):

@@ -97,6 +97,18 @@ def test_ops_level_names_each_op_under_its_innermost_module_and_changes_no_bit(t
     assert t.by_name()["model.layers.0.mlp.down_proj/torch.linear#0"].ref_error == t.by_name()["model.layers.0.mlp.down_proj"].ref_error
 
 
+def test_a_lazy_reference_is_the_eager_one_evaluated_when_asked(tiny):
+    model, ids = tiny
+    eager, logits = _forward(model, ids, ops=True, reference=True)
+    lazy, again = _forward(model, ids, ops=True, reference=True, lazy_reference=True)
+    assert np.array_equal(logits.numpy(), again.numpy())
+    assert all(r.ref_error is None for r in lazy.tensors) and all(r.reeval is not None for r in lazy.tensors)
+    for e, r in zip(eager.tensors, lazy.tensors):
+        r.reeval()
+        assert (r.name, r.ref_error, r.reeval) == (e.name, e.ref_error, None)  # the same float64 error, bit for bit
+    assert lazy.by_name()["model.layers.0.mlp.down_proj/torch.linear#0"].ref_error > 0
+
+
 def test_past_the_memory_bound_only_layer_boundaries_are_kept(tiny, plain):
     model, ids = tiny
     full, _ = plain

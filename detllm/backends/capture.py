@@ -39,6 +39,7 @@ class CaptureSpec:
     in_pass_kv: bool = False  # a prefill's attention also keeps the K/V it wrote (compared with a decode's cached K/V)
     graft: Graft | None = None  # overwrite one output at `step` (locate's causal test); a backend without it refuses
     run_to: int | None = None  # generate on through this step (> step) after the capture (a graft judged where the traces differ)
+    time_bare: bool = False  # also time the captured step's forward without capture (Capture.seconds["bare"])
     warm_up: tuple = ()  # batches (tuples of Request) run first, after a cold start, to rebuild a cache the batch found warm (vLLM's prefix cache)
 
 
@@ -66,6 +67,7 @@ class CapturedTensor:
     # of the step, in order); llama.cpp's last layer, e.g., keeps only the rows that yield logits
     whole: bool | None = None  # True: kept whole, other prompts' rows included (no row of the prompt to cut); False: only
     # the prompt's rows (the capture cut them, or the forward held no other); None: not said (locate judges by shape)
+    reeval: Any = None  # a call that sets ref_error when the reference is evaluated on demand (hf); None: nothing pending
 
 
 @dataclass
@@ -78,3 +80,5 @@ class Capture:
     level: str  # what was captured in the end (may be below the level asked for)
     notes: list[str] = field(default_factory=list)  # what was and was not captured, in plain words
     engine: dict[str, Any] = field(default_factory=dict)  # how the engine ran the re-run (its own facts)
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # [wall, cpu] s: "captured" (the re-run with capture),
+    # "bare" (the same re-run without it, where the backend measures it), "reference" (float64 evaluated on demand)

@@ -86,13 +86,14 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     doc["step"] = {"prompt": step.prompt_index, "right_prompt": step.right_prompt_index, "prompt_id": step.prompt_id,
                    "step": step.step, "what": step.what, "left": step.left, "right": step.right}
     sides = [reruns.prepare(left, step.prompt_index), reruns.prepare(right, step.right_prompt_index)]
-    t0 = time.perf_counter()
+    t0, timed = time.perf_counter(), None
     try:
         seen: dict = {}
         for r in sides:
             reruns.start(r, seen)  # model files checked (exit 7) and backends made before anything is written
         found = _search(doc, sides, step.step, tier=tier, layers_only=layers_only, bound=max_bytes, ops=ops, reference=reference)
         _cached_prefix(doc)
+        timed = reruns.timing(sides)  # before the graft: its own seconds are graft.seconds
         if found is not None:
             grafts.graft(doc, sides, found, mode=graft, reference=reference, bound=max_bytes)
             categorize(doc, found, sides)
@@ -102,6 +103,8 @@ def locate(a: str, b: str | None = None, *, out: str | Path | None = None, force
     doc["cost"] = {"reruns": {"left": sides[0].runs, "right": sides[1].runs},
                    "peak_captured_bytes": {"left": sides[0].peak_bytes, "right": sides[1].peak_bytes},
                    "bound_bytes": max_bytes, "seconds": round(time.perf_counter() - t0, 3)}
+    if timed is not None:
+        doc["cost"]["rerun_seconds"] = timed
     return write_locate(target, artifacts.stamp("locate", doc))
 
 

@@ -15,6 +15,7 @@ from ..backends.base import Backend, Capture, CaptureSpec, Request
 from ..backends.registry import backend_class, create_backend
 from ..pipeline.batching import batch_requests, plan_batches
 from ..compare.causes import Side
+from ..core.clock import add
 from ..core.config import RunConfig
 from ..core.errors import BackendUnavailableError, UsageError
 from ..core.prompts import FILLERS, PromptSet
@@ -43,6 +44,8 @@ class Rerun:
     warmed_by: list[dict[str, Any]] = field(default_factory=list)  # what they were (locate.json)
     in_pass_kv: bool = False  # a prefill side: its attentions keep the K/V they wrote (compared with the decode's cached ones)
     own_check: Any = None  # (Capture) -> what differs or None: the check of a side with no recorded trace (a prefill)
+    clocks: list = field(default_factory=list)  # per capture re-run: its Capture.seconds ([wall, cpu] s; see cost())
+    bare: dict = field(default_factory=dict)  # step -> [wall, cpu] s of the re-run to it without capture, measured once
 
 
 def check_capture(config: RunConfig, label: str, rows: int = 1) -> None:
@@ -150,10 +153,13 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
     cfg, applied = rerun.config, rerun.side.applied
     step = step if rerun.fixed_step is None else rerun.fixed_step
     spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference,
-                       warm_up=tuple(tuple(b) for b in rerun.warm), in_pass_kv=rerun.in_pass_kv)
+                       warm_up=tuple(tuple(b) for b in rerun.warm), in_pass_kv=rerun.in_pass_kv, time_bare=step not in rerun.bare)
     with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rerun.runs += 1
+    if "bare" in cap.seconds:
+        rerun.bare.setdefault(step, cap.seconds["bare"])
+    rerun.clocks.append((step, cap.seconds))
     rerun.peak_bytes = max(rerun.peak_bytes, captured_bytes(cap))
     for pos, rec in sorted(rerun.recorded.items()):
         if pos >= len(cap.generations):
@@ -166,6 +172,30 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
     if (cap.engine or {}).get("not_reproduced"):  # the engine re-ran the batch, its capture did not (llama.cpp's dumper)
         return cap, cap.engine["not_reproduced"]
     return cap, None
+
+
+def seconds(rerun: Rerun) -> dict[str, list[float]] | None:
+    """This side's capture re-runs as [wall, cpu] s: "with_capture" (the float64 evaluated on demand
+    included), "without_capture" (each re-run's measured bare time: the same batch to the same step,
+    measured once per step); None where the backend measures no bare time."""
+    if not rerun.clocks or any(step not in rerun.bare or "captured" not in c for step, c in rerun.clocks):
+        return None
+    with_, without = [0.0, 0.0], [0.0, 0.0]
+    for step, c in rerun.clocks:
+        with_, without = add(with_, add(c["captured"], c.get("reference"))), add(without, rerun.bare[step])
+    return {"without_capture": [round(v, 3) for v in without], "with_capture": [round(v, 3) for v in with_]}
+
+
+def timing(sides: list[Rerun]) -> dict[str, Any] | None:
+    """locate.json cost.rerun_seconds: each side's capture re-runs with and without capture, and the
+    overhead over both sides (with / without - 1, wall and cpu); None where a side has no bare time."""
+    per = [seconds(r) for r in sides]
+    if len(per) != 2 or None in per:
+        return None
+    tot = {k: add(per[0][k], per[1][k]) for k in ("without_capture", "with_capture")}
+    over = {unit: round(tot["with_capture"][i] / tot["without_capture"][i] - 1, 3) if tot["without_capture"][i] > 0 else None
+            for i, unit in enumerate(("wall", "cpu"))}
+    return {"left": per[0], "right": per[1], "overhead": over, "units": "[wall, cpu] seconds; cpu: user + sys, all threads"}
 
 
 def captured_bytes(cap: Capture) -> int:

@@ -29,12 +29,20 @@ class Verdict:
     back_to: int | None = None  # the step whose K/V carried the difference in (search there next)
 
 
-def tolerance(p: Pair) -> float | None:
+def evaluated(t: Any) -> float | None:
+    """t's float64 reference error, evaluated now where the capture left it for later (hf: `reeval`)."""
+    if t.ref_error is None and getattr(t, "reeval", None) is not None:
+        t.reeval()
+    return t.ref_error
+
+
+def tolerance(p: Pair, *, evaluate: bool = True) -> float | None:
     """FACTOR * the smaller float64-reference error of the two sides, plus 1 ulp at the output's
-    magnitude; None when either side's reference error was not evaluated."""
+    magnitude; None when either side's reference error was not evaluated (`evaluate=False`: one
+    left for later is not evaluated now)."""
     import numpy as np
 
-    el, er = p.left.ref_error, p.right.ref_error
+    el, er = (evaluated(p.left), evaluated(p.right)) if evaluate else (p.left.ref_error, p.right.ref_error)
     if el is None or er is None:
         return None
     out = np.asarray(p.left.output)
@@ -111,7 +119,7 @@ def op_json(p: Pair | None, *, prompt: int, step: int) -> dict[str, Any] | None:
         "output_shape": {"left": list(p.left.output_shape), "right": list(p.right.output_shape)},
         "max_abs_diff": p.metrics.get("max_abs_diff"), "at": p.metrics.get("at"),
         "left_value": p.metrics.get("left_value"), "right_value": p.metrics.get("right_value"),
-        "ref_error": {"left": p.left.ref_error, "right": p.right.ref_error}, "tolerance": tolerance(p),
+        "ref_error": {"left": evaluated(p.left), "right": evaluated(p.right)}, "tolerance": tolerance(p),
     }
 
 
@@ -125,8 +133,8 @@ def row_json(p: Pair) -> dict[str, Any]:
         row["cached_kv_equal"] = p.kv_equal
         row["cached_from_step"] = {"left": p.left.cached_from_step, "right": p.right.cached_from_step}
     row.update(p.metrics)
-    row["tolerance"] = tolerance(p)
-    row["beyond_tolerance"] = beyond(p) if p.output_equal is False else False
+    row["tolerance"] = tolerance(p, evaluate=False)  # the rows the rule judged (the rest: float64 not evaluated, null)
+    row["beyond_tolerance"] = (beyond(p) if row["tolerance"] is not None else None) if p.output_equal is False else False
     return row
 
 

@@ -164,9 +164,21 @@ def render_text(doc: dict[str, Any], *, rows: int | None = TABLE_ROWS, module: s
         mb = {k: v / 2**20 for k, v in c["peak_captured_bytes"].items()}
         lines.append(f"cost: re-runs left {c['reruns']['left']}, right {c['reruns']['right']}; peak captured "
                      f"{mb['left']:.2f} MB / {mb['right']:.2f} MB (bound {c['bound_bytes'] / 2**20:.0f} MB); {c['seconds']} s")
+        if c.get("rerun_seconds"):
+            lines.append("cost: " + rerun_cost(c["rerun_seconds"]))
     if doc.get("next"):
         lines.append(f"next: {doc['next']}")
     return "\n".join(lines) + "\n"
+
+
+def rerun_cost(t: dict[str, Any]) -> str:
+    """The re-runs without and with capture (both sides), and the overhead, wall and cpu."""
+    w0, c0 = (t["left"]["without_capture"][i] + t["right"]["without_capture"][i] for i in (0, 1))
+    w1, c1 = (t["left"]["with_capture"][i] + t["right"]["with_capture"][i] for i in (0, 1))
+    o = t["overhead"]
+    pct = {k: "-" if o.get(k) is None else f"{100 * o[k]:+.0f}%" for k in ("wall", "cpu")}
+    return (f"re-runs without capture {w0:.2f} s wall / {c0:.2f} s cpu, with capture {w1:.2f} s / {c1:.2f} s "
+            f"(capture adds {pct['wall']} wall, {pct['cpu']} cpu)")
 
 
 def _short(v: Any) -> str:

@@ -10,6 +10,7 @@ re-runs this same loop with taps at one step (capture.py).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -18,6 +19,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
+from ...core.clock import clock as _clock, since as _since
 from ...core.config import Decoding, RunConfig
 from ...runfolder.env import dist_version
 from ...core.errors import BackendError, BackendUnavailableError, UsageError
@@ -216,9 +218,12 @@ class HFBackend(Backend):
         return at_step
 
     def _generate(self, torch, requests, decoding, seed, n_logprobs, want_logprobs, *,
-                  at_step: Callable[[int], ContextManager] | None = None, steps: int | None = None) -> list[Generation]:
+                  at_step: Callable[[int], ContextManager] | None = None, steps: int | None = None,
+                  timed: dict | None = None) -> list[Generation]:
         """The one decode loop (generate and capture): `at_step(step)` is entered around each step's
-        forward; `steps` stops it early (capture: steps 0..s)."""
+        forward; `steps` stops it early (capture: steps 0..s). `timed` (capture's cost): the last
+        step's forward timed, then the same forward run again on a copy of the cache taken before
+        it, with timed["bare"] set (at_step then adds no hooks), timed too; its outputs are dropped."""
         n = len(requests)
         width = max(len(r.input_ids) for r in requests)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self._eos()), 0)
@@ -240,11 +245,21 @@ class HFBackend(Backend):
         done = [False] * n
         past, cur, cur_pos = None, ids, pos
         rows: list[int] = []  # the padded batch shape's rows per forward: what was really computed together
-        for step in range(min(decoding.max_new_tokens, steps or decoding.max_new_tokens)):
+        last = min(decoding.max_new_tokens, steps or decoding.max_new_tokens) - 1
+        for step in range(last + 1):
+            timing = timed is not None and step == last
+            if timing:
+                kept, clock = copy.deepcopy(past), _clock()
             with (at_step(step) if at_step is not None else nullcontext()):
                 rows.append(int(cur.shape[0]))
                 out = self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
                                  use_cache=True, **self._last_logits_only)
+            if timing:  # the bare forward second: a first forward's warm-up is counted to the capture, never to it
+                timed["forward"], timed["bare"], clock = _since(clock), True, _clock()
+                with (at_step(step) if at_step is not None else nullcontext()):
+                    self.model(input_ids=cur, attention_mask=mask, position_ids=cur_pos, past_key_values=kept,
+                               use_cache=True, **self._last_logits_only)
+                timed["bare"], timed["bare_forward"] = False, _since(clock)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()  # (n, vocab) raw logits of the next token
             logp = torch.log_softmax(logits, dim=-1)

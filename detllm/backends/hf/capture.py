@@ -10,6 +10,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Sequence
 
 from ...core import perturb
+from ...core.clock import add, clock, since
 from ... import taps
 from ...core.config import Decoding
 from ...core.errors import BackendError, UsageError
@@ -55,27 +56,42 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
     found: dict[str, taps.Tap] = {}
     cut = window(backend.model, requests, spec)
 
+    timed: dict[str, Any] = {}
+
     def at(step: int):
-        if step != spec.step:
+        if step != spec.step or timed.get("bare"):
             return nullcontext()
         tap = _tap_into(found, taps.tap(backend.model, window=cut, ops=spec.level == "ops", reference=spec.reference,
-                                        max_bytes=spec.max_bytes, layers_only=spec.level == "layers",
+                                        max_bytes=spec.max_bytes, layers_only=spec.level == "layers", lazy_reference=True,
                                         ref_rows=not backend.options.batch_invariant))  # its attention reads every row's start
         return tap if spec.graft is None else _grafting(found, backend.model, cut, spec.graft, tap)
 
+    start = clock()
     try:
         with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
             gens = backend._generate(torch, requests, decoding, seed, n_logprobs, True,
-                                     at_step=backend.stepper(moved, at), steps=max(spec.step, spec.run_to or 0) + 1)
+                                     at_step=backend.stepper(moved, at), steps=max(spec.step, spec.run_to or 0) + 1,
+                                     timed=timed if spec.time_bare else None)
     except RuntimeError as exc:
         raise BackendError(f"transformers failed while capturing: {str(exc).splitlines()[0][:300]}") from exc
     tap = found.get("tap")
+    seconds = {"reference": [0.0, 0.0]}  # float64 evaluated later, on demand (each record's reeval adds to it)
     if tap is None:
         notes.append(f"every sequence stopped before step {spec.step}: nothing was captured")
         tensors: list[CapturedTensor] = []
     else:
+        post = clock()
         tensors = [_captured(t, len(requests[spec.row].input_ids), spec.step) for t in tap.tensors]
+        for tapped, t in zip(tap.tensors, tensors):
+            t.reeval = tapped.reeval and _on_demand(backend, spec.step, tapped, t, seconds["reference"])
         notes.extend(tap.notes)
+        if spec.reference:
+            notes.append("float64 reference evaluated on demand: for the ops the root-cause rule and the graft judge")
+        timed["post"] = since(post)
+    bare = timed.pop("bare_forward", None)
+    seconds["captured"] = add(since(start), [-v for v in bare] if bare else None)
+    if bare and "forward" in timed:  # the re-run less what the capture added at step s: its forward's hooks, the records
+        seconds["bare"] = add(add(seconds["captured"], [-v for v in add(timed["forward"], timed.get("post"))]), bare)
     row_gen = gens[spec.row]
     if len(row_gen.token_ids) <= spec.step and tap is not None:
         notes.append(f"row {spec.row} stopped (end of sequence) at step {len(row_gen.token_ids) - 1}: at step "
@@ -96,7 +112,24 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
                      "on the batch, so compare attention at the module level")
     if spec.level != "ops":
         notes.append("ops (torch functions) not captured (level 'ops' asks for them)")
-    return Capture(generations=gens, tensors=tensors, level=level, notes=notes, engine=_facts(backend, torch))
+    return Capture(generations=gens, tensors=tensors, level=level, notes=notes, engine=_facts(backend, torch), seconds=seconds)
+
+
+def _on_demand(backend: Any, step: int, tapped: taps.Tapped, t: CapturedTensor, spent: list[float]) -> Any:
+    """A record's float64 reference, evaluated when locate asks: with the run's perturbation applied
+    again as at `step` (a weight edited, an output hook: the float64 copy sees what the run saw),
+    its time added to `spent` ([wall, cpu])."""
+    def run() -> None:
+        import torch
+
+        start, t.reeval = clock(), None
+        with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
+            if moved is not None:
+                moved.step = step
+            tapped.reeval()
+        t.ref_error = tapped.ref_error
+        spent[:] = add(spent, since(start))
+    return run
 
 
 @contextmanager

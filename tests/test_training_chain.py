@@ -1,6 +1,7 @@
 """The training chain byte for byte (docs/training.md): the digests against an independent
-implementation of the spec, RFC 8785 numbers, the shipped 3-step test vector of `tiny` recomputed
-from its digests and by real training, and check_chain naming the record an edit broke."""
+implementation of the spec, RFC 8785 numbers, the shipped 3-step test vectors of `tiny` (chain
+detllm-train/1, P by SHA-256, and /2, P by BLAKE3) recomputed from their digests and by real
+training, and check_chain naming the record an edit broke."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from detllm.core.errors import IntegrityError
+from detllm.core.errors import ArtifactError, IntegrityError
 from detllm.training import digest
 from detllm.training.chain import check_chain, safetensors_digest
 
-VECTOR = Path(__file__).resolve().parent / "fixtures" / "training"
+VECTOR = Path(__file__).resolve().parent / "fixtures" / "training"  # detllm-train/1, as shipped before /2
+VECTORS = {"detllm-train/1": VECTOR, "detllm-train/2": VECTOR.parent / "training2"}
 
 
 # ---------------------------------------------------------------- an independent reading of the spec
@@ -27,9 +29,12 @@ def _str(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def spec_p(name: str, dtype: str, shape: tuple[int, ...], data: bytes) -> bytes:
-    head = b"detllm-train/1 tensor\x00" + _str(name) + _str(dtype) + struct.pack("<Q", len(shape))
-    return hashlib.sha256(head + b"".join(struct.pack("<Q", d) for d in shape) + data).digest()
+def spec_p(name: str, dtype: str, shape: tuple[int, ...], data: bytes, chain: str = "detllm-train/1") -> bytes:
+    import blake3
+
+    tag, fn = (b"detllm-train/1 tensor\x00", hashlib.sha256) if chain == "detllm-train/1" else (b"detllm-train/2 tensor\x00", blake3.blake3)
+    head = tag + _str(name) + _str(dtype) + struct.pack("<Q", len(shape))
+    return fn(head + b"".join(struct.pack("<Q", d) for d in shape) + data).digest()
 
 
 def spec_h(ps: dict[str, bytes]) -> bytes:
@@ -37,19 +42,26 @@ def spec_h(ps: dict[str, bytes]) -> bytes:
     return hashlib.sha256(b"detllm-train/1 tensors\x00" + struct.pack("<Q", len(names)) + b"".join(ps[n] for n in names)).digest()
 
 
-def test_tensor_digests_follow_the_spec():
+@pytest.mark.parametrize("chain", list(VECTORS))
+def test_tensor_digests_follow_the_spec(chain):
     import torch
 
+    def p(name, t):
+        return digest.torch_tensor_digest(name, t, chain=chain)
+
     t = torch.tensor([[1.5, -2.0, 3.25]], dtype=torch.float32)
-    assert digest.torch_tensor_digest("w", t) == spec_p("w", "F32", (1, 3), struct.pack("<3f", 1.5, -2.0, 3.25))
+    assert p("w", t) == spec_p("w", "F32", (1, 3), struct.pack("<3f", 1.5, -2.0, 3.25), chain)
     b = torch.tensor([1.0, -0.5], dtype=torch.bfloat16)  # bf16 1.0 is 0x3f80, -0.5 is 0xbf00
-    assert digest.torch_tensor_digest("b", b) == spec_p("b", "BF16", (2,), bytes.fromhex("803f00bf"))
+    assert p("b", b) == spec_p("b", "BF16", (2,), bytes.fromhex("803f00bf"), chain)
     s = torch.tensor(7.0)
-    assert digest.torch_tensor_digest("s", s) == spec_p("s", "F32", (), struct.pack("<f", 7.0))
-    assert digest.torch_tensor_digest("g", None) == spec_p("g", "none", (), b"")
+    assert p("s", s) == spec_p("s", "F32", (), struct.pack("<f", 7.0), chain)
+    assert p("g", None) == spec_p("g", "none", (), b"", chain)
+    assert p("k", torch.tensor([True, False])) == spec_p("k", "BOOL", (2,), b"\x01\x00", chain)
     # a non-contiguous view hashes its row-major elements
     m = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
-    assert digest.torch_tensor_digest("m", m) == spec_p("m", "F32", (3, 2), struct.pack("<6f", 0, 3, 1, 4, 2, 5))
+    assert p("m", m) == spec_p("m", "F32", (3, 2), struct.pack("<6f", 0, 3, 1, 4, 2, 5), chain)
+    assert p("w", t) != spec_p("w", "F32", (1, 3), struct.pack("<3f", 1.5, -2.0, 3.25),
+                               "detllm-train/2" if chain == "detllm-train/1" else "detllm-train/1"), "the chains differ"
     ps = {"b": spec_p("b", "F32", (), b"\0" * 4), "a": spec_p("a", "F32", (), b"\0" * 4)}
     assert digest.tensors_digest(ps.items()) == spec_h(ps)
     ids = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
@@ -75,16 +87,18 @@ def test_jcs_sorts_by_utf16_and_refuses_what_it_cannot_carry():
 # ---------------------------------------------------------------- the shipped vector
 
 
-def _vector() -> tuple[dict, list[dict]]:
-    config = json.loads((VECTOR / "train_config.json").read_text())
-    records = [json.loads(line) for line in (VECTOR / "steps.jsonl").read_text().splitlines()]
+def _vector(chain: str = "detllm-train/1") -> tuple[dict, list[dict]]:
+    config = json.loads((VECTORS[chain] / "train_config.json").read_text())
+    records = [json.loads(line) for line in (VECTORS[chain] / "steps.jsonl").read_text().splitlines()]
+    assert digest.chain_of(config) == chain
     return config, records
 
 
-def test_vector_chain_recomputes_from_its_digests():
+@pytest.mark.parametrize("chain", list(VECTORS))
+def test_vector_chain_recomputes_from_its_digests(chain):
     """Every h of the vector from its inputs, by the independent reading above."""
-    config, records = _vector()
-    jcs_bytes = (VECTOR / "train_config.jcs").read_bytes()
+    config, records = _vector(chain)
+    jcs_bytes = (VECTORS[chain] / "train_config.jcs").read_bytes()
     assert digest.jcs(config) == jcs_bytes
     g = records[0]
     assert hashlib.sha256(jcs_bytes).hexdigest() == g["config_sha256"]
@@ -99,28 +113,37 @@ def test_vector_chain_recomputes_from_its_digests():
         assert h.hex() == r["h"]
 
 
-def test_vector_genesis_is_the_tiny_weights_file():
-    """H(θ_init) read from tiny's model.safetensors without torch is the vector's genesis digest."""
+@pytest.mark.parametrize("chain", list(VECTORS))
+def test_vector_genesis_is_the_tiny_weights_file(chain):
+    """H(θ_init) read from tiny's model.safetensors without torch is the vector's genesis digest,
+    and P of each tensor its recorded value digest (the /2 ones by the spec's BLAKE3 reading too)."""
+    from safetensors.numpy import load_file
+
     from detllm.models import builtin_path
 
-    _, records = _vector()
-    found, per = safetensors_digest(builtin_path("tiny") / "model.safetensors")
+    _, records = _vector(chain)
+    found, per = safetensors_digest(builtin_path("tiny") / "model.safetensors", chain)
     assert found.hex() == records[0]["params_sha256"]
     assert per == {n: t["value_sha256"] for n, t in records[0]["tensors"].items()}
+    arrays = load_file(builtin_path("tiny") / "model.safetensors")
+    name = sorted(arrays)[0]
+    want = spec_p(name, "F32", arrays[name].shape, arrays[name].astype("<f4").tobytes(), chain)
+    assert want.hex() == records[0]["tensors"][name]["value_sha256"]
 
 
-def test_vector_recomputed_by_real_training(tmp_path):
+@pytest.mark.parametrize("chain", list(VECTORS))
+def test_vector_recomputed_by_real_training(tmp_path, chain):
     """Three real steps of tiny (dropout on, one thread) give the vector's every field bit for bit."""
     from detllm.models import builtin_path
     from detllm.training.loop import RunRequest, run_steps
 
-    config, records = _vector()
+    config, records = _vector(chain)
     res = run_steps(RunRequest(config=config, model_path=str(builtin_path("tiny")), run=0, seed=0, stop=3,
                                steps_file=str(tmp_path / "steps.jsonl")))
     for want, got in zip(records, res.records, strict=True):
         want, got = dict(want), dict(got)
         want.pop("seconds", None), got.pop("seconds", None)
-        # the file format's stamp is not a chain field: the vector's files are version 3, a run writes the current one
+        # the file format's stamp is not a chain field: the /1 vector's files are version 3, a run writes the current one
         want.pop("schema_version"), got.pop("schema_version")
         if want.get("step") == 0 and got.get("loss") != want.get("loss") and got.get("h") != want.get("h"):
             # genesis (the weights and config digests) matched above; the first step's loss is this CPU's kernels'
@@ -134,12 +157,12 @@ def test_vector_recomputed_by_real_training(tmp_path):
 # ---------------------------------------------------------------- check_chain
 
 
-@pytest.fixture
-def pack(tmp_path) -> Path:
+@pytest.fixture(params=list(VECTORS))
+def pack(tmp_path, request) -> Path:
     d = tmp_path / "pack"
     d.mkdir()
     for name in ("train_config.json", "steps.jsonl"):
-        shutil.copy(VECTOR / name, d / name)
+        shutil.copy(VECTORS[request.param] / name, d / name)
     return d
 
 
@@ -147,6 +170,22 @@ def test_check_chain_passes_the_vector(pack):
     result = check_chain(pack)
     assert [(r.file, r.steps) for r in result.runs] == [("steps.jsonl", 3)]
     assert result.runs[0].head == json.loads((pack / "steps.jsonl").read_text().splitlines()[-1])["h"]
+
+
+def test_check_chain_refuses_a_pack_relabelled_to_the_other_chain(pack):
+    """A /2 pack whose config drops its chain (read as /1) fails at its first record: the chain is
+    in H(config), and P differs. The shipped /1 vector is version 3, whose schema knows no chain."""
+    config = json.loads((pack / "train_config.json").read_text())
+    if "chain" in config:
+        del config["chain"]
+        (pack / "train_config.json").write_text(json.dumps(config))
+        with pytest.raises(IntegrityError, match="line 1"):
+            check_chain(pack)
+    else:
+        config["chain"] = "detllm-train/2"
+        (pack / "train_config.json").write_text(json.dumps(config))
+        with pytest.raises(ArtifactError, match="'chain' was unexpected"):
+            check_chain(pack)
 
 
 def _rewrite(pack: Path, edit) -> None:

@@ -112,6 +112,11 @@ SEALED: tuple[Change, ...] = (
     Change("manifest.trace.genesis", "version 3 (chain detllm-trace-chain/2) binds determinism_applied.json too, every "
            "input verify's re-derivation reads (the effective tier, the applied settings); versions 1-2 (chain /1) bound "
            "run_config.json and env.json only, and their verdicts are not re-derived", "3"),
+    Change("train_config.chain", "version 5 (issue 36): a training pack names its chain version; detllm-train/2 hashes "
+           "each tensor's P by BLAKE3, so every value_sha256 / grad_sha256 of steps.jsonl, the params_sha256 and "
+           "grads_sha256 over them, h_t and checkpoint.json's params_sha256 differ from detllm-train/1's (SHA-256), "
+           "which is what a pack naming no chain is (every version-4 pack). verify and replay read each pack by the "
+           "chain it names; diff refuses two packs of different chains", "5"),
 )
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from ..runfolder import schema_io
 from ..core.errors import ArtifactError, IntegrityError
-from .digest import config_digest, le64, none_digest, tensor_digest_bytes, tensors_digest
+from .digest import chain_of, config_digest, le64, none_digest, tensor_digest_bytes, tensors_digest
 
 TRAIN_CONFIG = "train_config.json"
 STEPS = "steps.jsonl"
@@ -78,6 +78,7 @@ class ChainCheck:
     config_sha256: str
     runs: list[RunChain]
     weights: str | None = None  # "matched: <file>" when a weights file was checked
+    chain: str = "detllm-train/1"  # the chain version train_config.json names (digest.chain_of)
 
     def lines(self) -> list[str]:
         out = [f"chain: {r.file}: genesis and {r.steps} steps re-derived (head {r.head[:16]}…)" for r in self.runs]
@@ -88,12 +89,12 @@ def _bad(where: str, what: str) -> IntegrityError:
     return IntegrityError(f"{where}: {what}", hint="the training record does not follow from its own digests")
 
 
-def _set_digest(tensors: dict[str, Any], key: str, where: str) -> bytes:
+def _set_digest(tensors: dict[str, Any], key: str, where: str, chain: str) -> bytes:
     pairs = []
     for name, t in tensors.items():
         hexd = t[key]
         if hexd is None and key == "grad_sha256":
-            pairs.append((name, none_digest(name)))
+            pairs.append((name, none_digest(name, chain=chain)))
         else:
             pairs.append((name, bytes.fromhex(hexd)))
     return tensors_digest(pairs)
@@ -119,7 +120,8 @@ def check_run(path: Path, config: dict[str, Any], config_sha: bytes) -> RunChain
     if bytes.fromhex(g["config_sha256"]) != config_sha:
         raise _bad(f"{rel} line 1", f"config_sha256 is not H({TRAIN_CONFIG}) ({config_sha.hex()[:16]}…)")
     names = set(g["tensors"])
-    if bytes.fromhex(g["params_sha256"]) != _set_digest(g["tensors"], "value_sha256", rel):
+    chain = chain_of(config)
+    if bytes.fromhex(g["params_sha256"]) != _set_digest(g["tensors"], "value_sha256", rel, chain):
         raise _bad(f"{rel} line 1", "params_sha256 is not H(θ_init) of the per-parameter digests")
     h = genesis(bytes.fromhex(g["params_sha256"]), config_sha, seed)
     if h.hex() != g["h"]:
@@ -133,9 +135,9 @@ def check_run(path: Path, config: dict[str, Any], config_sha: bytes) -> RunChain
             raise _bad(where, f"step {rec['step']} where step {out.steps} was due (a step removed, repeated or reordered)")
         if set(rec["tensors"]) != names:
             raise _bad(where, "names other parameters than the genesis")
-        if bytes.fromhex(rec["params_sha256"]) != _set_digest(rec["tensors"], "value_sha256", where):
+        if bytes.fromhex(rec["params_sha256"]) != _set_digest(rec["tensors"], "value_sha256", where, chain):
             raise _bad(where, f"params_sha256 is not H(θ_{rec['step']}) of the per-parameter digests")
-        if bytes.fromhex(rec["grads_sha256"]) != _set_digest(rec["tensors"], "grad_sha256", where):
+        if bytes.fromhex(rec["grads_sha256"]) != _set_digest(rec["tensors"], "grad_sha256", where, chain):
             raise _bad(where, f"grads_sha256 is not H(∇_{rec['step']}) of the per-parameter digests")
         h = link(h, bytes.fromhex(rec["params_sha256"]), bytes.fromhex(rec["batch_sha256"]), rec["step"])
         if h.hex() != rec["h"]:
@@ -178,15 +180,15 @@ def check_chain(folder: str | Path, *, weights: str | Path | None = None) -> Cha
     if not (folder / STEPS).is_file():
         raise ArtifactError(f"{str(folder)!r} has no {STEPS}")
     runs = [check_run(p, config, config_sha) for p in steps_files(folder)]
-    result = ChainCheck(config_sha.hex(), runs)
+    result = ChainCheck(config_sha.hex(), runs, chain=chain_of(config))
     if weights is not None:
-        result.weights = check_weights(Path(weights), runs[0])
+        result.weights = check_weights(Path(weights), runs[0], result.chain)
     return result
 
 
-def check_weights(path: Path, ref: RunChain) -> str:
-    """A safetensors file's H(θ) against the run's final committed H(θ_{K-1})."""
-    found, per = safetensors_digest(path)
+def check_weights(path: Path, ref: RunChain, chain: str) -> str:
+    """A safetensors file's H(θ) (by the P of `chain`) against the run's final committed H(θ_{K-1})."""
+    found, per = safetensors_digest(path, chain)
     if found.hex() == ref.final_params:
         return f"matched: {path.name} is θ_{ref.steps - 1}, committed in h_{ref.steps - 1} {ref.head[:16]}…"
     changed = sorted(n for n in set(per) | set(ref.final_tensors) if per.get(n) != ref.final_tensors.get(n))
@@ -197,9 +199,9 @@ def check_weights(path: Path, ref: RunChain) -> str:
         hint="these are not the weights the recorded training produced, whatever its logged losses say")
 
 
-def safetensors_digest(path: Path) -> tuple[bytes, dict[str, str]]:
-    """H(θ) of a safetensors file and each tensor's P (hex), read without torch: the file stores
-    every tensor as row-major little-endian bytes, exactly the bytes P hashes."""
+def safetensors_digest(path: Path, chain: str) -> tuple[bytes, dict[str, str]]:
+    """H(θ) of a safetensors file and each tensor's P (hex) by the P of `chain`, read without torch:
+    the file stores every tensor as row-major little-endian bytes, exactly the bytes P hashes."""
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -219,7 +221,7 @@ def safetensors_digest(path: Path) -> tuple[bytes, dict[str, str]]:
                 data = f.read(end - begin)
                 if len(data) != end - begin:
                     raise ValueError(f"tensor {name!r} runs past the end of the file")
-                per[name] = tensor_digest_bytes(name, info["dtype"], tuple(info["shape"]), data).hex()
+                per[name] = tensor_digest_bytes(name, info["dtype"], tuple(info["shape"]), data, chain=chain).hex()
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ArtifactError(f"{path.name}: not a readable safetensors file ({exc})") from exc
     return tensors_digest((k, bytes.fromhex(v)) for k, v in per.items()), per

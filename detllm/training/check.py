@@ -23,7 +23,7 @@ from ..runfolder.integrity import seal
 from . import cadence
 from .chain import STEPS, TRAIN_CONFIG
 from .child import run_fresh
-from .digest import MAX_SAFE_INT, jcs
+from .digest import CHAIN, CHAIN_1, MAX_SAFE_INT, jcs
 from .loop import RunRequest, RunResult, run_steps
 from .task import check_task_args, optimizer_section, task_section
 from .verdict import describe, earlier, first_divergence, summary
@@ -66,14 +66,17 @@ def parse_test_options(items: list[str] | None) -> dict[str, Any]:
 def make_config(*, model_id: str, identity: dict[str, Any], steps: int, seed: int, threads: int | None, batch_size: int,
                 seq_len: int, grad_accumulation: int, dtype: str, checkpoint_every: int | None,
                 test_options: dict[str, Any], task: dict[str, Any] | None = None,
-                optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+                optimizer: dict[str, Any] | None = None, chain: str | None = None) -> dict[str, Any]:
     """train_config.json's document (refused when RFC 8785 cannot carry it exactly); `task` and
-    `optimizer` are a --script's sections (script.py), else the built-in task's."""
+    `optimizer` are a --script's sections (script.py), else the built-in task's. `chain` is named
+    unless it is detllm-train/1 (whose configs name none, as before it was recorded); None: the
+    version this detllm writes (digest.CHAIN)."""
+    chain = chain or CHAIN
     doc = schema_io.stamp("train_config", {
         "model": {"id": model_id, **{k: identity.get(k) for k in ("weights_sha256", "tokenizer_sha256", "config_sha256")}},
         "task": task or task_section(batch_size=batch_size, seq_len=seq_len), "optimizer": optimizer or optimizer_section(),
         "seed": seed, "steps": steps, "grad_accumulation": grad_accumulation, "dtype": dtype, "threads": threads,
-        "checkpoint_every": checkpoint_every, "test_options": test_options,
+        "checkpoint_every": checkpoint_every, "test_options": test_options, **({} if chain == CHAIN_1 else {"chain": chain}),
     })
     try:
         jcs(doc)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..runfolder import schema_io
 from ..core.errors import ArtifactError, IntegrityError
-from .digest import rng_digest, tensors_digest, torch_tensor_digest
+from .digest import CHAIN_1, chain_of, rng_digest, tensors_digest, torch_tensor_digest
 from .rng import restore
 from .task import Task
 
@@ -33,9 +33,10 @@ def boundary_dir(b: int) -> str:
 
 
 def save_checkpoint(root: Path, b: int, task: Task, rng_state: dict[str, Any], *, seed: int, config_sha256: str,
-                    params_sha256: str, commitment: str) -> dict[str, Any]:
+                    params_sha256: str, commitment: str, chain: str) -> dict[str, Any]:
     """Write the state after b steps into root/boundary_<b>/ (a temporary folder renamed into place)
-    and return its entry for checkpoints.json."""
+    and return its entry for checkpoints.json. The descriptor names the pack's chain version
+    (none for detllm-train/1, as before it was recorded): its params_sha256 is that chain's H(θ)."""
     from safetensors.torch import save
 
     params = {n: p.detach().contiguous() for n, p in task.model.named_parameters()}
@@ -52,7 +53,7 @@ def save_checkpoint(root: Path, b: int, task: Task, rng_state: dict[str, Any], *
     schema_io.write_json(tmp, DESCRIPTOR, schema_io.stamp("train_checkpoint", {
         "boundary": b, "seed": seed, "config_sha256": config_sha256, "params_sha256": params_sha256,
         "rng_sha256": rng_digest(rng_state).hex(), "commitment": commitment, "files": files,
-        "extra": extra,
+        "extra": extra, **({} if chain == CHAIN_1 else {"chain": chain}),
     }))
     if final.exists():
         shutil.rmtree(final)
@@ -85,7 +86,8 @@ def optimizer_state(task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
 def optimizer_digest(tensors: dict[str, Any], extra: dict[str, Any]) -> str:
     """O = SHA256(H(the optimizer's named tensors) ‖ SHA256(the JSON rest, keys sorted)), hex: the
     optimizer state a re-run segment ends on, compared with the checkpoint at its stop boundary."""
-    h = tensors_digest((n, torch_tensor_digest(n, t)) for n, t in sorted(tensors.items()))
+    # P of detllm-train/1 (SHA-256) in every chain version: hashed at checkpoints only, where its cost is small
+    h = tensors_digest((n, torch_tensor_digest(n, t, chain=CHAIN_1)) for n, t in sorted(tensors.items()))
     rest = hashlib.sha256(json.dumps(extra, sort_keys=True, separators=(",", ":")).encode("utf-8")).digest()
     return hashlib.sha256(h + rest).hexdigest()
 
@@ -160,7 +162,11 @@ def load_checkpoint(folder: str | Path, descriptor_sha256: str | None = None) ->
     if rng_digest(rng["state"]).hex() != doc["rng_sha256"]:
         raise IntegrityError(f"checkpoint {folder.name}/{RNG}: R is not the descriptor's rng_sha256")
     params, optimizer = load(blobs[MODEL]), load(blobs[OPTIMIZER])
-    found = tensors_digest((n, torch_tensor_digest(n, t)) for n, t in params.items())
+    try:
+        chain = chain_of(doc)
+    except ValueError as exc:
+        raise ArtifactError(f"checkpoint {folder.name}: {exc}") from exc
+    found = tensors_digest((n, torch_tensor_digest(n, t, chain=chain)) for n, t in params.items())
     if found.hex() != doc["params_sha256"]:
         raise IntegrityError(f"checkpoint {folder.name}/{MODEL}: H(θ) {found.hex()[:12]}… is not the descriptor's "
                              f"params_sha256 {doc['params_sha256'][:12]}…")

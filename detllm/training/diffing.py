@@ -19,6 +19,7 @@ from ..runfolder.env import detllm_version
 from ..core.errors import UsageError
 from ..runfolder.integrity import open_seal, seal
 from .chain import STEPS, load_config
+from .digest import chain_of
 from .pack import CHECKPOINTS_INDEX, TrainingOutcome, checkpoints_dir, is_training_pack, records, verify_training
 from .verdict import differing_parameters, first_divergence
 
@@ -182,6 +183,10 @@ def diff_packs(a: str | Path, b: str | Path, *, out: str | Path | None = None, f
         for f in (fa, fb):
             verify_training(open_seal(f))  # a changed pack is refused before it is compared
         (ca, _), (cb, _) = load_config(fa), load_config(fb)
+        if chain_of(ca) != chain_of(cb):
+            raise UsageError(f"{a} and {b} hash their tensors by different chain versions ({chain_of(ca)}, {chain_of(cb)}): "
+                             f"no digest of one can be compared with the other's",
+                             hint="record the older side again with this detllm (train-run), then diff")
         ss = _scripts(fa, ca, fb, cb, scripts)
         ra, rb = records(fa / STEPS), records(fb / STEPS)
         div = first_divergence(ra, rb, run=1, test_options={}, dtype=ca["dtype"])

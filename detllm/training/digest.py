@@ -1,7 +1,8 @@
 """The digests of the training chain, byte for byte as docs/training.md defines them: P(name, T)
 of one tensor, H over a set of named tensors, H(B_t) of a batch, RFC 8785 canonical JSON and
 H(config), the RNG-state digest R_t. Pure Python over bytes; the torch adapters import torch
-only when called, so verify can recompute every digest from files without torch.
+only when called, so verify can recompute every digest from files without torch. P depends on
+the chain version a pack names (chain_of): SHA-256 in detllm-train/1, BLAKE3 in detllm-train/2.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import math
 import sys
 from typing import Any, Iterable, Sequence
 
+CHAIN_1 = "detllm-train/1"  # P is SHA-256: packs and checkpoints that name no chain
+CHAIN_2 = "detllm-train/2"  # P is BLAKE3 (~3.5x faster on a 538 MB model; issue 36): what train-check writes
+CHAIN = CHAIN_2
+CHAINS = (CHAIN_1, CHAIN_2)
 TENSOR_TAG = b"detllm-train/1 tensor\x00"
+TENSOR_TAG_2 = b"detllm-train/2 tensor\x00"
 TENSORS_TAG = b"detllm-train/1 tensors\x00"
 BATCH_TAG = b"detllm-train/1 batch\x00"
 NONE_DTYPE = "none"  # a gradient that is None
@@ -31,17 +37,34 @@ def _str(s: str) -> bytes:
     return le64(len(b)) + b
 
 
-def tensor_digest_bytes(name: str, dtype: str, shape: Sequence[int], data: Any) -> bytes:
+def chain_of(doc: dict[str, Any]) -> str:
+    """The chain version a train_config.json or a checkpoint descriptor names; none named is
+    detllm-train/1 (every pack and checkpoint written before `chain` was recorded)."""
+    chain = doc.get("chain") or CHAIN_1
+    if chain not in CHAINS:
+        raise ValueError(f"chain {chain!r} is not one this detllm knows ({', '.join(CHAINS)})")
+    return chain
+
+
+def tensor_digest_bytes(name: str, dtype: str, shape: Sequence[int], data: Any, *, chain: str) -> bytes:
     """P(name, T): 32 raw bytes. `data` is the tensor's row-major little-endian bytes (any
-    object with the buffer protocol)."""
-    h = hashlib.sha256(TENSOR_TAG + _str(name) + _str(dtype) + le64(len(shape)) + b"".join(le64(d) for d in shape))
+    object with the buffer protocol: hashed in place, never copied)."""
+    head = _str(name) + _str(dtype) + le64(len(shape)) + b"".join(le64(d) for d in shape)
+    if chain == CHAIN_2:
+        import blake3  # the Rust package; lets go of the GIL over a large buffer, as hashlib does
+
+        h = blake3.blake3(TENSOR_TAG_2 + head)
+    elif chain == CHAIN_1:
+        h = hashlib.sha256(TENSOR_TAG + head)
+    else:
+        raise ValueError(f"chain {chain!r} is not one this detllm knows ({', '.join(CHAINS)})")
     h.update(data)
     return h.digest()
 
 
-def none_digest(name: str) -> bytes:
+def none_digest(name: str, *, chain: str) -> bytes:
     """P(name, none): a parameter whose gradient is None."""
-    return tensor_digest_bytes(name, NONE_DTYPE, (), b"")
+    return tensor_digest_bytes(name, NONE_DTYPE, (), b"", chain=chain)
 
 
 def tensors_digest(named: Iterable[tuple[str, bytes]]) -> bytes:
@@ -64,7 +87,8 @@ def batch_digest(micro_batches: Iterable[tuple[int, int, Any]]) -> bytes:
 
 
 def tensor_bytes(t: Any) -> Any:
-    """A tensor's elements as row-major little-endian bytes (a numpy view, no copy when contiguous)."""
+    """A tensor's elements as row-major little-endian bytes (a uint8 numpy view of the tensor's
+    storage: no copy when it is contiguous and on the CPU)."""
     import torch
 
     flat = t.detach().contiguous().reshape(-1)
@@ -75,7 +99,8 @@ def tensor_bytes(t: Any) -> Any:
     elif flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     arr = flat.numpy()
-    return arr if sys.byteorder == "little" or arr.dtype.itemsize == 1 else arr.byteswap()
+    arr = arr if sys.byteorder == "little" or arr.dtype.itemsize == 1 else arr.byteswap()
+    return arr.view("u1")  # the same memory as bytes (blake3 takes a byte buffer only)
 
 
 def dtype_name(t: Any) -> str:
@@ -86,11 +111,11 @@ def dtype_name(t: Any) -> str:
         raise ValueError(f"tensor dtype {name} has no safetensors name; it cannot be hashed") from None
 
 
-def torch_tensor_digest(name: str, t: Any) -> bytes:
+def torch_tensor_digest(name: str, t: Any, *, chain: str) -> bytes:
     """P(name, T) of a torch tensor; P(name, none) for None."""
     if t is None:
-        return none_digest(name)
-    return tensor_digest_bytes(name, dtype_name(t), tuple(t.shape), tensor_bytes(t))
+        return none_digest(name, chain=chain)
+    return tensor_digest_bytes(name, dtype_name(t), tuple(t.shape), tensor_bytes(t), chain=chain)
 
 
 def torch_batch_digest(micro_batches: Iterable[Any]) -> bytes:
@@ -191,6 +216,6 @@ def rng_digest(state: dict[str, Any]) -> bytes:
     return hashlib.sha256(jcs(state)).digest()
 
 
-__all__ = ["BATCH_TAG", "SAFETENSORS_DTYPES", "TENSORS_TAG", "TENSOR_TAG", "batch_digest", "config_digest", "dtype_name", "jcs", "le64",
+__all__ = ["BATCH_TAG", "CHAIN", "CHAINS", "CHAIN_1", "CHAIN_2", "TENSOR_TAG_2", "chain_of", "SAFETENSORS_DTYPES", "TENSORS_TAG", "TENSOR_TAG", "batch_digest", "config_digest", "dtype_name", "jcs", "le64",
            "none_digest", "rng_digest", "tensor_bytes", "tensor_digest_bytes", "tensors_digest", "torch_batch_digest",
            "torch_tensor_digest"]

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 from ..runfolder import schema_io
 from ..core.errors import ArtifactError
 from . import rng
+from .digest import chain_of
 from .checkpoint import apply_checkpoint, load_checkpoint, optimizer_digest, optimizer_state, save_checkpoint
 from .steps import Tamper, genesis_record, named_params, train_step
 from .task import Task, build_task
@@ -141,7 +142,7 @@ def _run(req: RunRequest, make_task: Callable[[dict[str, Any], Path], Task]) -> 
             state = rng.capture(data)
             if t in marks:
                 result.checkpoints.append(_checkpoint(req, t, task, state, last_params, h))
-            step = train_step(task, data, t, rng_state=state, h_prev=h, run=req.run, tamper=tamper)
+            step = train_step(task, data, t, rng_state=state, h_prev=h, run=req.run, tamper=tamper, chain=chain_of(req.config))
             rec, h, last_params = step.record, step.h, step.record["params_sha256"]
             writer.write(rec)
             result.records.append(rec)
@@ -170,7 +171,7 @@ def _checkpoint(req: RunRequest, b: int, task: Task, state: dict[str, Any], para
     from .digest import config_digest
 
     return save_checkpoint(Path(req.checkpoints), b, task, state, seed=req.seed, config_sha256=config_digest(req.config).hex(),
-                           params_sha256=params_sha256, commitment=h.hex())
+                           params_sha256=params_sha256, commitment=h.hex(), chain=chain_of(req.config))
 
 
 def _end_state(task: Task, state: dict[str, Any], params_sha256: str) -> dict[str, str]:

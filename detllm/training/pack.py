@@ -124,7 +124,7 @@ def check_checkpoints(folder: Path, where: Path, chain: ChainCheck) -> list[str]
                 raise IntegrityError(f"{cp['dir']}/{f['path']} is missing or changed (sha256 or size differs from checkpoint.json)",
                                      hint="a checkpoint is refused before it is loaded")
         _check_rng_file(d, desc, b)
-        h_params, _ = safetensors_digest(d / "model.safetensors")
+        h_params, _ = safetensors_digest(d / "model.safetensors", chain.chain)
         # ref[0] is the genesis, ref[b] step b-1: boundary b holds θ and h after step b-1
         want_params = (ref[0] if b == 0 else ref[b])["params_sha256"]
         want_commit = (ref[0] if b == 0 else ref[b])["h"]

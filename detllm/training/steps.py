@@ -14,7 +14,7 @@ from typing import Any
 
 from ..runfolder import schema_io
 from .chain import genesis, link
-from .digest import config_digest, rng_digest, tensors_digest, torch_batch_digest, torch_tensor_digest
+from .digest import CHAIN, chain_of, config_digest, rng_digest, tensors_digest, torch_batch_digest, torch_tensor_digest
 from .task import Task
 
 
@@ -69,17 +69,18 @@ def _finite(x: float) -> float | None:
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
-def digests_with_figures(named: list[tuple[str, Any]]) -> tuple[dict[str, bytes], list[tuple[float | None, float | None]]]:
+def digests_with_figures(named: list[tuple[str, Any]], chain: str) -> tuple[dict[str, bytes], list[tuple[float | None, float | None]]]:
     """P of each named tensor (None: P(name, none)) and its figures. The tensors hash on as many
-    threads as torch computes with (hashlib releases the GIL over a large buffer), beside the
-    figures: on 2 idle cores 540 MB take 0.17 s instead of 0.29 s. The digests do not depend on it."""
+    threads as torch computes with (hashlib and blake3 release the GIL over a large buffer), beside
+    the figures: on 2 idle cores 540 MB take 0.17 s instead of 0.29 s by SHA-256. The digests do
+    not depend on it."""
     import torch
 
     n = torch.get_num_threads()
     if n < 2:
-        return {name: torch_tensor_digest(name, t) for name, t in named}, figures([t for _, t in named])
+        return {name: torch_tensor_digest(name, t, chain=chain) for name, t in named}, figures([t for _, t in named])
     pool = _POOLS.get(n) or _POOLS.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="detllm-digest"))
-    futures = [(name, pool.submit(torch_tensor_digest, name, t)) for name, t in named]
+    futures = [(name, pool.submit(torch_tensor_digest, name, t, chain=chain)) for name, t in named]
     figs = figures([t for _, t in named])
     return {name: f.result() for name, f in futures}, figs
 
@@ -87,7 +88,7 @@ def digests_with_figures(named: list[tuple[str, Any]]) -> tuple[dict[str, bytes]
 def genesis_record(task: Task, config: dict[str, Any], *, run: int, seed: int) -> tuple[dict[str, Any], bytes]:
     """The train_genesis record of θ_init (the model as it is now) and h_genesis."""
     params = named_params(task.model)
-    per, figs = digests_with_figures(params)
+    per, figs = digests_with_figures(params, chain_of(config))
     h_params = tensors_digest(per.items())
     h = genesis(h_params, config_digest(config), seed)
     tensors = {name: {"value_sha256": per[name].hex(), "value_l2": f[0], "value_max_abs": f[1]} for (name, _), f in zip(params, figs)}
@@ -96,11 +97,12 @@ def genesis_record(task: Task, config: dict[str, Any], *, run: int, seed: int) -
 
 
 def train_step(task: Task, data: Any, t: int, *, capture: bool = True, rng_state: dict[str, Any] | None = None,
-               h_prev: bytes = b"", run: int = 0, tamper: Tamper | None = None) -> StepResult:
+               h_prev: bytes = b"", run: int = 0, tamper: Tamper | None = None, chain: str = CHAIN) -> StepResult:
     """Step t. With capture off only the training happens (the benchmark's baseline): no digest,
     no figure, no record. `rng_state` is the RNG state taken at the start of the step (R_t).
     After it, each parameter's .grad still holds the gradient that was digested (AdamW reads it,
-    never writes it): the loop reads the tensors of a divergent step from the model."""
+    never writes it): the loop reads the tensors of a divergent step from the model. `chain` is
+    the pack's chain version (digest.chain_of of its train_config.json)."""
     import torch
 
     started = time.perf_counter()
@@ -117,14 +119,14 @@ def train_step(task: Task, data: Any, t: int, *, capture: bool = True, rng_state
             dict(params)[tamper.parameter].grad.add_(tamper.value)
     if capture:
         grads = [p.grad for _, p in params]
-        grad_per, grad_figs = digests_with_figures([(name, g) for (name, _), g in zip(params, grads)])
+        grad_per, grad_figs = digests_with_figures([(name, g) for (name, _), g in zip(params, grads)], chain)
     task.optimizer.step()
     if task.scheduler is not None:
         task.scheduler.step()
     if not capture:
         return StepResult({}, b"")
     loss_value = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-    value_per, value_figs = digests_with_figures(params)
+    value_per, value_figs = digests_with_figures(params, chain)
     h_params = tensors_digest(value_per.items())
     h_batch = torch_batch_digest(batch.micro)
     h = link(h_prev, h_params, h_batch, t)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CURRENT = "4"
-READABLE = ("1", "2", "3", "4")
+CURRENT = "5"
+READABLE = ("1", "2", "3", "4", "5")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,11 @@ CONCLUDED: tuple[Change, ...] = (
     Change("fleet.prompts.outliers", "version 4 (issue 31, C6): a prompt's majority is taken over the replicas that have "
            "the prompt and a replica without it is listed in `missing` only; version 3 counted it against every group "
            "and listed it as an outlier (so a 2-of-3 majority read NO_MAJORITY)", "4"),
+    Change("locate.graft.into_right.outcome", "version 5 (issue 33): confirmed also when the logits still differ but "
+           "the first divergent token no longer diverges (confirmed_by token) or, for a graft through cached K/V, when the "
+           "grafted re-run's token and logprob at the step where the traces differ are the other side's bitwise "
+           "(confirmed_by later_step); version 4 said confirmed only for bitwise-equal logits at the captured step", "5"),
+    Change("locate.graft.into_left.outcome", "version 5: as into_right.outcome (confirmed_by)", "5"),
     Change("fleet.category", "version 4 (issue 31): MISSING_PROMPTS (the replicas agree where they overlap, some lack "
            "prompts) is new; every pair is compared at one tier chosen before grouping and a group's members all equal "
            "each other (`grouping`), where version 3 compared each pair at its own tier and a replica with a group's "
@@ -137,6 +142,14 @@ EXTENDED: tuple[Change, ...] = (
 )
 
 
+def verdict_rule_versions() -> frozenset[str]:
+    """The versions whose fields all mean what this version's do (no REDEFINED change since): verify
+    re-derives a check's verdict only for these (version 5 changed training and locate conclusions, not
+    the check's)."""
+    since = max(int(c.since) for c in REDEFINED)
+    return frozenset(v for v in READABLE if int(v) >= since)
+
+
 def changes_between(left: str, right: str) -> list[Change]:
     """Every redefinition that lies between two schema versions (either order)."""
     lo, hi = sorted((int(left), int(right)))
@@ -154,4 +167,5 @@ def is_redefined(field: str, left: str, right: str) -> bool:
     return any(field == p or field.startswith(p + ".") or field.startswith(p + "[") for p in names)
 
 
-__all__ = ["CONCLUDED", "CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "SEALED", "changes_between", "is_redefined", "redefined_prefixes"]
+__all__ = ["CONCLUDED", "CURRENT", "Change", "EXTENDED", "READABLE", "REDEFINED", "SEALED", "changes_between", "is_redefined", "redefined_prefixes",
+           "verdict_rule_versions"]

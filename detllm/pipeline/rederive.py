@@ -20,7 +20,8 @@ from typing import Any
 from ..runfolder.artifacts import APPLIED, REPORT, RUN_CONFIG, TRACE
 from ..core.errors import IntegrityError
 from ..core.hashing import canonical_json
-from ..runfolder.schema_io import SCHEMA_VERSION, finite
+from ..core.versions import verdict_rule_versions
+from ..runfolder.schema_io import finite
 
 CHECKED_FIELDS = ("status", "category", "first_divergence")
 
@@ -35,8 +36,8 @@ def rederive_verdict(folder: Path) -> str:
         return "verdict not re-derived: the folder holds no trace (a diff folder); its report is as sealed"
     run_config, applied = _read(folder / RUN_CONFIG), _read(folder / APPLIED)
     versions = {d.get("schema_version") for d in (report, run_config, applied)}
-    if versions != {SCHEMA_VERSION}:
-        old = sorted(v for v in versions if v != SCHEMA_VERSION)
+    if not versions <= verdict_rule_versions():
+        old = sorted(str(v) for v in versions if v not in verdict_rule_versions())
         return (f"verdict not re-derived: written under schema_version {', '.join(map(str, old))}; "
                 f"only the bytes and the hash chain were checked")
     command = run_config.get("command")

@@ -108,3 +108,15 @@ def test_every_change_names_a_version_this_detllm_reads():
             assert c.since in versions.READABLE and c.since != "1", c
             assert c.field.split(".")[0] in ("run_config", "env", "trace_record", "report", "manifest", "diagnosis", "sweep",
                                               "train_config", "train_report", "train_replay", "train_diff", "fleet", "locate"), c
+
+
+V4 = Path(__file__).parent / "fixtures" / "v4"  # written by the schema_version 4 code (commit 7930d5f), fake backend
+
+
+def test_a_v4_check_folder_validates_and_its_verdict_is_still_re_derived(cli):
+    """Version 5 changed no field a check reads (training's chain and locate's graft only), so a version-4
+    check's verdict is re-derived from its trace, not only its bytes checked."""
+    assert versions.verdict_rule_versions() == {"4", "5"}
+    r = cli("verify", V4 / "check_pass")
+    assert r.exit_code == 0 and "verdict re-derived from the trace: PASS" in r.stdout, r.output
+    assert "not re-derived" not in r.stdout

@@ -5,7 +5,8 @@ The check both run: `check --backend hf --model FOLDER --prompt-file P --tier 1 
 --max-new-tokens N --out DIR` (0.1.1's README command; detllm takes it as is), on the 4 built-in prompts and
 each built-in model's hf folder given by path. Each command is a fresh process; its wall, CPU and peak RSS
 (ru_maxrss from wait4: that process and the children it reaped) are its own. One warm-up of each side is not
-counted; then pairs alternate which side goes first. With --same-venv the seed's package is also run from
+counted; then pairs alternate which side goes first. --ours-python runs this tree on another venv's packages
+(a venv holding only `pip install -c constraints.txt '.[hf]'` is what a user of the hf backend has). With --same-venv the seed's package is also run from
 this venv (its detllm/ folder copied out, nothing else): the difference of the tools alone, the packages
 each transformers import finds (accelerate, triton, PIL here) being the same. On a shared machine compare
 the CPU medians: wall carries the neighbours' load, printed before and after.
@@ -60,7 +61,7 @@ def verdict(out: Path) -> str:
 def sides(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     """{name: (argv prefix, environment)} of each tool."""
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
-    out = {"detllm (this tree)": ([sys.executable, "-m", "detllm"], {**base, "PYTHONPATH": str(REPO)}),
+    out = {"detllm (this tree)": ([str(args.ours_python), "-m", "detllm"], {**base, "PYTHONPATH": str(REPO)}),
            "0.1.1 (own venv)": ([str(args.seed_python), "-c", SEED_MAIN], dict(base))}
     if args.same_venv:  # the seed's package alone, on this venv's torch/transformers and everything they import
         where = subprocess.run([str(args.seed_python), "-c", "import detllm, os; print(os.path.dirname(detllm.__file__))"],
@@ -119,6 +120,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--seed-python", type=Path, default=DEFAULT_SEED, help="python of the venv holding detllm 0.1.1")
+    ap.add_argument("--ours-python", type=Path, default=Path(sys.executable),
+                    help="python whose packages this tree runs on (default: this one); e.g. a venv holding only detllm[hf]")
     ap.add_argument("--same-venv", action="store_true", help="also run 0.1.1's package on this venv's libraries")
     args = ap.parse_args()
     if not args.seed_python.exists():
@@ -131,6 +134,7 @@ def main() -> int:
         work = Path(tmp)
         (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BUILTIN_PROMPTS))
         tools = sides(args, work)
+        print(f"this tree on {args.ours_python}, 0.1.1 on {args.seed_python}")
         print(f"{args.pairs} interleaved pairs after one warm-up; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
         for name in args.models.split(","):

@@ -83,7 +83,8 @@ def bench_model(name: str, args: argparse.Namespace, work: Path, tools: dict) ->
     names = list(tools)
     print(f"\n{name} ({folder}): {' '.join(check[:1] + check[3:4])} ... --runs {args.runs} --max-new-tokens {args.max_new_tokens}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-    for i in range(args.pairs + 1):  # round 0: warm-up (page cache, bytecode), not counted
+    first = 0 if args.warmup else 1
+    for i in range(first, args.pairs + 1):  # round 0: warm-up (page cache, bytecode), not counted
         order = names if i % 2 == 0 else names[::-1]
         for t in order:
             out = work / f"{name}-{abs(hash(t))}-{i}"
@@ -96,6 +97,8 @@ def bench_model(name: str, args: argparse.Namespace, work: Path, tools: dict) ->
             shutil.rmtree(out, ignore_errors=True)
             if i > 0:
                 got[t].append((wall, cpu, rss))
+                print(f"  pair {i} {t:<20} {wall:7.2f} s wall {cpu:6.2f} s CPU {rss:5.0f} MiB peak  "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
     ours = names[0]
     print(f"{'tool':<20} {'wall median':>11} {'CPU median':>11} {'peak RSS median':>16} {'max':>8}  verdict   (wall range)")
     for t in names:
@@ -119,6 +122,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="1: one uncounted round first")
     ap.add_argument("--seed-python", type=Path, default=DEFAULT_SEED, help="python of the venv holding detllm 0.1.1")
     ap.add_argument("--ours-python", type=Path, default=Path(sys.executable),
                     help="python whose packages this tree runs on (default: this one); e.g. a venv holding only detllm[hf]")
@@ -135,7 +139,7 @@ def main() -> int:
         (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BUILTIN_PROMPTS))
         tools = sides(args, work)
         print(f"this tree on {args.ours_python}, 0.1.1 on {args.seed_python}")
-        print(f"{args.pairs} interleaved pairs after one warm-up; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+        print(f"{args.pairs} interleaved pairs{' after one warm-up' if args.warmup else ', no warm-up'}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
         for name in args.models.split(","):
             bench_model(name, args, work, tools)

@@ -59,4 +59,7 @@ def test_never_set_once_openmp_has_read_the_environment(monkeypatch):
     monkeypatch.setattr(ompwait, "_openmp_loaded", lambda: True)  # e.g. another library loaded libgomp first
     assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.setattr(ompwait, "_openmp_loaded", lambda: False)
+    monkeypatch.setenv("DETLLM_FRESH_CHILD", "1")  # a fresh repeat runs under its parent's recorded environment
+    assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delenv("DETLLM_FRESH_CHILD")
     assert ompwait.passive_before_torch() is True and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -28,8 +28,9 @@ def _openmp_loaded() -> bool:
 
 def passive_before_torch() -> bool:
     """Set OMP_WAIT_POLICY=PASSIVE if nothing set it and no OpenMP runtime has read the environment
-    yet (torch not imported, no libgomp mapped); True when it was set here."""
-    if VARIABLE in os.environ or "torch" in sys.modules or _openmp_loaded():
+    yet (torch not imported, no libgomp mapped); True when it was set here. A `--fresh-process` child
+    keeps its parent's environment as it is, the one the run folder's env.json records."""
+    if VARIABLE in os.environ or os.environ.get("DETLLM_FRESH_CHILD") or "torch" in sys.modules or _openmp_loaded():
         return False
     os.environ[VARIABLE] = DEFAULT
     return True

@@ -43,6 +43,7 @@ SMOKE = {
     # against this commit's own worktree: the comparison machinery, not a regression, is what is smoked here
     "bench_vs_base.py": (["HEAD", "bench_diff.py", "--pairs", "1", "--", "--prompts", "4", "--tokens", "10", "--repeat", "1",
                           "--cases", "1"], "HEAD/base"),
+    "bench_vs_seed.py": (["--models", "tiny", "--pairs", "1", "--runs", "2", "--max-new-tokens", "2"], "tiny ours/0.1.1"),
 }
 IMPORT_ONLY = {"bench_check_vllm.py", "bench_locate_vllm.py"}  # why: the docstring above
 HELPERS = {"_overhead.py"}  # imported by bench_check*.py, started with them
@@ -76,6 +77,10 @@ def test_benchmark_runs_at_its_smallest_size(script):
         llama_server_or_fail()
     if script in ("bench_vs_base.py", "bench_fleet.py") and (shutil.which("git") is None or not (REPO / ".git").exists()):
         pytest.skip(f"{script} needs a git checkout to make a worktree from (bench_fleet: --base)")
+    if script == "bench_vs_seed.py":
+        seed = Path(os.environ.get("DETLLM_SEED_PYTHON") or Path.home() / ".cache/detllm/seed-venv/bin/python")
+        if not seed.exists():
+            pytest.skip(f"bench_vs_seed.py needs detllm 0.1.1 in a venv of its own at {seed} (see the script's docstring)")
     args, expect = SMOKE[script]
     proc = _run(script, args)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

@@ -165,6 +165,20 @@ def test_kernel_differences_are_env_and_listed_first(runs):
     assert set(fields[:2]) == {"env_vars.ATEN_CPU_CAPABILITY", "kernels.torch_cpu_capability"} and "libraries.numpy" in fields[2:]
 
 
+def test_openmp_wait_policy_is_noted_never_a_cause(runs):
+    """OMP_WAIT_POLICY says how idle threads wait (detllm's hf backend sets PASSIVE): a flip between
+    folders that differ only there has no environment cause, and the variable is listed as inert."""
+    base = runs[1]("wait-base")
+    other = copy(runs, base, "wait-other")
+    edit(other, artifacts.ENV, lambda d: d["env_vars"].update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0"))
+    mk.flip_token(other)
+    r = diff(base, other)
+    assert "ENV_MISMATCH" not in codes(r)
+    assert {"env.env_vars.OMP_WAIT_POLICY", "env.env_vars.GOMP_SPINCOUNT"} <= inert(r)
+    edit(other, artifacts.ENV, lambda d: d["env_vars"].update(OMP_NUM_THREADS="1"))  # a thread count is still a cause
+    assert "ENV_MISMATCH" in codes(diff(base, other))
+
+
 # ------------------------------------------------------------------ items 4, 5, 7: committed fixtures
 
 def test_two_gpu_models_are_env_not_the_engine():

@@ -143,7 +143,7 @@ def _torch() -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any
         return None, [], {}
     cfg = torch.__config__.show()
     info = {
-        "version": torch.__version__,
+        "version": str(torch.__version__),  # a str subclass (TorchVersion) jsonschema-rs refuses: the slow validator ran
         "debug": bool(torch.version.debug),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...core.ompwait import WAIT_ONLY
 from ...runfolder.env import HARDWARE_KEYS, KERNEL_ENV_PREFIXES, VOLATILE_KEYS
 from .notes import Notes
 from .sides import ABSENT, Routed, Side, cut, flat_diff, lr
@@ -115,6 +116,10 @@ def env_mismatch(left: Side, right: Side, notes: Notes, routed: Routed) -> dict[
         # part of that engine's record, not a difference of the machine: BACKEND_MISMATCH owns it
         fields = [f for f in fields if not (f["field"].startswith("kernels.") and ABSENT in (f["left"], f["right"]))]
     fields = notes.screen(fields, "env")
+    for d in [f for f in fields if f["field"] in {f"env_vars.{v}" for v in WAIT_ONLY}]:
+        fields.remove(d)  # how idle OpenMP threads wait (core/ompwait.py): the time changes, never a result
+        notes.note({**d, "field": f"env.{d['field']}"}, "how idle OpenMP threads wait: changes the time, never which "
+                   "thread computes what")
     if routed.dtype is not None and same_backend and routed.dtype["requested"]["left"] == routed.dtype["requested"]["right"]:
         fields.append({"field": "dtype in effect (chosen by the machine)", "left": routed.dtype["left"], "right": routed.dtype["right"]})
     fields = sorted(fields + routed.machine, key=_kernel_first)

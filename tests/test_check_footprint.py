@@ -1,0 +1,65 @@
+"""What a real `check` loads and sets beyond the work (issue 36 §3): the hf backend sets
+OMP_WAIT_POLICY=PASSIVE before torch loads libgomp, unless the user set it, and env.json records what
+was in effect; every artifact of a real hf check passes the fast validator, so jsonschema is never imported.
+Each case is a fresh process: the policy is read once, when libgomp loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from detllm.core import ompwait
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = """
+import json, sys
+import detllm
+r = detllm.check(backend="hf", model="tiny", runs=2, max_new_tokens=2, out=sys.argv[1])
+maps = open("/proc/self/maps").read()
+print(json.dumps({"status": r.status, "jsonschema": "jsonschema" in sys.modules, "gomp": "libgomp" in maps}))
+"""
+
+
+def _check(tmp_path: Path, **env: str) -> tuple[dict, dict]:
+    base = {k: v for k, v in os.environ.items() if k not in ompwait.WAIT_ONLY}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(out)], env={**base, **env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    return seen, json.loads((out / "env.json").read_text())
+
+
+@pytest.mark.engine
+def test_hf_check_sleeps_idle_threads_and_records_it(tmp_path):
+    seen, env = _check(tmp_path)
+    assert seen["status"] == "PASS" and seen["gomp"], seen  # torch's libgomp was loaded after the variable was set
+    assert env["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert not seen["jsonschema"], "an artifact failed the fast validator (jsonschema ran to name a violation)"
+
+
+@pytest.mark.engine
+def test_the_users_wait_policy_is_kept(tmp_path):
+    seen, env = _check(tmp_path, OMP_WAIT_POLICY="ACTIVE")
+    assert seen["status"] == "PASS"
+    assert env["env_vars"]["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_never_set_once_openmp_has_read_the_environment(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset")  # registers the restore of the caller's value
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
+    assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setattr(ompwait, "_openmp_loaded", lambda: True)  # e.g. another library loaded libgomp first
+    assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setattr(ompwait, "_openmp_loaded", lambda: False)
+    monkeypatch.setenv("DETLLM_FRESH_CHILD", "1")  # a fresh repeat runs under its parent's recorded environment
+    assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delenv("DETLLM_FRESH_CHILD")
+    assert ompwait.passive_before_torch() is True and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

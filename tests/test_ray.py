@@ -203,6 +203,42 @@ def test_sweep_runs_every_cell_as_a_task_on_one_node(cluster, tmp_path):
     assert detllm("verify", str(out)).returncode == 0
 
 
+def _diagnosis(out: Path) -> dict:
+    doc = json.loads((out / "diagnosis.json").read_text())
+    return {"probes": [(p["name"], p["status"], p["outcome"], p.get("folder")) for p in doc["probes"]],
+            "not_run": doc["not_run"], "knobs": [(k["knob"], k["verdict"]) for k in doc["knobs"]],
+            "passing": doc["passing_settings"], "conclusion": doc["conclusion"], "baseline": doc["baseline"]["kinds"]}
+
+
+def test_diagnose_with_ray_reaches_the_diagnosis_it_reaches_here(cluster, tmp_path):
+    """The same failing fake folder diagnosed by local workers and by Ray tasks pinned to one node:
+    the same probes, outcomes, passing setting and conclusion; each probe folder came back sealed."""
+    c, nodes = cluster
+    check = detllm("check", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--max-new-tokens", "6", "--runs", "2",
+                   "--opt", "diverge=prompt=0,pos=3,batch=8", "--opt", "stable_threads=1", "--no-progress", "--out", str(tmp_path / "c"))
+    assert check.returncode == 1, check.stderr
+    common = ["diagnose", str(tmp_path / "c"), "--budget", "10", "--fresh-repeats", "2"]
+    here = detllm(*common, "--out", str(tmp_path / "here"))
+    there = detllm(*common, "--ray", c.address, "--out", str(tmp_path / "ray"))
+    assert here.returncode == 0 and there.returncode == 0, here.stderr + there.stderr
+    got = _diagnosis(tmp_path / "ray")
+    assert got == _diagnosis(tmp_path / "here")
+    assert got["passing"]["settings"] == {"threads": 1}, "the diagnosis isolates the injected knob (not a vacuous equality)"
+    folders = sorted((tmp_path / "ray" / "probes").iterdir())
+    assert folders and {p.name for p in folders} == {p.name for p in (tmp_path / "here" / "probes").iterdir()}
+    where = set()
+    for f in folders:
+        assert detllm("verify", str(f)).returncode == 0, f"{f.name} arrived sealed"
+        where.add(json.loads((f / "env.json").read_text())["volatile"]["placement"]["node_id"])
+    assert len(where) == 1 and where <= {n.node_id for n in nodes}, "every probe on one node of the cluster"
+
+
+def test_diagnose_with_ray_unreachable_is_exit_4_and_writes_nothing(tmp_path):
+    res = detllm("diagnose", str(tmp_path), "--ray", "127.0.0.1:1", "--out", str(tmp_path / "d"), timeout=60)
+    assert res.returncode == 4 and res.stderr.count("\n") == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in res.stderr
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_node_that_dies_mid_task_is_a_failed_replica_and_the_others_are_judged(cluster, tmp_path):
     c, nodes = cluster
     proc, _ = _held(cluster, tmp_path, "node")

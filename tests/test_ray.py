@@ -207,12 +207,14 @@ def _diagnosis(out: Path) -> dict:
     doc = json.loads((out / "diagnosis.json").read_text())
     return {"probes": [(p["name"], p["status"], p["outcome"], p.get("folder")) for p in doc["probes"]],
             "not_run": doc["not_run"], "knobs": [(k["knob"], k["verdict"]) for k in doc["knobs"]],
-            "passing": doc["passing_settings"], "conclusion": doc["conclusion"], "baseline": doc["baseline"]["kinds"]}
+            "passing": doc["passing_settings"], "conclusion": doc["conclusion"], "baseline": doc["baseline"]["kinds"],
+            "layers": {k: v for k, v in (doc["layers"] or {}).items() if k != "folder"}}
 
 
 def test_diagnose_with_ray_reaches_the_diagnosis_it_reaches_here(cluster, tmp_path):
     """The same failing fake folder diagnosed by local workers and by Ray tasks pinned to one node:
-    the same probes, outcomes, passing setting and conclusion; each probe folder came back sealed."""
+    the same probes, outcomes, passing setting, layers finding and conclusion; each probe folder came
+    back sealed, and the layers probe (locate) read the failing folder shipped to the node."""
     c, nodes = cluster
     check = detllm("check", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--max-new-tokens", "6", "--runs", "2",
                    "--opt", "diverge=prompt=0,pos=3,batch=8", "--opt", "stable_threads=1", "--no-progress", "--out", str(tmp_path / "c"))
@@ -224,6 +226,8 @@ def test_diagnose_with_ray_reaches_the_diagnosis_it_reaches_here(cluster, tmp_pa
     got = _diagnosis(tmp_path / "ray")
     assert got == _diagnosis(tmp_path / "here")
     assert got["passing"]["settings"] == {"threads": 1}, "the diagnosis isolates the injected knob (not a vacuous equality)"
+    assert got["layers"]["located"] == "located" and got["layers"]["layer"] == "model.layers.0"
+    assert detllm("verify", str(tmp_path / "ray" / "layers")).returncode == 0
     folders = sorted((tmp_path / "ray" / "probes").iterdir())
     assert folders and {p.name for p in folders} == {p.name for p in (tmp_path / "here" / "probes").iterdir()}
     where = set()

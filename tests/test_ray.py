@@ -237,6 +237,27 @@ def test_diagnose_with_ray_reaches_the_diagnosis_it_reaches_here(cluster, tmp_pa
     assert len(where) == 1 and where <= {n.node_id for n in nodes}, "every probe on one node of the cluster"
 
 
+def test_diagnose_with_ray_switches_the_recorded_variable_in_the_task(cluster, per_node, tmp_path):
+    """The per-node fleet's outlier (node b, ATEN_CPU_CAPABILITY lowered) against an agreeing node, as a
+    diff, diagnosed with --ray: the left side's settings reproduce the left, and the variable alone, set in
+    the task's fresh process before torch is imported, reproduces the right side."""
+    c, nodes = cluster
+    _, out = per_node
+    by_node = {placement(out, r)["node_id"]: r for r in fleet(out)["replicas"]}
+    assert detllm("diff", str(out / by_node[nodes[0].node_id]["folder"]), str(out / by_node[nodes[2].node_id]["folder"]),
+                  "--out", str(tmp_path / "diff")).returncode == 1
+    res = detllm("diagnose", str(tmp_path / "diff"), "--ray", c.address, "--out", str(tmp_path / "d"), "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    rerun, probe = doc["probes"]
+    lower = LOWER[str(torch.backends.cpu.get_cpu_capability())]
+    assert rerun["outcome"] == "persist" and probe["name"] == f"ATEN_CPU_CAPABILITY={lower}" and probe["outcome"] == "follows"
+    ran = [json.loads((tmp_path / "d" / p["folder"] / "env.json").read_text()) for p in (rerun, probe)]
+    assert "ATEN_CPU_CAPABILITY" not in ran[0]["env_vars"] and ran[1]["env_vars"]["ATEN_CPU_CAPABILITY"] == lower
+    assert ran[0]["volatile"]["placement"]["node_id"] == ran[1]["volatile"]["placement"]["node_id"], "both on one node"
+    assert doc["conclusion"].startswith("The divergence follows ATEN_CPU_CAPABILITY")
+
+
 def test_diagnose_with_ray_unreachable_is_exit_4_and_writes_nothing(tmp_path):
     res = detllm("diagnose", str(tmp_path), "--ray", "127.0.0.1:1", "--out", str(tmp_path / "d"), timeout=60)
     assert res.returncode == 4 and res.stderr.count("\n") == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in res.stderr

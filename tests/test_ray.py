@@ -258,6 +258,29 @@ def test_diagnose_with_ray_switches_the_recorded_variable_in_the_task(cluster, p
     assert doc["conclusion"].startswith("The divergence follows ATEN_CPU_CAPABILITY")
 
 
+def test_diagnose_with_ray_ctrl_c_cancels_the_running_probe_and_exits_130(cluster, tmp_path):
+    c, nodes = cluster
+    assert detllm("check", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--max-new-tokens", "6", "--opt",
+                  "diverge=prompt=0,pos=3,batch=8", "--no-progress", "--out", str(tmp_path / "c")).returncode == 1
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    pinned = min(n.node_id for n in nodes)  # cells.pick_node on nodes of equal size: the lowest id
+    proc = subprocess.Popen([sys.executable, "-m", "detllm", "diagnose", str(tmp_path / "c"), "--ray", c.address, "--out",
+                             str(tmp_path / "d"), "--ray-test-hold", f"{pinned}:{hold}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (hold / "started").exists():  # the first probe's task is running on the pinned node
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    pid = int((hold / "started").read_text())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "detllm: interrupted" in err
+    for _ in range(150):  # the cancelled task's worker is killed (force=True); wait for it, not for a time
+        if _gone(pid):
+            break
+        time.sleep(0.2)
+    assert _gone(pid), "the held probe's worker is still running"
+
+
 def test_diagnose_with_ray_unreachable_is_exit_4_and_writes_nothing(tmp_path):
     res = detllm("diagnose", str(tmp_path), "--ray", "127.0.0.1:1", "--out", str(tmp_path / "d"), timeout=60)
     assert res.returncode == 4 and res.stderr.count("\n") == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in res.stderr

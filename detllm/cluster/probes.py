@@ -30,10 +30,11 @@ class RayPool:
     The local shared worker keeps the engine loaded between jobs; here every job is a fresh process on
     the pinned node (a task of its own), so shared and fresh jobs differ only in cost."""
 
-    def __init__(self, ray: Any, scratch: Path | None = None) -> None:
+    def __init__(self, ray: Any, scratch: Path | None = None, hold: tuple[str, str] | None = None) -> None:
+        """`hold` is test-only (task._hold): each job on that node waits on the marker folder."""
         from .task import local_build
 
-        self.ray = ray
+        self.ray, self.hold = ray, hold
         self.node: str | None = None
         self.build = local_build()
         # max_calls=1: each job in a fresh worker process (torch's thread and kernel state are per process)
@@ -69,7 +70,7 @@ class RayPool:
         self.jobs += 1
         ref = self.remote.options(num_cpus=NUM_CPUS, num_gpus=gpus, name=f"detllm-probe-{self.jobs}-{job['kind']}",
                                   scheduling_strategy=NodeAffinitySchedulingStrategy(self.node, soft=False)
-                                  ).remote(job, prompts, folder, env, self.build)
+                                  ).remote(job, prompts, folder, env, self.build, self.hold)
         (ans,) = wait_all(self.ray, [ref])
         if "ray_error" in ans:  # Ray failed the task (its node died, its worker crashed): Ray's reason
             return {"ok": False, "error": ans["ray_error"]["message"], "exit_code": ans["ray_error"]["exit_code"], "seconds": 0.0}
@@ -95,18 +96,18 @@ def _packed(folder: Path) -> bytes:
 
 
 @contextlib.contextmanager
-def ray_pools(address: str) -> Iterator[Callable[[Path], RayPool]]:
+def ray_pools(address: str, hold: tuple[str, str] | None = None) -> Iterator[Callable[[Path], RayPool]]:
     """Connected to the cluster (exit 4 when unreachable, before diagnose writes anything), a pool
     factory for diagnose(pool_factory=...); disconnects on exit."""
     ray, owned = connect(resolve_address(address))
     try:
-        yield lambda scratch: RayPool(ray, scratch)
+        yield lambda scratch: RayPool(ray, scratch, hold)
     finally:
         disconnect(ray, owned)
 
 
 def run_probe_job(job: dict[str, Any], prompts_jsonl: str | None, folder_pack: bytes | None, env: dict[str, str | None] | None,
-                  driver_build: dict[str, str]) -> dict[str, Any]:
+                  driver_build: dict[str, str], hold: tuple[str, str] | None = None) -> dict[str, Any]:
     """The task body: the probe worker's job (diagnose/worker.run_job) run here in a private folder,
     with `env` applied before the engine is imported; its result with "pack" (the written folder's
     .tar.gz bytes, or None) and "placement" added."""
@@ -116,7 +117,7 @@ def run_probe_job(job: dict[str, Any], prompts_jsonl: str | None, folder_pack: b
     from ..diagnose.worker import run_job
     from ..runfolder.archive import extract
     from ..runfolder.env import record_placement
-    from .task import build_mismatch, local_build, placement_here
+    from .task import _hold, build_mismatch, local_build, placement_here
 
     placement = placement_here(ray)
     failed = {"ok": False, "pack": None, "placement": placement, "seconds": 0.0}
@@ -130,6 +131,7 @@ def run_probe_job(job: dict[str, Any], prompts_jsonl: str | None, folder_pack: b
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    _hold(hold, placement["node_id"])
     record_placement(placement)
     tmp = Path(tempfile.mkdtemp(prefix="detllm-ray-"))
     try:

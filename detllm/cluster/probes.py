@@ -66,7 +66,11 @@ class RayPool:
         if self.node is None:  # chosen once: every probe on the node the baseline ran on
             self.node = pick_node(self.ray.nodes(), NUM_CPUS, gpus)
         prompts = Path(job["prompts"]).read_text(encoding="utf-8") if job.get("prompts") else None
-        folder = _packed(Path(job["folder"])) if job.get("folder") else None
+        try:
+            folder = _packed(Path(job["folder"])) if job.get("folder") else None
+        except DetllmError as exc:  # the earlier folder does not verify: the probe fails, the diagnosis goes on
+            return {"ok": False, "error": f"cannot send {job['folder']} to the node: {exc.one_line()}", "exit_code": exc.exit_code,
+                    "seconds": 0.0}
         self.jobs += 1
         ref = self.remote.options(num_cpus=NUM_CPUS, num_gpus=gpus, name=f"detllm-probe-{self.jobs}-{job['kind']}",
                                   scheduling_strategy=NodeAffinitySchedulingStrategy(self.node, soft=False)

@@ -203,6 +203,90 @@ def test_sweep_runs_every_cell_as_a_task_on_one_node(cluster, tmp_path):
     assert detllm("verify", str(out)).returncode == 0
 
 
+def _diagnosis(out: Path) -> dict:
+    doc = json.loads((out / "diagnosis.json").read_text())
+    return {"probes": [(p["name"], p["status"], p["outcome"], p.get("folder")) for p in doc["probes"]],
+            "not_run": doc["not_run"], "knobs": [(k["knob"], k["verdict"]) for k in doc["knobs"]],
+            "passing": doc["passing_settings"], "conclusion": doc["conclusion"], "baseline": doc["baseline"]["kinds"],
+            "layers": {k: v for k, v in (doc["layers"] or {}).items() if k != "folder"}}
+
+
+def test_diagnose_with_ray_reaches_the_diagnosis_it_reaches_here(cluster, tmp_path):
+    """The same failing fake folder diagnosed by local workers and by Ray tasks pinned to one node:
+    the same probes, outcomes, passing setting, layers finding and conclusion; each probe folder came
+    back sealed, and the layers probe (locate) read the failing folder shipped to the node."""
+    c, nodes = cluster
+    check = detllm("check", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--max-new-tokens", "6", "--runs", "2",
+                   "--opt", "diverge=prompt=0,pos=3,batch=8", "--opt", "stable_threads=1", "--no-progress", "--out", str(tmp_path / "c"))
+    assert check.returncode == 1, check.stderr
+    common = ["diagnose", str(tmp_path / "c"), "--budget", "10", "--fresh-repeats", "2"]
+    here = detllm(*common, "--out", str(tmp_path / "here"))
+    there = detllm(*common, "--ray", c.address, "--out", str(tmp_path / "ray"))
+    assert here.returncode == 0 and there.returncode == 0, here.stderr + there.stderr
+    got = _diagnosis(tmp_path / "ray")
+    assert got == _diagnosis(tmp_path / "here")
+    assert got["passing"]["settings"] == {"threads": 1}, "the diagnosis isolates the injected knob (not a vacuous equality)"
+    assert got["layers"]["located"] == "located" and got["layers"]["layer"] == "model.layers.0"
+    assert detllm("verify", str(tmp_path / "ray" / "layers")).returncode == 0
+    folders = sorted((tmp_path / "ray" / "probes").iterdir())
+    assert folders and {p.name for p in folders} == {p.name for p in (tmp_path / "here" / "probes").iterdir()}
+    where = set()
+    for f in folders:
+        assert detllm("verify", str(f)).returncode == 0, f"{f.name} arrived sealed"
+        where.add(json.loads((f / "env.json").read_text())["volatile"]["placement"]["node_id"])
+    assert len(where) == 1 and where <= {n.node_id for n in nodes}, "every probe on one node of the cluster"
+
+
+def test_diagnose_with_ray_switches_the_recorded_variable_in_the_task(cluster, per_node, tmp_path):
+    """The per-node fleet's outlier (node b, ATEN_CPU_CAPABILITY lowered) against an agreeing node, as a
+    diff, diagnosed with --ray: the left side's settings reproduce the left, and the variable alone, set in
+    the task's fresh process before torch is imported, reproduces the right side."""
+    c, nodes = cluster
+    _, out = per_node
+    by_node = {placement(out, r)["node_id"]: r for r in fleet(out)["replicas"]}
+    assert detllm("diff", str(out / by_node[nodes[0].node_id]["folder"]), str(out / by_node[nodes[2].node_id]["folder"]),
+                  "--out", str(tmp_path / "diff")).returncode == 1
+    res = detllm("diagnose", str(tmp_path / "diff"), "--ray", c.address, "--out", str(tmp_path / "d"), "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    rerun, probe = doc["probes"]
+    lower = LOWER[str(torch.backends.cpu.get_cpu_capability())]
+    assert rerun["outcome"] == "persist" and probe["name"] == f"ATEN_CPU_CAPABILITY={lower}" and probe["outcome"] == "follows"
+    ran = [json.loads((tmp_path / "d" / p["folder"] / "env.json").read_text()) for p in (rerun, probe)]
+    assert "ATEN_CPU_CAPABILITY" not in ran[0]["env_vars"] and ran[1]["env_vars"]["ATEN_CPU_CAPABILITY"] == lower
+    assert ran[0]["volatile"]["placement"]["node_id"] == ran[1]["volatile"]["placement"]["node_id"], "both on one node"
+    assert doc["conclusion"].startswith("The divergence follows ATEN_CPU_CAPABILITY")
+
+
+def test_diagnose_with_ray_ctrl_c_cancels_the_running_probe_and_exits_130(cluster, tmp_path):
+    c, nodes = cluster
+    assert detllm("check", "--backend", "fake", "--model", "fake", "--vary-batch", "1,8", "--max-new-tokens", "6", "--opt",
+                  "diverge=prompt=0,pos=3,batch=8", "--no-progress", "--out", str(tmp_path / "c")).returncode == 1
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    pinned = min(n.node_id for n in nodes)  # cells.pick_node on nodes of equal size: the lowest id
+    proc = subprocess.Popen([sys.executable, "-m", "detllm", "diagnose", str(tmp_path / "c"), "--ray", c.address, "--out",
+                             str(tmp_path / "d"), "--ray-test-hold", f"{pinned}:{hold}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (hold / "started").exists():  # the first probe's task is running on the pinned node
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    pid = int((hold / "started").read_text())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "detllm: interrupted" in err
+    for _ in range(150):  # the cancelled task's worker is killed (force=True); wait for it, not for a time
+        if _gone(pid):
+            break
+        time.sleep(0.2)
+    assert _gone(pid), "the held probe's worker is still running"
+
+
+def test_diagnose_with_ray_unreachable_is_exit_4_and_writes_nothing(tmp_path):
+    res = detllm("diagnose", str(tmp_path), "--ray", "127.0.0.1:1", "--out", str(tmp_path / "d"), timeout=60)
+    assert res.returncode == 4 and res.stderr.count("\n") == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in res.stderr
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_node_that_dies_mid_task_is_a_failed_replica_and_the_others_are_judged(cluster, tmp_path):
     c, nodes = cluster
     proc, _ = _held(cluster, tmp_path, "node")

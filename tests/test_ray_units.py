@@ -97,3 +97,38 @@ def test_a_shipped_model_lands_once_and_is_checked(tmp_path):
     import shutil
 
     shutil.rmtree(dest)
+
+
+def test_a_probe_task_ray_failed_is_a_failed_job_with_rays_reason(monkeypatch, tmp_path):
+    """diagnose --ray (cluster/probes.py): a task Ray fails comes back as the probe worker's failed result,
+    which ProbeRunner records as the probe's error (the node-death itself: tests/test_ray.py, for check)."""
+    pytest.importorskip("ray")
+    from detllm.api import make_config
+    from detllm.cluster import probes
+    from detllm.cluster.driver import ray_error
+
+    class Remote:
+        def options(self, **kw):
+            assert kw["num_cpus"] == 1.0 and kw["scheduling_strategy"].node_id == nid and not kw["scheduling_strategy"].soft
+            return self
+
+        def remote(self, *args):
+            return "ref"
+
+    class Ray:
+        def nodes(self):
+            return [node(nid), {**node("f" * 56), "Alive": False}]
+
+        def remote(self, **kw):
+            assert kw == {"max_retries": 0, "max_calls": 1}
+            return lambda fn: Remote()
+
+    nid = "a" * 56  # a real node id's length: Ray's strategy checks it
+    died = RuntimeError("Task failed because the node it was running on is dead or unavailable.")
+    monkeypatch.setattr(probes, "wait_all", lambda ray, refs: [{"ray_error": ray_error(died)}])
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    job = {"kind": "check", "config": make_config(backend="fake", model="fake").to_json(), "prompts": str(tmp_path / "p.jsonl"),
+           "out": str(tmp_path / "o")}
+    res = probes.RayPool(Ray()).shared().run(job)
+    assert res["ok"] is False and res["error"] == "ray: RuntimeError: Task failed because the node it was running on is dead or unavailable."
+    assert res["exit_code"] == 8 and not (tmp_path / "o").exists()

@@ -95,8 +95,12 @@ def diagnose(
     as_json: Annotated[bool, typer.Option("--json", help="Print diagnosis.json instead of the text.")] = False,
     tier: Annotated[Optional[int], typer.Option("--tier", help="A folder: judge the divergence at this tier instead of the recorded one (3: logprobs across batch sizes). With a check's options: the check's tier.")] = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="A folder: logprob tolerance at tier >= 2 instead of the recorded one (0 = bitwise). With a check's options: the check's --atol.")] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run every probe as a Ray task, all on one node of the cluster at ADDRESS (HOST:PORT or auto); takes a folder (docs/ray.md).")] = None,
+    ray_test_hold: Annotated[Optional[str], typer.Option("--ray-test-hold", hidden=True)] = None,
 ) -> None:
     def body() -> int:
+        import contextlib
+
         from ..diagnose import diagnose as run_diagnosis
         from ..diagnose.render import render_text
 
@@ -109,8 +113,13 @@ def diagnose(
         if run_dir is None:  # the check's options: --tier/--atol are the check's own, as before they judged a folder
             args += [*(["--tier", str(tier)] if tier is not None else []), *(["--atol", repr(atol)] if atol is not None else [])]
             judge_tier = judge_atol = None
-        result = run_diagnosis(run_dir=run_dir, check_args=None if run_dir else args, out=out, force=force, budget=budget,
-                               fresh_repeats=fresh_repeats, progress=say, only=probe, tier=judge_tier, atol=judge_atol)
+        if ray is not None and run_dir is None:
+            raise UsageError("diagnose --ray takes a failing run folder, not a check's options",
+                             hint="run the check first (locally or with check --ray), then: detllm diagnose FOLDER --ray ADDRESS")
+        with contextlib.nullcontext() if ray is None else _ray_pools(ray, ray_test_hold) as pools:
+            result = run_diagnosis(run_dir=run_dir, check_args=None if run_dir else args, out=out, force=force, budget=budget,
+                                   fresh_repeats=fresh_repeats, progress=say, only=probe, tier=judge_tier, atol=judge_atol,
+                                   pool_factory=pools)
         typer.echo(json.dumps(result.doc, indent=2) if as_json else render_text(result.doc) + f"diagnosis folder: {result.out_dir}")
         return 0
 
@@ -154,6 +163,14 @@ def sweep(
         return 0
 
     guarded(body)
+
+
+def _ray_pools(address: str, hold: str | None):
+    """diagnose --ray: the probes' pool on the cluster (detllm.cluster.probes); ray is imported only here."""
+    from ..cluster.probes import ray_pools
+    from .cluster import _hold
+
+    return ray_pools(address, _hold(hold))
 
 
 def _ray_cells(address: str):

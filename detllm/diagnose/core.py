@@ -133,12 +133,13 @@ def _selected(probe: Probe, only: list[str]) -> bool:
 def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = None, prompts: str | Path | None = None,
              out: str | Path | None = None, force: bool = False, budget: str | int | None = None, fresh_repeats: int = 3,
              progress: Progress | None = None, check_args: list[str] | None = None, only: list[str] | None = None,
-             tier: int | None = None, atol: float | None = None) -> Diagnosis:
+             tier: int | None = None, atol: float | None = None, pool_factory: Callable[[Path], Any] | None = None) -> Diagnosis:
     """Diagnose a failing check folder or diff folder (`run_dir`, or a .tar.gz pack of a check
     folder), or run the check `config` first; write diagnosis.json/.txt/.md under `out` and return
     it. `only` keeps the probes whose knob, name or kind is listed (e.g. ["ladder", "kv_type", "prefill"]).
     `tier`/`atol`: judge the divergence at this tier and logprob tolerance instead of the recorded ones
-    (tier 3 diagnoses logprobs that move with the batch size, which a tier-2 check records without failing)."""
+    (tier 3 diagnoses logprobs that move with the batch size, which a tier-2 check records without failing).
+    `pool_factory`: where the probe jobs run instead of local workers (diagnose --ray: cluster/probes.py)."""
     if tier is not None and tier not in (1, 2, 3):
         raise UsageError(f"--tier must be 1, 2 or 3, got {tier}")
     if atol is not None:
@@ -146,9 +147,10 @@ def diagnose(config: RunConfig | None = None, *, run_dir: str | Path | None = No
     if run_dir is not None and is_archive(run_dir):  # a pack: read from a temporary extraction, nothing written into it
         with open_run_path(run_dir) as folder:
             return _diagnose(config, run_dir=folder, prompts=prompts, out=out, force=force, budget=budget, fresh_repeats=fresh_repeats,
-                             progress=progress, check_args=check_args, only=only, shown=str(run_dir), tier_asked=tier, atol=atol)
+                             progress=progress, check_args=check_args, only=only, shown=str(run_dir), tier_asked=tier, atol=atol,
+                             pool_factory=pool_factory)
     return _diagnose(config, run_dir=run_dir, prompts=prompts, out=out, force=force, budget=budget, fresh_repeats=fresh_repeats,
-                     progress=progress, check_args=check_args, only=only, tier_asked=tier, atol=atol)
+                     progress=progress, check_args=check_args, only=only, tier_asked=tier, atol=atol, pool_factory=pool_factory)
 
 
 def _drift_recorded(run_dir: Path | None, tier: int) -> str | None:
@@ -173,7 +175,8 @@ def _drift_recorded(run_dir: Path | None, tier: int) -> str | None:
 
 def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: str | Path | None, out: str | Path | None,
               force: bool, budget: str | int | None, fresh_repeats: int, progress: Progress | None, check_args: list[str] | None,
-              only: list[str] | None, shown: str | None = None, tier_asked: int | None = None, atol: float | None = None) -> Diagnosis:
+              only: list[str] | None, shown: str | None = None, tier_asked: int | None = None, atol: float | None = None,
+              pool_factory: Callable[[Path], Any] | None = None) -> Diagnosis:
     if sum(x is not None for x in (config, run_dir, check_args)) != 1:
         raise UsageError("diagnose takes a failing run folder or check's options, not both")
     limits = Budget.parse(budget)
@@ -194,7 +197,7 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
             raise UsageError(f"unknown --probe {unknown[0]!r}", hint=f"one of: {', '.join(sorted(PROBE_KINDS | KNOWN_KNOBS))}")
     _check_out(out, force)
     if sides_differ:
-        return recorded.diagnose_diff(diff_plan, Path(run_dir), out, limits, progress, only)
+        return recorded.diagnose_diff(diff_plan, Path(run_dir), out, limits, progress, only, pool_factory=pool_factory)
     if check_args is not None:  # the CLI: run `detllm check ARGS` as the user would, then diagnose its folder
         run_dir = _run_check_cli(list(check_args), out, progress)
     if diff_plan is not None:
@@ -239,7 +242,7 @@ def _diagnose(config: RunConfig | None, *, run_dir: str | Path | None, prompts: 
     prompts_file = out / "prompts.jsonl"
     artifacts.atomic_write_text(prompts_file, "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts))
     t0 = time.monotonic()
-    with Pool(out / "logs") as pool:
+    with (pool_factory or Pool)(out / "logs") as pool:
         if records is None:
             if progress:
                 progress("baseline check")

@@ -153,7 +153,8 @@ def side_records(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return select(records, run=summary["run_index"], batch=summary["batch_size"])
 
 
-def diagnose_diff(plan: DiffPlan, diff_dir: Path, out: Path, limits, progress, only: list[str] | None = None) -> Diagnosis:
+def diagnose_diff(plan: DiffPlan, diff_dir: Path, out: Path, limits, progress, only: list[str] | None = None,
+                  pool_factory=None) -> Diagnosis:
     """Probe the recorded differences of a diff (plan_diff): the left side's settings again,
     then each difference switched to the right side's value; `only` keeps the probes whose knob
     or name is listed (the re-run of the left side always runs: it is what the others are read against)."""
@@ -175,7 +176,7 @@ def diagnose_diff(plan: DiffPlan, diff_dir: Path, out: Path, limits, progress, o
     selected = [p for p in plan.probes if not only or p.knob in only or p.name in only]
     not_run = [{"name": p.name, "reason": "not selected by --probe"} for p in plan.probes if p not in selected]
     plan_ = [None, *selected] if baseline["diverged"] else []
-    with Pool(out / "logs") as pool:
+    with (pool_factory or Pool)(out / "logs") as pool:
         for probe in plan_:
             name = probe.name if probe else "left settings again"
             if (limits.probes is not None and used >= limits.probes) or (limits.seconds is not None and time.monotonic() - t0 >= limits.seconds):

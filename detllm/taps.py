@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output
+from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output, op_row
 from .core.opkinds import _SKIP_OPS, module_kind, op_kind, op_name  # noqa: F401 (grafthook names ops as taps do)
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
@@ -302,14 +302,20 @@ class _Tapper:
         import numpy as np
         import torch
 
+        w, n = self.window, self.window.batch
+        rowed = (op_row(args, kwargs, len(shape), n, w.row, self.weights)
+                 if self.ref_rows and w.row is not None and n and n > 1 and len(shape) and shape[0] == n else None)
+        if rowed is not None:  # the row alone: 1/n of the batch's float64 work (rows are computed independently)
+            args, kwargs = rowed
+            w = dataclasses.replace(w, row=0, batch=1)
         try:
             ref = op_output(func, args, kwargs)
         except Exception:  # an op whose float64 form does not exist (dtype-bound kernels): noted by its None
             self.result.skipped_ref["an op without a float64 form"] += 1
             return
-        if ref is not None and ref.shape == shape:
+        if ref is not None and tuple(ref.shape) == (tuple(shape) if w is self.window else (1, *shape[1:])):
             got = cut.to(torch.float64) if cut is not None else torch.from_numpy(rec.output).to(torch.float64)
-            diff = (self.window.everywhere(ref.to(torch.float64))[0] - got).abs()
+            diff = (w.everywhere(ref.to(torch.float64))[0] - got).abs()
             rec.ref_error = float(diff.max().item()) if diff.numel() else 0.0
             if not np.isfinite(rec.ref_error):
                 rec.ref_error = None

@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output
+from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output, op_row
 from .core.opkinds import _SKIP_OPS, module_kind, op_kind, op_name  # noqa: F401 (grafthook names ops as taps do)
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
@@ -162,7 +162,11 @@ class _Tapper:
             self._in_pass(module, args, kwargs, snap, tensors, names, shapes)
         rec = self._record(name, kind, out, tensors, names, shapes)
         if self.reference and rec is not None:
-            if self.lazy:
+            if self.lazy and module in self.holders:  # never evaluated: holds nothing of the batch
+                rec.reeval = self._later(rec, [], lambda: self._reference(module, (), {}, {}, None, rec))
+            elif self.lazy and (kept := self._rows_kept((args, kwargs, snap))) is not None:  # the row's copy, not the batch
+                rec.reeval = self._later(rec, [], lambda: self._reference(module, *kept, None, rec, rowed=True))
+            elif self.lazy:
                 rec.reeval = self._later(rec, tensors, lambda: self._reference(module, args, kwargs, snap, None, rec))
             else:
                 self._reference(module, args, kwargs, snap, out, rec)
@@ -226,7 +230,29 @@ class _Tapper:
         self.result.notes.append(f"captured tensors passed the bound of {self.max_bytes} bytes at {at}: layer "
                                  f"boundaries only ({', '.join(LAYER_KINDS)}), every other module and op dropped")
 
-    def _reference(self, module, args, kwargs, snap, out, rec: Tapped) -> None:
+    def _rows_kept(self, vals: tuple, op_rank: int | None = None) -> tuple | None:
+        """What a lazy float64 reference holds until asked: `vals` cut to the window's row and copied
+        (the batch's activations are let go), weights by reference; None: the row is not cut (ref_rows
+        off, one row, or an op whose arguments' dim 0 is not the batch): the caller keeps the batch."""
+        import torch
+
+        w, n = self.window, self.window.batch
+        if not (self.lazy and self.ref_rows and w.row is not None and n and n > 1):
+            return None
+        if op_rank is None:
+            vals = one_row(vals, n, w.row)
+        elif (vals := op_row(vals[0], vals[1], op_rank, n, w.row, self.weights)) is None:
+            return None
+
+        def own(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return v if id(v) in self.weights else v.clone()
+            if isinstance(v, (tuple, list)):
+                return type(v)(own(x) for x in v)
+            return {k: own(x) for k, x in v.items()} if isinstance(v, dict) else v
+        return tuple(own(v) for v in vals)
+
+    def _reference(self, module, args, kwargs, snap, out, rec: Tapped, rowed: bool = False) -> None:
         import numpy as np
         import torch
 
@@ -236,7 +262,9 @@ class _Tapper:
         self.busy = True  # the copy carries these hooks too: they record nothing meanwhile
         try:
             w, n = self.window, self.window.batch
-            if self.ref_rows and w.row is not None and n and n > 1:  # the row alone (each row is computed on its own)
+            if rowed:  # cut to the row already (_rows_kept)
+                w = dataclasses.replace(w, row=0, batch=1)
+            elif self.ref_rows and w.row is not None and n and n > 1:  # the row alone (each row is computed on its own)
                 args, kwargs, snap = (one_row(v, n, w.row) for v in (args, kwargs, snap))
                 w = dataclasses.replace(w, row=0, batch=1)
             ref = module_output(module, args, kwargs, snap)
@@ -279,8 +307,12 @@ class _Tapper:
             return
         if not clean:
             self.whole.append(name)
-        if self.reference and self.lazy:
-            rec.reeval = self._later(rec, views, lambda: self._op_reference(func, args, kwargs, tensor.shape, None, rec))
+        shape = tuple(tensor.shape)
+        if self.reference and self.lazy and len(shape) and shape[0] == self.window.batch and \
+                (kept := self._rows_kept((args, kwargs), len(shape))) is not None:  # the row's copy, not the batch
+            rec.reeval = self._later(rec, [], lambda: self._op_reference(func, *kept, shape, None, rec, rowed=True))
+        elif self.reference and self.lazy:
+            rec.reeval = self._later(rec, views, lambda: self._op_reference(func, args, kwargs, shape, None, rec))
         elif self.reference:
             self._op_reference(func, args, kwargs, tensor.shape, cut, rec)
 
@@ -298,18 +330,25 @@ class _Tapper:
                 fn()
         return run
 
-    def _op_reference(self, func, args, kwargs, shape, cut, rec) -> None:
+    def _op_reference(self, func, args, kwargs, shape, cut, rec, rowed: bool = False) -> None:
         import numpy as np
         import torch
 
+        w, n = self.window, self.window.batch
+        if not rowed and self.ref_rows and w.row is not None and n and n > 1 and len(shape) and shape[0] == n:
+            rowed_args = op_row(args, kwargs, len(shape), n, w.row, self.weights)
+            if rowed_args is not None:
+                args, kwargs, rowed = *rowed_args, True
+        if rowed:  # the row alone: 1/n of the batch's float64 work (rows are computed independently)
+            w = dataclasses.replace(w, row=0, batch=1)
         try:
             ref = op_output(func, args, kwargs)
         except Exception:  # an op whose float64 form does not exist (dtype-bound kernels): noted by its None
             self.result.skipped_ref["an op without a float64 form"] += 1
             return
-        if ref is not None and ref.shape == shape:
+        if ref is not None and tuple(ref.shape) == (tuple(shape) if w is self.window else (1, *shape[1:])):
             got = cut.to(torch.float64) if cut is not None else torch.from_numpy(rec.output).to(torch.float64)
-            diff = (self.window.everywhere(ref.to(torch.float64))[0] - got).abs()
+            diff = (w.everywhere(ref.to(torch.float64))[0] - got).abs()
             rec.ref_error = float(diff.max().item()) if diff.numel() else 0.0
             if not np.isfinite(rec.ref_error):
                 rec.ref_error = None

@@ -264,3 +264,33 @@ def test_layer_boundaries_without_inputs_take_the_previous_boundary_as_input():
     assert verdict.first_bitwise.left.name == "model.layers.1"
     assert [p.inputs_inferred for p in pairs] == [False, True, True, True]
     assert [p.inputs_equal for p in pairs] == [None, True, True, False]
+
+
+def test_a_verdict_asked_only_where_to_search_next_evaluates_no_float64_reference():
+    """judge(evaluate=False) (the search's verdicts before the last capture) calls no record's reeval
+    and leaves first_beyond None; judge() on the same pairs evaluates and names the op beyond tolerance."""
+    import numpy as np
+
+    from detllm.backends.base import CapturedTensor
+    from detllm.locate.align import pair_up
+    from detllm.locate.rule import judge
+
+    calls: list[str] = []
+
+    def side(moved: bool):
+        x = np.ones((3, 4), dtype=np.float32)
+        y = x * 2 + (np.float32(1e-2) if moved else 0)
+        out = [CapturedTensor("model.embed_tokens", "embedding", 0, x),
+               CapturedTensor("model.layers.0", "layer", 1, y, inputs=[x], input_names=["arg0"])]
+        for t in out:
+            def run(t=t):
+                calls.append(t.name)
+                t.ref_error, t.reeval = 1e-7, None
+            t.reeval = run
+        return out
+
+    pairs, _, _ = pair_up(side(False), side(True))
+    quick = judge(pairs, evaluate=False)
+    assert quick.first_bitwise.left.name == "model.layers.0" and quick.first_beyond is None and calls == []
+    full = judge(pairs)
+    assert full.first_beyond is full.first_bitwise and calls == ["model.layers.0", "model.layers.0"]

@@ -222,13 +222,57 @@ def test_a_rows_float64_reference_matches_the_whole_batchs(tiny):
     mask = torch.tensor([[1] * len(ids), [0] * (len(ids) - 3) + [1] * 3])
     window = taps.Window(row=1, batch=2, cuts={len(ids): 3})
     errors = []
-    for rows in (True, False):
+    for rows, lazy in ((True, False), (False, False), (True, True)):  # lazy: the row's inputs copied at capture
         with torch.inference_mode():
-            with taps.tap(model, window=window, reference=True, ref_rows=rows) as t:
+            with taps.tap(model, window=window, reference=True, ref_rows=rows, lazy_reference=lazy) as t:
                 model(input_ids=x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+            for r in t.tensors:
+                if r.reeval is not None:
+                    r.reeval()
         errors.append({r.name: r.ref_error for r in t.tensors})
+    assert errors[2] == errors[0]  # bit for bit: the same float64 on the same row, evaluated later
+    assert sum(e is not None for e in errors[2].values()) > 10
     assert errors[0].keys() == errors[1].keys()
     assert t.by_name()["model.layers.1.mlp.down_proj"].output.shape == (3, 128)
+    for name, e in errors[0].items():
+        assert (e is None) == (errors[1][name] is None), name
+        if e is not None:
+            assert abs(e - errors[1][name]) <= 1e-9 * max(1.0, e), (name, e, errors[1][name])
+
+
+def test_an_ops_float64_reference_runs_on_the_row_alone_with_the_whole_batchs_errors(tiny, monkeypatch):
+    """An op's float64 reference (lazy, as locate asks for it) is evaluated on the window's row only
+    where every batch-ranked argument has the batch as dim 0; its errors are the whole batch's."""
+    import torch
+
+    model, ids = tiny
+    x = torch.tensor([ids, [0] * (len(ids) - 3) + ids[:3]])
+    mask = torch.tensor([[1] * len(ids), [0] * (len(ids) - 3) + [1] * 3])
+    window = taps.Window(row=1, batch=2, cuts={len(ids): 3})
+    seen: list[int] = []
+    real = taps.op_output
+
+    def counted(func, args, kwargs):
+        seen.append(next(a.shape[0] for a in args if isinstance(a, torch.Tensor)))
+        return real(func, args, kwargs)
+
+    monkeypatch.setattr(taps, "op_output", counted)
+    errors, rows_seen = [], []
+    for rows in (True, False):
+        seen.clear()
+        with torch.inference_mode():
+            with taps.tap(model, window=window, ops=True, reference=True, lazy_reference=True, ref_rows=rows) as t:
+                model(input_ids=x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+            ops = [r for r in t.tensors if "/torch." in r.name]
+            for r in ops:
+                r.reeval()
+        errors.append({r.name: r.ref_error for r in ops})
+        rows_seen.append(list(seen))
+    linear = "model.layers.1.mlp.down_proj/torch.linear#0"
+    assert errors[0][linear] is not None and errors[0][linear] > 0
+    assert 1 in rows_seen[0] and 1 not in rows_seen[1][:1]  # engaged: row-only evaluations with ref_rows, none without
+    assert rows_seen[0].count(2) < rows_seen[1].count(2)
+    assert errors[0].keys() == errors[1].keys()
     for name, e in errors[0].items():
         assert (e is None) == (errors[1][name] is None), name
         if e is not None:

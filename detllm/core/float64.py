@@ -94,6 +94,36 @@ def one_row(v: Any, batch: int, row: int) -> Any:
     return v
 
 
+def op_row(args: tuple, kwargs: dict, out_ndim: int, batch: int, row: int, keep: set[int]) -> tuple[tuple, dict] | None:
+    """An op's arguments cut to batch row `row` (kept as a batch of one) where that is safe: every
+    tensor argument with the output's rank has dim 0 the batch (cut) or 1 (broadcast); a lower rank
+    aligns on trailing axes and is left whole, as are the tensors in `keep` (weights). None: some
+    argument's dim 0 is neither (batch folded with heads...), or none was cut (an embedding's ids
+    rank below its output's): evaluate the whole batch instead."""
+    import torch
+
+    bad, cuts = False, 0
+
+    def cut(v: Any) -> Any:
+        nonlocal bad, cuts
+        if isinstance(v, torch.Tensor):
+            if id(v) in keep or v.ndim != out_ndim or v.shape[0] == 1:
+                return v
+            if v.shape[0] != batch:
+                bad = True
+                return v
+            cuts += 1
+            return v[row:row + 1]
+        if isinstance(v, tuple):
+            return tuple(cut(x) for x in v)
+        if isinstance(v, list):
+            return [cut(x) for x in v]
+        return v
+
+    args2, kwargs2 = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+    return None if bad or not cuts else (args2, kwargs2)
+
+
 def upcast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """An op's arguments with every floating dtype it names (a cast, softmax's dtype) made float64."""
     import torch

@@ -66,12 +66,13 @@ def beyond(p: Pair) -> bool | None:
     return not isinstance(d, float) or d > tol  # a non-finite difference (written as a string) is beyond any tolerance
 
 
-def judge(pairs: list[Pair]) -> Verdict:
-    """Apply the rule to one step's aligned pairs (execution order)."""
+def judge(pairs: list[Pair], *, evaluate: bool = True) -> Verdict:
+    """Apply the rule to one step's aligned pairs (execution order). `evaluate=False`: no float64
+    reference is evaluated and first_beyond is left None (a verdict only asked where to search next)."""
     differing = [p for p in pairs if p.output_equal is False]
     first = differing[0] if differing else None
     own = [p for p in differing if p.inputs_equal is True]
-    verdict = Verdict(own[0] if own else None, next((p for p in own if beyond(p)), None), first)
+    verdict = Verdict(own[0] if own else None, next((p for p in own if beyond(p)), None) if evaluate else None, first)
     first = _through_cache(differing) or first
     if first is not None and first.inputs_equal is False and first.kv_equal is False and not _other_inputs_differ(first):
         steps = [first.kv_step] if first.kv_step is not None else \

@@ -338,10 +338,9 @@ def install(llm: Any, state: _State) -> Hooks:
     return llm.apply_model(fn)[0]
 
 
-def capture_batch(llm: Any, requests: Sequence[Any], spec: CaptureSpec, run: Callable[[], list[Any]],
-                  engine_facts: dict[str, Any]) -> Capture:
-    """Re-run `requests` through `run` (the backend's one-batch generate, max_tokens = step + 1)
-    with capture hooks on, keeping row `spec.row`'s tensors at step `spec.step`."""
+def check_spec(requests: Sequence[Any], spec: CaptureSpec, engine_facts: dict[str, Any]) -> None:
+    """UsageError for a capture this batch and engine cannot give (row, filler, step, a compiled engine);
+    shared by capture_batch and tpcapture.capture_batch_tp."""
     if not 0 <= spec.row < len(requests):
         raise UsageError(f"capture row {spec.row} is outside the batch of {len(requests)}")
     if requests[spec.row].is_filler:
@@ -351,6 +350,13 @@ def capture_batch(llm: Any, requests: Sequence[Any], spec: CaptureSpec, run: Cal
     if not engine_facts.get("enforce_eager", True):
         raise UsageError("vLLM capture needs an eager engine (compiled graphs and CUDA graphs skip module hooks)",
                          hint="--opt enforce_eager=true")
+
+
+def capture_batch(llm: Any, requests: Sequence[Any], spec: CaptureSpec, run: Callable[[], list[Any]],
+                  engine_facts: dict[str, Any]) -> Capture:
+    """Re-run `requests` through `run` (the backend's one-batch generate, max_tokens = step + 1)
+    with capture hooks on, keeping row `spec.row`'s tensors at step `spec.step`."""
+    check_spec(requests, spec, engine_facts)
     prompt_len = len(requests[spec.row].input_ids)
     state = _State(target_id=str(llm.request_counter.counter + spec.row), target_pos=prompt_len + spec.step - 1, spec=spec,
                    weights=HFWeights(llm.llm_engine.vllm_config.model_config.model) if spec.reference else None)
@@ -414,4 +420,4 @@ def _bounded(state: _State, spec: CaptureSpec) -> tuple[list[CapturedTensor], st
     return tensors, level, notes
 
 
-__all__ = ["Hooks", "capture_batch", "engine_facts", "install"]
+__all__ = ["Hooks", "capture_batch", "check_spec", "engine_facts", "install"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from ...core.errors import BackendError, BackendUnavailableError, UsageError
+from ...core.errors import BackendError, BackendUnavailableError
 from ...taps import LAYER_KINDS
 from ..capture import Capture, CaptureSpec
 from . import capture as single
@@ -130,18 +130,10 @@ def capture_batch_tp(llm: Any, requests: Sequence[Any], spec: CaptureSpec, run: 
                      engine_facts: dict[str, Any]) -> Capture:
     """capture.capture_batch for an engine whose layers run in tensor_parallel_size worker processes:
     hooks on every rank, the ranks' shards put back together into full tensors under HF names."""
-    if not 0 <= spec.row < len(requests):
-        raise UsageError(f"capture row {spec.row} is outside the batch of {len(requests)}")
-    if requests[spec.row].is_filler:
-        raise UsageError(f"capture row {spec.row} is a batch filler, not a prompt under test")
-    if spec.step < 0:
-        raise UsageError(f"capture step must be >= 0, got {spec.step}")
+    single.check_spec(requests, spec, engine_facts)
     if spec.graft is not None:
         raise BackendUnavailableError("grafting under tensor parallelism is not supported (each rank holds a shard)",
                                       hint="locate with --graft off")
-    if not engine_facts.get("enforce_eager", True):
-        raise UsageError("vLLM capture needs an eager engine (compiled graphs and CUDA graphs skip module hooks)",
-                         hint="--opt enforce_eager=true")
     tp = int(engine_facts["tensor_parallel_size"])
     target_id = str(llm.request_counter.counter + spec.row)
     target_pos = len(requests[spec.row].input_ids) + spec.step - 1

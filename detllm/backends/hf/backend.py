@@ -33,6 +33,7 @@ from ...core.processwide import disable_tf32, read_tf32, refuse_after_batch_inva
 from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
                     parse_options, request_seed)
 from . import invariant
+from .lean import without_triton
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -105,7 +106,8 @@ class HFBackend(Backend):
         return True, "set before CUDA initialised"
 
     def _load(self, torch):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        with without_triton(torch):  # the model classes' imports pull triton, which a GPU-less torch never runs (lean.py)
+            from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # keep stderr for detllm's one-line messages

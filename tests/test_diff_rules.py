@@ -169,6 +169,8 @@ def test_openmp_wait_policy_is_noted_never_a_cause(runs):
     """OMP_WAIT_POLICY says how idle threads wait (detllm's hf backend sets PASSIVE): a flip between
     folders that differ only there has no environment cause, and the variable is listed as inert."""
     base = runs[1]("wait-base")
+    # whatever this process's own default was when the folder was written (core/ompwait.py follows the load)
+    edit(base, artifacts.ENV, lambda d: d["env_vars"].update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="300000"))
     other = copy(runs, base, "wait-other")
     edit(other, artifacts.ENV, lambda d: d["env_vars"].update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0"))
     mk.flip_token(other)

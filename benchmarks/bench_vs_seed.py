@@ -58,6 +58,17 @@ def verdict(out: Path) -> str:
     return str(report.get("status") or report.get("verdict") or "?")
 
 
+def waited(out: Path) -> str:
+    """How its idle OpenMP threads waited, as the run folder's env.json recorded it (detllm's hf backend
+    picks it from the load, core/ompwait.py); 0.1.1 records none."""
+    try:
+        env = json.loads((out / "env.json").read_text()).get("env_vars") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    seen = [f"{k}={env[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in env]
+    return f"  {' '.join(seen)}" if seen else ""
+
+
 def sides(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     """{name: (argv prefix, environment)} of each tool."""
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
@@ -94,11 +105,12 @@ def bench_model(name: str, args: argparse.Namespace, work: Path, tools: dict) ->
             if code != 0:
                 raise SystemExit(f"{t} exited {code} on {name}: {(work / f'log-{i}.txt').read_text()[-2000:]}")
             verdicts[t].add(verdict(out))
+            wait = waited(out)
             shutil.rmtree(out, ignore_errors=True)
             if i > 0:
                 got[t].append((wall, cpu, rss))
                 print(f"  pair {i} {t:<20} {wall:7.2f} s wall {cpu:6.2f} s CPU {rss:5.0f} MiB peak  "
-                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                      f"(load {os.getloadavg()[0]:.1f}){wait}", flush=True)
     ours = names[0]
     print(f"{'tool':<20} {'wall median':>11} {'CPU median':>11} {'peak RSS median':>16} {'max':>8}  verdict   (wall range)")
     for t in names:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from ...core import perturb
 from ...core.clock import add, clock, since
+from ...core.collector import heap_frozen
 from ... import taps
 from ...core.config import Decoding
 from ...core.errors import BackendError, UsageError
@@ -49,9 +50,15 @@ def window(model: Any, requests: Sequence[Request], spec: CaptureSpec) -> taps.W
 def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
             spec: CaptureSpec) -> Capture:
     """Backend.capture for hf. Run it inside `backend.determinism(...)` as the run was (seed, threads)."""
+    check_spec(requests, decoding, spec)
+    with heap_frozen():  # its records are long-lived: no full collection walks the model's objects meanwhile
+        return _capture(backend, requests, decoding, seed=seed, n_logprobs=n_logprobs, spec=spec)
+
+
+def _capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
+             spec: CaptureSpec) -> Capture:
     import torch
 
-    check_spec(requests, decoding, spec)
     notes: list[str] = []
     found: dict[str, taps.Tap] = {}
     cut = window(backend.model, requests, spec)
@@ -123,7 +130,7 @@ def _on_demand(backend: Any, step: int, tapped: taps.Tapped, t: CapturedTensor, 
         import torch
 
         start, t.reeval = clock(), None
-        with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
+        with heap_frozen(), torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
             if moved is not None:
                 moved.step = step
             tapped.reeval()

@@ -48,6 +48,7 @@ class Tap:
     nbytes: int = 0  # bytes of the numpy arrays kept
     bounded: bool = False  # past max_bytes: layer boundaries only from then on
     skipped_ref: Counter = field(default_factory=Counter)  # why a float64 re-evaluation was skipped -> modules
+    ops_ended: bool = False  # `ops_through` completed: no op recorded after it
 
     def by_name(self) -> dict[str, Tapped]:
         return {t.name: t for t in self.tensors}
@@ -77,7 +78,8 @@ class _Tapper:
 
     def __init__(self, model, *, window: Window, ops: bool, reference: bool, max_bytes: int | None,
                  layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True,
-                 lazy_reference: bool = False) -> None:
+                 lazy_reference: bool = False, ops_through: str | None = None) -> None:
+        self.ops_through = ops_through
         self.model, self.window, self.ops, self.reference, self.ref_rows = model, window, ops, reference, ref_rows
         self.lazy = lazy_reference
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
@@ -113,6 +115,8 @@ class _Tapper:
             self.stack.pop()
         snap = self.snaps.pop(id(module), {})
         name, kind = self.names[module], self.kinds[module]
+        if name == self.ops_through:  # what follows it cannot hold the first op that differs (docs/locate.md)
+            self.result.ops_ended = True
         if self.layers_only and kind not in LAYER_KINDS:
             return None
         out = first_tensor(output)
@@ -275,7 +279,7 @@ class _Tapper:
     def on_op(self, func, args, kwargs, out) -> None:
         import torch
 
-        if self.busy or self.layers_only or self.result.bounded:
+        if self.busy or self.layers_only or self.result.bounded or self.result.ops_ended:
             return
         op = op_name(func)
         tensor = first_tensor(out)
@@ -381,7 +385,8 @@ def _function_mode(tapper: _Tapper):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = op_name(func)
-            inplace = name.endswith("_") and not tapper.busy and args and isinstance(args[0], torch.Tensor)
+            inplace = (name.endswith("_") and not tapper.busy and not tapper.result.ops_ended and args
+                       and isinstance(args[0], torch.Tensor))
             before = args[0].detach().clone() if inplace else None  # what an in-place op read
             out = func(*args, **kwargs)
             tapper.on_op(func, (before,) + tuple(args[1:]) if inplace else args, kwargs, out)
@@ -394,14 +399,16 @@ def _function_mode(tapper: _Tapper):
 def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool = False, row: int | None = None,
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
-        skip: tuple[str, ...] = ("",), ref_rows: bool = True, lazy_reference: bool = False) -> Iterator[Tap]:
+        skip: tuple[str, ...] = ("",), ref_rows: bool = True, lazy_reference: bool = False,
+        ops_through: str | None = None) -> Iterator[Tap]:
     """Capture while the block runs: every named submodule's inputs and output (forward), each torch
     function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter
     gradients (backward), cut to `window` (or batch `row`). `reference`: each module and op
     re-evaluated in float64 on its own inputs (Tapped.ref_error; `ref_rows`: on the window's row
     only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted);
     `keep_inputs=False` keeps outputs only; `lazy_reference`: each record's `reeval` evaluates its
-    float64 reference when called (the inputs stay referenced until then). The hooks are gone after the block.
+    float64 reference when called (on the inputs copied as the hooks ran); `ops_through`: no op recorded once the
+    module of that name has completed (modules still are). The hooks are gone after the block.
 
         with taps.tap(model, forward=True, backward=True, row=None) as t:
             model(**batch).loss.backward()
@@ -410,7 +417,7 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     window = window or Window(row=row)
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
                      layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows,
-                     lazy_reference=lazy_reference)
+                     lazy_reference=lazy_reference, ops_through=ops_through)
     with ExitStack() as stack:
         if backward:  # an embedding's integer input has no gradient: torch warns, nothing is wrong
             stack.enter_context(warnings.catch_warnings())

@@ -70,6 +70,7 @@ def _capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, s
             return nullcontext()
         tap = _tap_into(found, taps.tap(backend.model, window=cut, ops=spec.level == "ops", reference=spec.reference,
                                         max_bytes=spec.max_bytes, layers_only=spec.level == "layers", lazy_reference=True,
+                                        ops_through=spec.ops_through if spec.level == "ops" else None,
                                         ref_rows=not backend.options.batch_invariant))  # its attention reads every row's start
         return tap if spec.graft is None else _grafting(found, backend.model, cut, spec.graft, tap)
 
@@ -119,6 +120,9 @@ def _capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, s
                      "on the batch, so compare attention at the module level")
     if spec.level != "ops":
         notes.append("ops (torch functions) not captured (level 'ops' asks for them)")
+    elif spec.ops_through is not None and tap is not None:
+        notes.append(f"ops captured until {spec.ops_through} completed" + ("" if tap.ops_ended else " (it never did: every op)")
+                     + "; after it, modules only")
     return Capture(generations=gens, tensors=tensors, level=level, notes=notes, engine=_facts(backend, torch), seconds=seconds)
 
 

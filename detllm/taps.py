@@ -89,7 +89,12 @@ class _Tapper:
         above = {".".join(n.split(".")[:i]) for m, n in self.names.items() if self.kinds[m] == "layer" for i in range(n.count(".") + 1)}
         self.holders = {m for m, n in self.names.items() if n in above}  # a decoder layer's ancestors (by name: one pass)
         # the cache layers a module's subtree reads (its attentions' layer_idx): all a lazy reference copies of the cache
-        self.reads = {m: {i for s in m.modules() if isinstance(i := getattr(s, "layer_idx", None), int)} for m in self.names}
+        reads: dict[str, set[int]] = {}
+        for m, n in self.names.items():
+            if isinstance(i := vars(m).get("layer_idx"), int):
+                for k in range(n.count(".") + 2):
+                    reads.setdefault(".".join(n.split(".")[:k]), set()).add(i)
+        self.reads = {m: reads.get(n, set()) for m, n in self.names.items()}
         self.result = Tap()
         self.stack: list[Any] = []  # modules entered and not yet left (innermost last)
         self.snaps: dict[int, dict] = {}  # id(module) -> cache snapshot taken as it was entered
@@ -384,6 +389,8 @@ def _function_mode(tapper: _Tapper):
     class _Ops(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if tapper.result.ops_ended:  # past `ops_through`: nothing more to record
+                return func(*args, **kwargs)
             name = op_name(func)
             inplace = (name.endswith("_") and not tapper.busy and not tapper.result.ops_ended and args
                        and isinstance(args[0], torch.Tensor))

@@ -69,8 +69,9 @@ def _view(t: Any) -> Any:
     or off the CPU: `_numpy`'s one)."""
     import torch
 
-    t = t.detach()
-    return _numpy(t)[0] if t.device.type != "cpu" or t.dtype == torch.bfloat16 else t.numpy()
+    if not t.is_cpu or t.dtype == torch.bfloat16:
+        return _numpy(t)[0]
+    return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
 class _Tapper:
@@ -281,12 +282,12 @@ class _Tapper:
             self.busy = False
 
     # -- ops ---------------------------------------------------------------------------------------
-    def on_op(self, func, args, kwargs, out) -> None:
+    def on_op(self, func, args, kwargs, out, op: str | None = None) -> None:
         import torch
 
         if self.busy or self.layers_only or self.result.bounded or self.result.ops_ended:
             return
-        op = op_name(func)
+        op = op or op_name(func)
         tensor = first_tensor(out)
         if op in _SKIP_OPS or tensor is None or not tensor.is_floating_point() or not tensor.numel():
             return
@@ -386,17 +387,20 @@ def _function_mode(tapper: _Tapper):
     import torch
     from torch.overrides import TorchFunctionMode
 
+    known: dict[Any, tuple[str, bool]] = {}  # func -> (its name, whether it is recorded at all)
+
     class _Ops(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if tapper.result.ops_ended:  # past `ops_through`: nothing more to record
+            seen = known.get(func)
+            if seen is None:
+                seen = known[func] = (op_name(func), op_name(func) not in _SKIP_OPS)
+            if not seen[1] or tapper.result.ops_ended or tapper.busy:  # nothing to record: just run it
                 return func(*args, **kwargs)
-            name = op_name(func)
-            inplace = (name.endswith("_") and not tapper.busy and not tapper.result.ops_ended and args
-                       and isinstance(args[0], torch.Tensor))
+            inplace = seen[0].endswith("_") and args and isinstance(args[0], torch.Tensor)
             before = args[0].detach().clone() if inplace else None  # what an in-place op read
             out = func(*args, **kwargs)
-            tapper.on_op(func, (before,) + tuple(args[1:]) if inplace else args, kwargs, out)
+            tapper.on_op(func, (before,) + tuple(args[1:]) if inplace else args, kwargs, out, seen[0])
             return out
 
     return _Ops()

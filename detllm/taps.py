@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output, op_row
 from .core.opkinds import _SKIP_OPS, module_kind, op_kind, op_name  # noqa: F401 (grafthook names ops as taps do)
 from .core.window import Window  # noqa: F401 (re-exported: taps.Window)
+from .core.window import numpy_copy as _numpy, numpy_view as _view
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
 
@@ -52,26 +53,6 @@ class Tap:
 
     def by_name(self) -> dict[str, Tapped]:
         return {t.name: t for t in self.tensors}
-
-
-def _numpy(t: Any) -> tuple[Any, str]:
-    import torch
-
-    dtype = str(t.dtype).replace("torch.", "")
-    src = t.detach()
-    t = (src.float() if src.dtype == torch.bfloat16 else src).cpu()  # numpy has no bfloat16: float32 holds each value exactly
-    # one copy: the float() or cpu() above made one already, else copy the engine's memory once (never both)
-    return (t.numpy().copy() if t.data_ptr() == src.data_ptr() else t.numpy()), dtype
-
-
-def _view(t: Any) -> Any:
-    """Part of a tap's own copy (`_Tapper._own`) as numpy, sharing its memory: no second copy (bfloat16
-    or off the CPU: `_numpy`'s one)."""
-    import torch
-
-    if not t.is_cpu or t.dtype == torch.bfloat16:
-        return _numpy(t)[0]
-    return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
 class _Tapper:

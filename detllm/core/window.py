@@ -1,7 +1,7 @@
 """Which part of a batched tensor a capture keeps: the prompt's row and, along each position axis,
 its real positions (`Window`), read off a tensor of the whole batch or off a copy of the row alone
-(`taken`: the one copy a tap keeps of an input serves its float64 reference and its compared bytes).
-torch is imported by the callers; this module only slices the tensors it is given.
+(`taken`: the one copy a tap keeps of an input serves its float64 reference and its compared bytes),
+and that part as numpy (`numpy_copy`, `numpy_view`). torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -60,3 +60,24 @@ class Window:
             elif width in self.cuts:
                 t = t.narrow(dim, width - self.cuts[width], self.cuts[width])
         return t, clean
+
+
+def numpy_copy(t: Any) -> tuple[Any, str]:
+    """A copy of `t` as numpy (bfloat16 widened to float32, exactly) and the engine's dtype name."""
+    import torch
+
+    dtype = str(t.dtype).replace("torch.", "")
+    src = t.detach()
+    t = (src.float() if src.dtype == torch.bfloat16 else src).cpu()  # numpy has no bfloat16: float32 holds each value exactly
+    # one copy: the float() or cpu() above made one already, else copy the engine's memory once (never both)
+    return (t.numpy().copy() if t.data_ptr() == src.data_ptr() else t.numpy()), dtype
+
+
+def numpy_view(t: Any) -> Any:
+    """Part of a tap's own copy (`taps._Tapper._own`) as numpy, sharing its memory: no second copy
+    (bfloat16 or off the CPU: `numpy_copy`'s one)."""
+    import torch
+
+    if not t.is_cpu or t.dtype == torch.bfloat16:
+        return numpy_copy(t)[0]
+    return t.detach().numpy() if t.requires_grad else t.numpy()

@@ -8,9 +8,13 @@ peak captured bytes per side and wall time; then the totals. Optionally the batc
 extra cost instead: for N cases, locate with --graft off, right (the default) and both, each timed.
 `--cost PAIRS`: both costs side by side on batch 1 vs 8 (the capture overhead that locate records, the
 graft's extra wall and CPU), PAIRS alternated pairs of --graft off / right, medians, the load average.
+`--cost PAIRS --base COMMIT`: the capture overhead before and after instead: `detllm locate` (its defaults,
+`--graft off`) in a fresh process per locate, alternated between a worktree of COMMIT and this tree, on one
+check folder; per tree the medians of the re-runs with and without capture (cost.rerun_seconds, both sides),
+the overhead, and the whole locate's wall and CPU (os.wait4).
 
     .venv/bin/python benchmarks/bench_locate.py [--model smollm2-135m] [--cases 20] [--ops] [--reference]
-        [--batch] [--graft-cost N] [--cost PAIRS] [--json out.json]
+        [--batch] [--graft-cost N] [--cost PAIRS [--base COMMIT]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -150,6 +154,62 @@ def cost_pairs(model: str, tmp: Path, pairs: int, **locate_kw) -> dict:
     return res
 
 
+def cost_vs_base(model: str, tmp: Path, pairs: int, base: str) -> dict:
+    """The capture overhead of `base` (a detached worktree) and of this tree, alternated: each locate a
+    fresh `python -m detllm locate ... --graft off` with PYTHONPATH=<tree>, on one check folder made here."""
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent.parent
+    folder = tmp / "cost"
+    detllm.check(backend="hf", model=model, max_new_tokens=2, tier=2, runs=2, vary_batch=(1, 8), out=folder)
+    wt = tmp / "base"
+    made = subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", str(wt), base], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise SystemExit(f"cannot check out {base}: {made.stderr.strip()}")
+    trees, got = {"base": wt, "HEAD": here}, {"base": [], "HEAD": []}
+    load0 = os.getloadavg()
+    try:
+        for i in range(pairs + 1):  # pair 0 warms both trees' bytecode and page cache: not counted
+            for name in (("base", "HEAD") if i % 2 == 0 else ("HEAD", "base")):
+                out = tmp / f"b{i}{name}"
+                env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                t = time.perf_counter()
+                proc = subprocess.Popen([sys.executable, "-m", "detllm", "locate", f"{folder}::batch_1", f"{folder}::batch_8",
+                                         "--out", str(out), "--graft", "off"], cwd=trees[name], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                _, status, ru = os.wait4(proc.pid, 0)
+                wall, cpu = time.perf_counter() - t, ru.ru_utime + ru.ru_stime
+                if status != 0:
+                    raise SystemExit(f"{name}: locate exited {status}: {proc.stderr.read().decode()[-2000:]}")
+                doc = json.loads((out / "locate.json").read_text())
+                rs = doc["cost"]["rerun_seconds"]
+                row = {"wall": wall, "cpu": cpu, "op": (doc["first_bitwise_op"] or {}).get("module"),
+                       **{k: [rs["left"][k][u] + rs["right"][k][u] for u in (0, 1)] for k in ("with_capture", "without_capture")}}
+                row["overhead"] = [row["with_capture"][u] / row["without_capture"][u] - 1 for u in (0, 1)]
+                print(f"{'warm-up' if i == 0 else f'pair {i}'} {name:<4} locate wall {wall:6.2f} s cpu {cpu:6.2f} s; re-runs without "
+                      f"{row['without_capture'][0]:.2f}/{row['without_capture'][1]:.2f} s, with {row['with_capture'][0]:.2f}/"
+                      f"{row['with_capture'][1]:.2f} s (wall/cpu): overhead {100 * row['overhead'][0]:+.0f}% wall, "
+                      f"{100 * row['overhead'][1]:+.0f}% cpu; {row['op']}")
+                if i:
+                    got[name].append(row)
+    finally:
+        subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(wt)], capture_output=True)
+    load1 = os.getloadavg()
+    med = {n: {k: [statistics.median(r[k][u] for r in rows) for u in (0, 1)] for k in ("without_capture", "with_capture", "overhead")}
+           | {"locate": [statistics.median(r["wall"] for r in rows), statistics.median(r["cpu"] for r in rows)]}
+           for n, rows in got.items()}
+    print(f"\n{model}, batch 1 vs 8, {pairs} alternated pair(s), base {base} vs this tree; load average {load0[0]:.1f} before, "
+          f"{load1[0]:.1f} after (medians; wall / cpu)")
+    for n in ("base", "HEAD"):
+        m = med[n]
+        print(f"{n:<4}  re-runs without capture {m['without_capture'][0]:5.2f} / {m['without_capture'][1]:5.2f} s   with capture "
+              f"{m['with_capture'][0]:5.2f} / {m['with_capture'][1]:5.2f} s   overhead {100 * m['overhead'][0]:+4.0f}% / "
+              f"{100 * m['overhead'][1]:+4.0f}%   (target <= +50%)   locate {m['locate'][0]:5.2f} / {m['locate'][1]:5.2f} s")
+    return {"model": model, "base": base, "pairs": pairs, "load_before": load0, "load_after": load1, "median": med, "runs": got}
+
+
 def _pct(t: dict, unit: str) -> str:
     v = (t.get("overhead") or {}).get(unit)
     return "-" if v is None else f"{100 * v:+.0f}%"
@@ -165,9 +225,15 @@ def main() -> None:
     ap.add_argument("--graft-cost", type=int, default=0, help="the graft's extra cost on this many cases (instead of the naming run)")
     ap.add_argument("--cost", type=int, default=0, metavar="PAIRS",
                     help="the capture overhead and the graft's extra cost on batch 1 vs 8, PAIRS alternated pairs (instead)")
+    ap.add_argument("--base", metavar="COMMIT", help="with --cost: the capture overhead of COMMIT and of this tree, alternated")
     ap.add_argument("--json")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_locate_"))
+    if args.cost and args.base:
+        res = cost_vs_base(args.model, tmp, args.cost, args.base)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return
     if args.cost:
         res = cost_pairs(args.model, tmp, args.cost)
         if args.json:

@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output, op_row
 from .core.opkinds import _SKIP_OPS, module_kind, op_kind, op_name  # noqa: F401 (grafthook names ops as taps do)
+from .core.window import Window  # noqa: F401 (re-exported: taps.Window)
+from .core.window import numpy_copy as _numpy, numpy_view as _view
 
 LAYER_KINDS = ("embedding", "layer", "logits")  # the layer boundaries kept past the memory bound
 
@@ -38,57 +40,6 @@ class Tapped:
     reeval: Any = None  # lazy_reference: a call that sets ref_error (float64 on the inputs kept), None once run
 
 
-@dataclass(frozen=True)
-class Window:
-    """Which part of each batched tensor a tap keeps: batch row `row` (None: all), and along each
-    position axis the last `cuts[width]` entries of an axis `width` long (left padding: the real
-    positions are the last ones), so batch 1 and batch N captures of one prompt align."""
-
-    row: int | None = None
-    batch: int | None = None  # rows in the forward (None: dim 0 of a module's tensors is the batch)
-    cuts: dict[int, int] = field(default_factory=dict)  # padded width -> real positions kept
-    fixed: frozenset[int] = frozenset()  # feature sizes (hidden, heads...): an op's axis this long is never cut
-    heads: frozenset[int] = frozenset()  # attention head counts: an op's dim 0 of batch x heads is unfolded
-    in_pass_kv: bool = False  # an attention that read no cached K/V keeps those it wrote in the pass (in_pass_keys/values)
-
-    def module(self, t: Any) -> Any:
-        """A module's tensor in the Hugging Face layout [batch, position, ...]."""
-        if self.row is None or t.ndim == 0:
-            return t
-        if self.batch is None or t.shape[0] == self.batch:
-            t = t[self.row]
-            if t.ndim >= 1 and t.shape[0] in self.cuts and (t.ndim >= 2 or not t.is_floating_point()):
-                t = t[t.shape[0] - self.cuts[t.shape[0]]:]
-        return t
-
-    def axis(self, t: Any, dim: int) -> Any:
-        """Cut axis `dim` of a tensor whose batch row was taken already (cached K/V: [heads, position, dim])."""
-        if t.ndim > dim and t.shape[dim] in self.cuts:
-            return t.narrow(dim, t.shape[dim] - self.cuts[t.shape[dim]], self.cuts[t.shape[dim]])
-        return t
-
-    def everywhere(self, t: Any) -> tuple[Any, bool]:
-        """An op's or a mask's tensor, layout unknown: (the row of it, every axis of a padded width cut;
-        False where an axis could be a position or a feature axis and was left whole)."""
-        if self.row is None or t.ndim == 0:
-            return t, True
-        n = self.batch or 1
-        if t.shape[0] == n:
-            t = t[self.row]
-        elif n > 1 and t.shape[0] % n == 0 and (t.shape[0] // n in self.cuts or t.shape[0] // n in self.heads):
-            t = t.reshape(n, t.shape[0] // n, *t.shape[1:])[self.row]  # batch folded with heads or positions
-        else:
-            return t, False
-        clean = True
-        for dim in range(t.ndim):
-            width = t.shape[dim]
-            if width in self.cuts and width in self.fixed:
-                clean = False
-            elif width in self.cuts:
-                t = t.narrow(dim, width - self.cuts[width], self.cuts[width])
-        return t, clean
-
-
 @dataclass
 class Tap:
     """What a `tap` collected: the records in completion order and what was left out, in words."""
@@ -98,19 +49,10 @@ class Tap:
     nbytes: int = 0  # bytes of the numpy arrays kept
     bounded: bool = False  # past max_bytes: layer boundaries only from then on
     skipped_ref: Counter = field(default_factory=Counter)  # why a float64 re-evaluation was skipped -> modules
+    ops_ended: bool = False  # `ops_through` completed: no op recorded after it
 
     def by_name(self) -> dict[str, Tapped]:
         return {t.name: t for t in self.tensors}
-
-
-def _numpy(t: Any) -> tuple[Any, str]:
-    import torch
-
-    dtype = str(t.dtype).replace("torch.", "")
-    src = t.detach()
-    t = (src.float() if src.dtype == torch.bfloat16 else src).cpu()  # numpy has no bfloat16: float32 holds each value exactly
-    # one copy: the float() or cpu() above made one already, else copy the engine's memory once (never both)
-    return (t.numpy().copy() if t.data_ptr() == src.data_ptr() else t.numpy()), dtype
 
 
 class _Tapper:
@@ -118,7 +60,8 @@ class _Tapper:
 
     def __init__(self, model, *, window: Window, ops: bool, reference: bool, max_bytes: int | None,
                  layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True,
-                 lazy_reference: bool = False) -> None:
+                 lazy_reference: bool = False, ops_through: str | None = None) -> None:
+        self.ops_through = ops_through
         self.model, self.window, self.ops, self.reference, self.ref_rows = model, window, ops, reference, ref_rows
         self.lazy = lazy_reference
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
@@ -127,6 +70,13 @@ class _Tapper:
         self.kinds = {m: module_kind(n, m) for m, n in self.names.items()}
         above = {".".join(n.split(".")[:i]) for m, n in self.names.items() if self.kinds[m] == "layer" for i in range(n.count(".") + 1)}
         self.holders = {m for m, n in self.names.items() if n in above}  # a decoder layer's ancestors (by name: one pass)
+        # the cache layers a module's subtree reads (its attentions' layer_idx): all a lazy reference copies of the cache
+        reads: dict[str, set[int]] = {}
+        for m, n in self.names.items():
+            if isinstance(i := vars(m).get("layer_idx"), int):
+                for k in range(n.count(".") + 2):
+                    reads.setdefault(".".join(n.split(".")[:k]), set()).add(i)
+        self.reads = {m: reads.get(n, set()) for m, n in self.names.items()}
         self.result = Tap()
         self.stack: list[Any] = []  # modules entered and not yet left (innermost last)
         self.snaps: dict[int, dict] = {}  # id(module) -> cache snapshot taken as it was entered
@@ -152,46 +102,55 @@ class _Tapper:
             self.stack.pop()
         snap = self.snaps.pop(id(module), {})
         name, kind = self.names[module], self.kinds[module]
+        if name == self.ops_through:  # what follows it cannot hold the first op that differs (docs/locate.md)
+            self.result.ops_ended = True
         if self.layers_only and kind not in LAYER_KINDS:
             return None
         out = first_tensor(output)
         if out is None:
             return None
-        tensors, names, shapes = self._inputs(module, args, kwargs, snap, kind)
+        lazy = self.reference and self.lazy and module not in self.holders
+        if lazy and self.reads[module]:  # the K/V of the layers its attentions read: not every layer's
+            snap = {i: kv for i, kv in snap.items() if i in self.reads[module]}
+        own = self._own((args, kwargs, snap)) if lazy else None  # each input copied once: its reference and its bytes
+        tensors, names, shapes = self._inputs(module, args, kwargs, snap, kind, own)
         if self.window.in_pass_kv and kind == "attention":
             self._in_pass(module, args, kwargs, snap, tensors, names, shapes)
         rec = self._record(name, kind, out, tensors, names, shapes)
         if self.reference and rec is not None:
             if self.lazy and module in self.holders:  # never evaluated: holds nothing of the batch
-                rec.reeval = self._later(rec, [], lambda: self._reference(module, (), {}, {}, None, rec))
-            elif self.lazy and (kept := self._rows_kept((args, kwargs, snap))) is not None:  # the row's copy, not the batch
-                rec.reeval = self._later(rec, [], lambda: self._reference(module, *kept, None, rec, rowed=True))
-            elif self.lazy:
-                rec.reeval = self._later(rec, tensors, lambda: self._reference(module, args, kwargs, snap, None, rec))
+                rec.reeval = self._later(rec, lambda: self._reference(module, (), {}, {}, None, rec))
+            elif own is not None:
+                rec.reeval = self._later(rec, lambda: self._reference(module, *own[0], None, rec, rowed=self._rowed()))
             else:
                 self._reference(module, args, kwargs, snap, out, rec)
         return None
 
-    def _inputs(self, module, args, kwargs, snap, kind) -> tuple[list, list, list]:
+    def _inputs(self, module, args, kwargs, snap, kind, own: tuple | None = None) -> tuple[list, list, list]:
+        """Each tensor input's name, shape (as the module saw it) and kept part: cut from the input
+        itself, or, with `own` (_own's copies), from its copy, made numpy without a second copy."""
         import torch
 
         tensors, names, shapes = [], [], []
-        named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-        for key, value in named:
-            parts = [(key, value)] if isinstance(value, torch.Tensor) else (
-                [(f"{key}.{i}", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+        (cargs, ckwargs, csnap), taken = own if own is not None else ((args, kwargs, snap), ())
+        named = [(f"arg{i}", a, c) for i, (a, c) in enumerate(zip(args, cargs))] + [(k, v, ckwargs[k]) for k, v in kwargs.items()]
+        for key, value, copy in named:
+            parts = [(key, value, copy)] if isinstance(value, torch.Tensor) else (
+                [(f"{key}.{i}", v, c) for i, (v, c) in enumerate(zip(value, copy)) if isinstance(v, torch.Tensor)]
                 if isinstance(value, (tuple, list)) else [])
-            for label, t in parts:
+            for label, t, c in parts:
                 shapes.append(tuple(t.shape))
                 names.append(label)
-                tensors.append(self.window.everywhere(t)[0] if "mask" in label else self.window.module(t))
+                got = self.window.everywhere(c, id(c) in taken)[0] if "mask" in label else self.window.module(c, id(c) in taken)
+                tensors.append(_view(got) if own is not None else got)
         layer_idx = getattr(module, "layer_idx", None)
         if kind == "attention" and layer_idx in snap:
-            for label, t in zip(("past_keys", "past_values"), snap[layer_idx]):
+            for label, t, c in zip(("past_keys", "past_values"), snap[layer_idx], csnap[layer_idx]):
                 shapes.append(tuple(t.shape))
                 names.append(label)
-                cut = t[self.window.row] if self.window.row is not None else t
-                tensors.append(self.window.axis(cut, 1) if self.window.row is not None else cut)
+                cut = c[0 if id(c) in taken else self.window.row] if self.window.row is not None else c
+                got = self.window.axis(cut, 1) if self.window.row is not None else cut
+                tensors.append(_view(got) if own is not None else got)
         return tensors, names, shapes
 
     def _in_pass(self, module, args, kwargs, snap, tensors, names, shapes) -> None:
@@ -207,9 +166,11 @@ class _Tapper:
             tensors.append(self.window.axis(cut, 1) if self.window.row is not None else cut)
 
     def _record(self, name, kind, out, inputs, input_names, input_shapes, *, cut=None) -> Tapped | None:
+        import numpy as np
+
         kept = cut if cut is not None else self.window.module(out)
         arr, dtype = _numpy(kept)
-        arrays = [_numpy(t)[0] for t in inputs] if self.keep_inputs else []
+        arrays = [t if isinstance(t, np.ndarray) else _numpy(t)[0] for t in inputs] if self.keep_inputs else []
         size = arr.nbytes + sum(a.nbytes for a in arrays)
         if self.max_bytes is not None and self.result.nbytes + size > self.max_bytes and not self.result.bounded:
             self._bound(name)
@@ -230,27 +191,45 @@ class _Tapper:
         self.result.notes.append(f"captured tensors passed the bound of {self.max_bytes} bytes at {at}: layer "
                                  f"boundaries only ({', '.join(LAYER_KINDS)}), every other module and op dropped")
 
-    def _rows_kept(self, vals: tuple, op_rank: int | None = None) -> tuple | None:
-        """What a lazy float64 reference holds until asked: `vals` cut to the window's row and copied
-        (the batch's activations are let go), weights by reference; None: the row is not cut (ref_rows
-        off, one row, or an op whose arguments' dim 0 is not the batch): the caller keeps the batch."""
+    def _rowed(self) -> bool:
+        """Whether a lazy float64 reference keeps the window's row alone (rows are computed independently,
+        and the batch has several): else the whole batch's inputs (ref_rows off: batch_invariant)."""
+        w = self.window
+        return self.lazy and self.ref_rows and w.row is not None and bool(w.batch) and w.batch > 1
+
+    def _own(self, vals: tuple, op_rank: int | None = None) -> tuple[tuple, set[int]]:
+        """What a lazy float64 reference holds until asked, copied now (nothing the model writes later
+        reaches it) and once (the kept bytes are views of it): `vals`' tensors, weights by reference.
+        Where `_rowed`, a tensor is cut to the window's row first (kept as a batch of one): a module's
+        where its dim 0 is the batch (float64.one_row); an op's (`op_rank`: its output's rank, 0 when
+        its dim 0 is not the batch) where float64.op_row cuts them. Returns (copies, ids of the cut ones)."""
         import torch
 
-        w, n = self.window, self.window.batch
-        if not (self.lazy and self.ref_rows and w.row is not None and n and n > 1):
-            return None
-        if op_rank is None:
-            vals = one_row(vals, n, w.row)
-        elif (vals := op_row(vals[0], vals[1], op_rank, n, w.row, self.weights)) is None:
-            return None
+        w, n, taken = self.window, self.window.batch, set()
+        if not self._rowed():
+            cut = None
+        elif op_rank is None:
+            def cut(v):
+                return v.ndim and v.shape[0] == n
+        elif op_rank and op_row(vals[0], vals[1], op_rank, n, w.row, self.weights) is not None:
+            def cut(v):
+                return id(v) not in self.weights and v.ndim == op_rank and v.shape[0] == n
+        else:
+            cut = None
 
         def own(v: Any) -> Any:
             if isinstance(v, torch.Tensor):
+                if cut is not None and cut(v):
+                    c = v[w.row:w.row + 1].clone()
+                    taken.add(id(c))
+                    return c
                 return v if id(v) in self.weights else v.clone()
-            if isinstance(v, (tuple, list)):
-                return type(v)(own(x) for x in v)
+            if isinstance(v, tuple):
+                return tuple(own(x) for x in v)
+            if isinstance(v, list):
+                return [own(x) for x in v]
             return {k: own(x) for k, x in v.items()} if isinstance(v, dict) else v
-        return tuple(own(v) for v in vals)
+        return tuple(own(v) for v in vals), taken
 
     def _reference(self, module, args, kwargs, snap, out, rec: Tapped, rowed: bool = False) -> None:
         import numpy as np
@@ -262,7 +241,7 @@ class _Tapper:
         self.busy = True  # the copy carries these hooks too: they record nothing meanwhile
         try:
             w, n = self.window, self.window.batch
-            if rowed:  # cut to the row already (_rows_kept)
+            if rowed:  # cut to the row already (_own)
                 w = dataclasses.replace(w, row=0, batch=1)
             elif self.ref_rows and w.row is not None and n and n > 1:  # the row alone (each row is computed on its own)
                 args, kwargs, snap = (one_row(v, n, w.row) for v in (args, kwargs, snap))
@@ -284,12 +263,12 @@ class _Tapper:
             self.busy = False
 
     # -- ops ---------------------------------------------------------------------------------------
-    def on_op(self, func, args, kwargs, out) -> None:
+    def on_op(self, func, args, kwargs, out, op: str | None = None) -> None:
         import torch
 
-        if self.busy or self.layers_only or self.result.bounded:
+        if self.busy or self.layers_only or self.result.bounded or self.result.ops_ended:
             return
-        op = op_name(func)
+        op = op or op_name(func)
         tensor = first_tensor(out)
         if op in _SKIP_OPS or tensor is None or not tensor.is_floating_point() or not tensor.numel():
             return
@@ -300,33 +279,34 @@ class _Tapper:
         self.op_counts[key] += 1
         ins = [a for a in args if isinstance(a, torch.Tensor) and id(a) not in self.weights]
         cut, clean = self.window.everywhere(tensor)
-        views = [self.window.everywhere(a)[0] for a in ins]
+        shape = tuple(tensor.shape)
+        own = None
+        if self.reference and self.lazy:  # each input copied once: its float64 reference and its bytes
+            own = self._own((args, kwargs), len(shape) if shape and shape[0] == self.window.batch else 0)
+            taken = own[1]
+            views = [_view(self.window.everywhere(c, id(c) in taken)[0]) for a, c in zip(args, own[0][0])
+                     if isinstance(a, torch.Tensor) and id(a) not in self.weights]
+        else:
+            views = [self.window.everywhere(a)[0] for a in ins]
         rec = self._record(name, op_kind(op, self.kinds.get(owner, "other")), tensor, views,
                            [f"arg{i}" for i in range(len(ins))], [tuple(a.shape) for a in ins], cut=cut)
         if rec is None:
             return
         if not clean:
             self.whole.append(name)
-        shape = tuple(tensor.shape)
-        if self.reference and self.lazy and len(shape) and shape[0] == self.window.batch and \
-                (kept := self._rows_kept((args, kwargs), len(shape))) is not None:  # the row's copy, not the batch
-            rec.reeval = self._later(rec, [], lambda: self._op_reference(func, *kept, shape, None, rec, rowed=True))
-        elif self.reference and self.lazy:
-            rec.reeval = self._later(rec, views, lambda: self._op_reference(func, args, kwargs, shape, None, rec))
+        if own is not None:  # rowed: op_row cut the row (the row's copy, not the batch)
+            rec.reeval = self._later(rec, lambda: self._op_reference(func, *own[0], shape, None, rec, rowed=bool(own[1])))
         elif self.reference:
             self._op_reference(func, args, kwargs, tensor.shape, cut, rec)
 
-    def _later(self, rec: Tapped, views: list, fn) -> Any:
+    def _later(self, rec: Tapped, fn) -> Any:
         """A call that evaluates rec's float64 reference when asked (locate asks for the ops its rule
-        judges): the inputs are read then, so it first checks that the row of each still holds what
-        was captured (nothing wrote into it in place since); else ref_error stays None."""
+        judges), on the inputs `_own` copied while the forward ran."""
         def run() -> None:
             import torch
 
             rec.reeval = None
             with torch._C.DisableTorchFunction():
-                if any(_numpy(v)[0].tobytes() != a.tobytes() for v, a in zip(views, rec.inputs)):
-                    return
                 fn()
         return run
 
@@ -388,14 +368,20 @@ def _function_mode(tapper: _Tapper):
     import torch
     from torch.overrides import TorchFunctionMode
 
+    known: dict[Any, tuple[str, bool]] = {}  # func -> (its name, whether it is recorded at all)
+
     class _Ops(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            name = op_name(func)
-            inplace = name.endswith("_") and not tapper.busy and args and isinstance(args[0], torch.Tensor)
+            seen = known.get(func)
+            if seen is None:
+                seen = known[func] = (op_name(func), op_name(func) not in _SKIP_OPS)
+            if not seen[1] or tapper.result.ops_ended or tapper.busy:  # nothing to record: just run it
+                return func(*args, **kwargs)
+            inplace = seen[0].endswith("_") and args and isinstance(args[0], torch.Tensor)
             before = args[0].detach().clone() if inplace else None  # what an in-place op read
             out = func(*args, **kwargs)
-            tapper.on_op(func, (before,) + tuple(args[1:]) if inplace else args, kwargs, out)
+            tapper.on_op(func, (before,) + tuple(args[1:]) if inplace else args, kwargs, out, seen[0])
             return out
 
     return _Ops()
@@ -405,14 +391,16 @@ def _function_mode(tapper: _Tapper):
 def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool = False, row: int | None = None,
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
-        skip: tuple[str, ...] = ("",), ref_rows: bool = True, lazy_reference: bool = False) -> Iterator[Tap]:
+        skip: tuple[str, ...] = ("",), ref_rows: bool = True, lazy_reference: bool = False,
+        ops_through: str | None = None) -> Iterator[Tap]:
     """Capture while the block runs: every named submodule's inputs and output (forward), each torch
     function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter
     gradients (backward), cut to `window` (or batch `row`). `reference`: each module and op
     re-evaluated in float64 on its own inputs (Tapped.ref_error; `ref_rows`: on the window's row
     only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted);
     `keep_inputs=False` keeps outputs only; `lazy_reference`: each record's `reeval` evaluates its
-    float64 reference when called (the inputs stay referenced until then). The hooks are gone after the block.
+    float64 reference when called (on the inputs copied as the hooks ran); `ops_through`: no op recorded once the
+    module of that name has completed (modules still are). The hooks are gone after the block.
 
         with taps.tap(model, forward=True, backward=True, row=None) as t:
             model(**batch).loss.backward()
@@ -421,7 +409,7 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     window = window or Window(row=row)
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
                      layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows,
-                     lazy_reference=lazy_reference)
+                     lazy_reference=lazy_reference, ops_through=ops_through)
     with ExitStack() as stack:
         if backward:  # an embedding's integer input has no gradient: torch warns, nothing is wrong
             stack.enter_context(warnings.catch_warnings())

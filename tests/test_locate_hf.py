@@ -115,6 +115,26 @@ def test_real_batch_variance_is_located_to_an_op_with_shapes(batch_folder, cli):
     detllm.verify(batch_folder)  # locate.json sealed with the folder
 
 
+def test_ops_until_the_layer_found_name_what_every_op_names(batch_folder, tmp_path, monkeypatch):
+    """The ops re-run records ops only until the decoder layer holding the module the modules re-run found
+    completes: on real batch variance the op named, its tolerance, the category and the graft (outcome,
+    next op, counts) are those of a capture of every op; the rows after that layer are modules only."""
+    from detllm.locate import core
+
+    sel = (f"{batch_folder}::batch_1", f"{batch_folder}::batch_8")
+    cut = locate(*sel, out=tmp_path / "cut").doc
+    monkeypatch.setattr(core, "_through", lambda tensors, name: None)  # every op, as before
+    every = locate(*sel, out=tmp_path / "every").doc
+    assert cut["captured"]["ops_through"] == "model.layers.0" and "ops_through" not in every["captured"]
+    assert cut["first_bitwise_op"] == every["first_bitwise_op"] and cut["category"] == every["category"]
+    assert cut["graft"]["into_right"] == every["graft"]["into_right"], (cut["graft"], every["graft"])
+    end = next(r["order"] for r in cut["layers"] if r["module"] == "model.layers.0")
+    assert not any("/torch." in r["module"] for r in cut["layers"] if r["order"] > end)
+    assert any(r["module"] == "model.layers.1.mlp.down_proj" for r in cut["layers"])  # modules go on to the logits
+    assert any(r["module"].startswith("model.layers.1.") and "/torch." in r["module"] for r in every["layers"])
+    assert any("ops after model.layers.0 completed" in n for n in cut["not_captured"])
+
+
 def test_batch_invariant_mode_no_op_differs(tmp_path):
     out = tmp_path / "inv"
     detllm.check(backend="hf", model="tiny", max_new_tokens=2, tier=3, runs=2, vary_batch=(1, 8), out=out,

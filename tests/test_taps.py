@@ -109,6 +109,30 @@ def test_a_lazy_reference_is_the_eager_one_evaluated_when_asked(tiny):
     assert lazy.by_name()["model.layers.0.mlp.down_proj/torch.linear#0"].ref_error > 0
 
 
+def test_a_lazy_reference_reads_the_inputs_copied_during_the_forward(tiny):
+    """The lazy reference holds its own copy of each input, taken as the hook ran: a write into the
+    model's tensors afterwards reaches neither the compared bytes nor the float64 evaluated later."""
+    import torch
+
+    model, ids = tiny
+    eager, _ = _forward(model, ids, ops=True, reference=True)
+    seen: list = []
+    layer = model.model.layers[0].mlp.down_proj
+    grab = layer.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        lazy, _ = _forward(model, ids, ops=True, reference=True, lazy_reference=True)
+    finally:
+        grab.remove()
+    name = "model.layers.0.mlp.down_proj"
+    before = [a.copy() for a in lazy.by_name()[name].inputs]
+    with torch.inference_mode():
+        seen[0].mul_(3.0)  # the activation down_proj read, written after the capture
+    assert all(np.array_equal(a, b) for a, b in zip(lazy.by_name()[name].inputs, before))
+    for op in (name, name + "/torch.linear#0"):
+        lazy.by_name()[op].reeval()
+        assert lazy.by_name()[op].ref_error == eager.by_name()[op].ref_error, op  # evaluated on the copy, bit for bit
+
+
 def test_past_the_memory_bound_only_layer_boundaries_are_kept(tiny, plain):
     model, ids = tiny
     full, _ = plain

@@ -40,6 +40,7 @@ class CaptureSpec:
     graft: Graft | None = None  # overwrite one output at `step` (locate's causal test); a backend without it refuses
     run_to: int | None = None  # generate on through this step (> step) after the capture (a graft judged where the traces differ)
     time_bare: bool = False  # also time the captured step's forward without capture (Capture.seconds["bare"])
+    ops_through: str | None = None  # level ops: ops captured until this module completes (a modules capture named it), modules after
     warm_up: tuple = ()  # batches (tuples of Request) run first, after a cold start, to rebuild a cache the batch found warm (vLLM's prefix cache)
 
 

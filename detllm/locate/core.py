@@ -197,12 +197,13 @@ def _cached_prefix(doc: dict[str, Any]) -> None:
 
 
 def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int,
-                  reference: bool, strict: bool = True) -> list | None:
+                  reference: bool, strict: bool = True, ops_through: str | None = None) -> list | None:
     """Both sides captured at `step`; None (doc says why) when a side did not reproduce its trace:
     `strict`, that ends the search (not reproduced here); else only this capture is set aside."""
     # a side whose engine is loaded first: with one engine per process (vLLM) the other side's is let go once, not twice
     order = sorted(range(len(sides)), key=lambda i: not (sides[i].backend is not None and sides[i].backend.engine_loaded()))
-    caught = {i: reruns.capture(sides[i], step, level=level, max_bytes=bound // 2, tier=tier, reference=reference) for i in order}
+    caught = {i: reruns.capture(sides[i], step, level=level, max_bytes=bound // 2, tier=tier, reference=reference,
+                                ops_through=ops_through) for i in order}
     got = [caught[i] for i in range(len(sides))]
     for (cap, differs), r, key in zip(got, sides, ("left", "right")):
         if differs is not None and not strict:
@@ -252,15 +253,32 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
     asked = doc["step"]["what"] == "asked"  # a control: "no op differs" is claimed of the ops too
     if (ops and not layers_only and (verdict.first_bitwise is not None or asked) and all(r.runs < 2 and r.offers == "ops" for r in sides)
             and "layers" not in {c.level for c in caps}):
-        deeper = _capture_both(doc, sides, step, tier=tier, level="ops", bound=bound, reference=reference, strict=False)
+        # ops only until the decoder layer holding the module found completes: the first op that differs is inside that
+        # module or before it; the rest of its layer keeps the graft's next op at op level (docs/locate.md)
+        module = verdict.first_bitwise.left.name if verdict.first_bitwise is not None else None
+        through = _through(caps[0].tensors, module) if module is not None else None
+        deeper = _capture_both(doc, sides, step, tier=tier, level="ops", bound=bound, reference=reference, strict=False,
+                               ops_through=through)
         if deeper is not None:
             p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors, _rows(sides), kv=kv)
             v2 = judge(p2, evaluate=False)
             if v2.first_bitwise is not None or asked:
                 caps, pairs, only_l, only_r, verdict = deeper, p2, l2, r2, v2
+                if through is not None:
+                    doc["captured"]["ops_through"] = through
+                    doc["not_captured"].append(f"ops after {through} completed: modules only from there on ({module}, the first "
+                                               "module whose inputs agree but output differs, completes by then)")
     verdict = judge(pairs)  # the verdict kept, now with its float64 tolerance (a capture set aside cost none)
     _conclude(doc, caps, pairs, only_l, only_r, verdict, step, bound)
     return Found(caps, pairs, verdict)
+
+
+def _through(tensors: list, name: str) -> str:
+    """The module whose completion ends an ops capture: the decoder layer that holds module `name`
+    (a capture's records name them, kind "layer"), else `name` itself (the embedding, the final norm)."""
+    layers = {t.name for t in tensors if t.kind == "layer"}
+    parts = name.split(".")
+    return next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in layers), name)
 
 
 @dataclass

@@ -70,7 +70,8 @@ def _one(sides, found, name: str, *, into: str, step: int, reference: bool, boun
         level = "modules"
     spec = CaptureSpec(step=step if r.fixed_step is None else r.fixed_step, row=r.row, level=level,
                        max_bytes=bound // 2, reference=reference, warm_up=tuple(tuple(w) for w in r.warm),
-                       in_pass_kv=r.in_pass_kv, graft=Graft(name, value), run_to=later_step(doc, step))
+                       in_pass_kv=r.in_pass_kv, graft=Graft(name, value), run_to=later_step(doc, step),
+                       ops_through=doc["captured"].get("ops_through") if level == "ops" else None)  # as the search's capture
     with r.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = r.backend.capture(r.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rec["reruns"] += 1

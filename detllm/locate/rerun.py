@@ -142,9 +142,11 @@ def attach(rerun: Rerun, backend: Backend, *, shared: bool = False) -> None:
     rerun.warm = [filled(b) for b in rerun.warm]
 
 
-def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, reference: bool = True) -> tuple[Capture, str | None]:
+def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, reference: bool = True,
+            ops_through: str | None = None) -> tuple[Capture, str | None]:
     """Re-run the batch up to `step` capturing row `rerun.row`; returns the capture and what it
-    changed from the recorded trace (None: every member reproduced bitwise up to `step`)."""
+    changed from the recorded trace (None: every member reproduced bitwise up to `step`).
+    `ops_through`: at level ops, ops until that module completes (CaptureSpec.ops_through)."""
     if rerun.backend is None:
         start(rerun)
     assert rerun.backend is not None
@@ -153,7 +155,8 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
     cfg, applied = rerun.config, rerun.side.applied
     step = step if rerun.fixed_step is None else rerun.fixed_step
     spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference,
-                       warm_up=tuple(tuple(b) for b in rerun.warm), in_pass_kv=rerun.in_pass_kv, time_bare=step not in rerun.bare)
+                       warm_up=tuple(tuple(b) for b in rerun.warm), in_pass_kv=rerun.in_pass_kv, time_bare=step not in rerun.bare,
+                       ops_through=ops_through)
     with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rerun.runs += 1

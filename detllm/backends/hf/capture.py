@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from ...core import perturb
 from ...core.clock import add, clock, since
+from ...core.collector import heap_frozen
 from ... import taps
 from ...core.config import Decoding
 from ...core.errors import BackendError, UsageError
@@ -49,9 +50,15 @@ def window(model: Any, requests: Sequence[Request], spec: CaptureSpec) -> taps.W
 def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
             spec: CaptureSpec) -> Capture:
     """Backend.capture for hf. Run it inside `backend.determinism(...)` as the run was (seed, threads)."""
+    check_spec(requests, decoding, spec)
+    with heap_frozen():  # its records are long-lived: no full collection walks the model's objects meanwhile
+        return _capture(backend, requests, decoding, seed=seed, n_logprobs=n_logprobs, spec=spec)
+
+
+def _capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int,
+             spec: CaptureSpec) -> Capture:
     import torch
 
-    check_spec(requests, decoding, spec)
     notes: list[str] = []
     found: dict[str, taps.Tap] = {}
     cut = window(backend.model, requests, spec)
@@ -63,6 +70,7 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
             return nullcontext()
         tap = _tap_into(found, taps.tap(backend.model, window=cut, ops=spec.level == "ops", reference=spec.reference,
                                         max_bytes=spec.max_bytes, layers_only=spec.level == "layers", lazy_reference=True,
+                                        ops_through=spec.ops_through if spec.level == "ops" else None,
                                         ref_rows=not backend.options.batch_invariant))  # its attention reads every row's start
         return tap if spec.graft is None else _grafting(found, backend.model, cut, spec.graft, tap)
 
@@ -112,6 +120,9 @@ def capture(backend: Any, requests: Sequence[Request], decoding: Decoding, *, se
                      "on the batch, so compare attention at the module level")
     if spec.level != "ops":
         notes.append("ops (torch functions) not captured (level 'ops' asks for them)")
+    elif spec.ops_through is not None and tap is not None:
+        notes.append(f"ops captured until {spec.ops_through} completed" + ("" if tap.ops_ended else " (it never did: every op)")
+                     + "; after it, modules only")
     return Capture(generations=gens, tensors=tensors, level=level, notes=notes, engine=_facts(backend, torch), seconds=seconds)
 
 
@@ -123,7 +134,7 @@ def _on_demand(backend: Any, step: int, tapped: taps.Tapped, t: CapturedTensor, 
         import torch
 
         start, t.reeval = clock(), None
-        with torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
+        with heap_frozen(), torch.inference_mode(), perturb.applied(backend.model, backend.perturbation) as moved:
             if moved is not None:
                 moved.step = step
             tapped.reeval()

@@ -52,23 +52,29 @@ def test_concurrency_8_is_batched_by_the_server_and_recorded(concurrency_check):
     # loaded machine) the server's own per-request times add up to more than the group's wall time: disjoint ones cannot
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
     server_ms = sum(r["evidence"]["server_ms"] for r in at8)
-    assert (batch.get("server_busy_max") or 0) >= 2 or server_ms > wall, (batch, server_ms, wall)
-    # that rule is product code now (core/overlap.py): the verdict's own answer for the axis is "engaged"
+    together = (batch.get("server_busy_max") or 0) >= 2 or server_ms > wall
+    # that rule is product code now (core/overlap.py): the verdict's own answer for the axis follows it. On busy
+    # cores the server can still run the 8 one after another (seen: no /slots sample, 144 ms of server time in a
+    # 274 ms group): then the axis is not engaged and the verdict never says PASS
     e = next(c for c in report["comparisons"] if c["name"] == "batch 8 vs batch 1")["engagement"]
-    assert (e["axis"], e["answer"]) == ("concurrency", "engaged"), e
-    assert report["status"] in ("PASS", "FAIL") and batch["server_slots"] == 8
+    assert batch["server_slots"] == 8
     assert all(r["evidence"]["tokens_as"] == "ids" and r["evidence"]["prompt_as"] == "ids" for r in recs)
     cfg = json.loads((out / "run_config.json").read_text())
     assert cfg["model"]["weights_sha256"] is None and "remote" in cfg["model"]["remote"]
     env = json.loads((out / "env.json").read_text())
     assert env["backend"]["server"] == "llamacpp" and env["backend"]["props"]["total_slots"] == 8
+    if not together:
+        assert e["axis"] == "concurrency" and e["answer"] != "engaged" and report["status"] != "PASS", (e, report["status"])
+        return
+    assert (e["axis"], e["answer"]) == ("concurrency", "engaged"), e
+    assert report["status"] in ("PASS", "FAIL")
     batch_causes = [c for c in report["causes"] + report.get("info", []) if c["code"] == "BATCH_VARIANCE"]
     for c in batch_causes:  # the tiny model's logprobs do move with the batch: then the server's own account is named
         served = c["evidence"]["server_batching"]["right"]
-        assert served["in_flight"] == 8 and "server_busy_max" in served, served
+        assert served["in_flight"] == 8, served
         # /slots is sampled: a short decode on an idle machine can show one busy slot per sample (seen once in a
         # fresh-clone run); the server's own per-request times prove the overlap the samples missed
-        assert (served["server_busy_max"] or 0) >= 2 or server_ms > wall, (served, server_ms, wall)
+        assert (served.get("server_busy_max") or 0) >= 2 or server_ms > wall, (served, server_ms, wall)
     assert "server computed up to" in (out / "report.txt").read_text() or not batch_causes
 
 

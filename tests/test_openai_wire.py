@@ -1,7 +1,8 @@
 """The batch path's HTTP/1.1 transport (backends/openai/wire.py) against a real loopback server:
 the answers httpx would read (content-length, chunked, close-delimited, gzip), the connection kept
-for a request after a preconnect, and each failure as the httpx error load.py translates: refused,
-dropped before an answer, no answer in time. The proxy fallback (httpx) gives the same replies."""
+for a request after a preconnect and from one batch to the next (never one the server closed or one
+idle too long), and each failure as the httpx error load.py translates: refused, dropped before an
+answer, no answer in time. The proxy fallback (httpx) gives the same replies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from http.server import ThreadingHTTPServer
 import httpx
 import pytest
 
-from detllm.backends.openai import load
+from detllm.backends.openai import load, wire
 from detllm.backends.openai.load import Endpoint
 from detllm.backends.openai.wire import Connection
 from detllm.core.errors import BackendError, UsageError
@@ -73,6 +74,10 @@ class Server(StubServer):
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+                if mode == "hangup":  # a whole answer, then, once the client has it, a close without a word
+                    self.wfile.flush()
+                    time.sleep(0.2)
+                    self.close_connection = True
 
         self.serve(Handler, ThreadingHTTPServer)
 
@@ -148,6 +153,41 @@ def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeyp
     with pytest.raises(UsageError, match=r"rejected the request \(HTTP 429"):
         ep.send_batch("/busy", [{"prompt": "x"}], sample=None, interval=1.0)
     assert len(server.bodies) == sent + 2  # a 429 is sent again once (--opt retries=1), then reported
+
+
+def test_a_batch_reuses_the_last_batchs_open_connections(server, monkeypatch):
+    monkeypatch.setitem(load._SHARED, "proxies", False)
+    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    try:
+        before = len(server.peers)
+        for _ in range(3):
+            replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(4)], sample=None, interval=1.0)
+            assert [r.doc for r in replies] == [DOC] * 4
+        assert len(server.peers) == before + 4, "three batches of 4 on the first batch's 4 connections"
+        replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(6)], sample=None, interval=1.0)
+        assert len(replies) == 6 and len(server.peers) == before + 6, "4 reused, 2 new"
+        monkeypatch.setattr(wire, "KEEP_IDLE_S", 0.0)  # idle too long: none is reused
+        ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
+        assert len(server.peers) == before + 8
+    finally:
+        ep.close()
+    assert ep._pool is None and ep._runner is None
+
+
+def test_a_connection_the_server_closed_is_never_reused(server, monkeypatch):
+    """The server closes each connection after its answer (no Connection: close): every batch
+    opens new ones, and none fails on a connection that was closed under it."""
+    monkeypatch.setitem(load._SHARED, "proxies", False)
+    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    try:
+        before = len(server.peers)
+        for _ in range(3):
+            replies, _ = ep.send_batch("/hangup", [{"prompt": str(i)} for i in range(3)], sample=None, interval=1.0)
+            assert [r.doc for r in replies] == [DOC] * 3
+            time.sleep(1.0)  # the server's close arrives while no batch runs: seen by the poll, not by the loop
+        assert len(server.peers) == before + 9
+    finally:
+        ep.close()
 
 
 def test_https_with_the_clients_tls_context(tmp_path):

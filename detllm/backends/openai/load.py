@@ -99,6 +99,8 @@ class Endpoint:
             self._headers["Authorization"] = f"Bearer {api_key}"  # never logged: errors quote the URL, not the headers
         self.timeout, self.connect_timeout, self.retries = timeout, connect_timeout, retries
         self.running = False  # True once a run started: a refused connection then means the server went away
+        self._runner: Any = None  # the asyncio.Runner whose loop runs every batch (and holds the pool's connections)
+        self._pool: Any = None  # wire.Pool: the connections one batch leaves open for the next; None: a new one each
 
     def _timeout(self, httpx, timeout: float | None = None):
         return httpx.Timeout(timeout or self.timeout, connect=self.connect_timeout)
@@ -151,7 +153,34 @@ class Endpoint:
         """POST every body at once (one connection each) and return the replies in order, with
         the server's own view of its batch sampled from `sample` ("/slots" or "/metrics").
         `preconnect`: open every connection (GET /health) before any request body is sent."""
-        return _run(self._batch(path, list(bodies), sample, interval, preconnect))
+        return self._on_loop(self._batch(path, list(bodies), sample, interval, preconnect))
+
+    def _on_loop(self, coro):
+        """Run a batch on this endpoint's own event loop, kept from batch to batch (asyncio.Runner,
+        Python 3.11+) so that the connections one batch leaves open carry the next (wire.Pool). On 3.10,
+        or called from a running loop, on a new loop each time and no connection is kept. A failed or
+        interrupted batch closes the loop and its connections, as asyncio.run would."""
+        runner = getattr(asyncio, "Runner", None)
+        if runner is None or _loop_running():
+            self.close()
+            return _run(coro)
+        if self._runner is None:
+            from .wire import Pool
+
+            self._runner, self._pool = runner(), Pool(lambda: self._connections(1)[0])
+        try:
+            return self._runner.run(coro)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the connections kept between batches, then their loop. Safe to call twice."""
+        pool, runner, self._pool, self._runner = self._pool, self._runner, None, None
+        if pool is not None:
+            pool.close()
+        if runner is not None:
+            runner.close()  # runs the loop once more: the closed connections' sockets are released
 
     async def _batch(self, path: str, bodies: list[Any], sample: str | None, interval: float,
                      preconnect: bool = False) -> tuple[list[Reply], BatchEvidence]:
@@ -163,6 +192,9 @@ class Endpoint:
             # httpx where the environment names a proxy. The sampler's client is httpx's either way.
             if _env_proxies():
                 clients = [await stack.enter_async_context(self._client(httpx)) for _ in range(n)]
+            elif self._pool is not None:  # on this endpoint's own loop: the last batch's connections, where still open
+                clients = self._pool.take(n)
+                stack.callback(self._pool.give, clients)
             else:
                 clients = self._connections(n)
                 for c in clients:
@@ -309,6 +341,14 @@ class NoAnswer(str):
         self = super().__new__(cls, why)
         self.seconds = seconds
         return self
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _run(coro):

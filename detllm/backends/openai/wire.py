@@ -4,8 +4,9 @@ request where an httpx client costs 1.1 ms (benchmarks/bench_fleet.py): a fleet 
 
 Owns connecting (TLS included), writing a request, reading its answer under httpx's timeout rules
 (connect, then each write and each read) and raising httpx's own exception classes, so that load.py
-translates every failure in one place. No pool, redirects or proxies: with a proxy in the
-environment load.py sends the batch through httpx instead. h11 is imported lazily (the `openai` extra).
+translates every failure in one place, and the connections a batch leaves open for the next batch of
+the same endpoint (Pool). No redirects or proxies: with a proxy in the environment load.py sends the
+batch through httpx instead. h11 is imported lazily (the `openai` extra).
 """
 
 from __future__ import annotations
@@ -13,15 +14,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import socket
 import ssl
+import time
 import zlib
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 _READ = 1 << 16  # bytes per socket read
 _dumps = json.dumps  # `json` is httpx's argument name in post()
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+: a deadline without a task per wait
+# a connection idle longer is not reused: well under the servers' own keep-alive timeouts (5 s in
+# uvicorn, which vLLM and SGLang serve on, and in llama-server's cpp-httplib), so that none closes it
+# as a request goes out on it
+KEEP_IDLE_S = 2.0
 
 
 async def _within(aw: Any, seconds: float, exc: type[Exception]) -> Any:
@@ -161,6 +168,69 @@ class Connection:
             self._writer.close()
         self._reader = self._writer = self._h11 = None
 
+    def idle(self) -> bool:
+        """Open, its last answer read in full, and nothing read since (not even the server's close)."""
+        import h11
+
+        conn, reader, writer = self._h11, self._reader, self._writer
+        return (conn is not None and conn.our_state is h11.IDLE and conn.their_state is h11.IDLE and reader is not None
+                and writer is not None and not reader.at_eof() and not getattr(reader, "_buffer", b"?")
+                and not writer.transport.is_closing())
+
+    def fileno(self) -> int:
+        return self._writer.get_extra_info("socket").fileno()  # type: ignore[union-attr]
+
+
+class Pool:
+    """The connections one batch leaves open, carrying the next batch of the same endpoint: no new
+    TCP connection (and no new thread in a threading server) per request per batch. Only on the one
+    event loop they were opened on (load.py keeps it from batch to batch). A connection is reused only
+    when idle() and idle for less than KEEP_IDLE_S, and when nothing is waiting to be read on its
+    socket: what a server sends to an idle connection is its close (or a timeout answer)."""
+
+    def __init__(self, make: Callable[[], Connection]) -> None:
+        self._make = make
+        self._idle: list[tuple[float, Connection]] = []  # (when it became idle, the connection), oldest first
+
+    def take(self, n: int) -> list[Connection]:
+        """n connections: the most recently idle that may be reused, new ones for the rest."""
+        now, idle, self._idle = time.monotonic(), self._idle, []
+        live = [(t, c) for t, c in idle if now - t < KEEP_IDLE_S and c.idle()]
+        quiet = _quiet([c for _, c in live])
+        ok = [(t, c) for t, c in live if id(c) in quiet]  # oldest first
+        kept = {id(c) for _, c in ok}
+        for _, c in idle:
+            if id(c) not in kept:
+                c.close()
+        use = [c for _, c in reversed(ok[len(ok) - n:] if n < len(ok) else ok)]
+        self._idle = ok[:max(0, len(ok) - n)]
+        return use + [self._make() for _ in range(n - len(use))]
+
+    def give(self, conns: list[Connection]) -> None:
+        """A batch's connections back, once its answers are in: those idle() are kept, the others closed."""
+        now = time.monotonic()
+        for c in conns:
+            if c.idle():
+                self._idle.append((now, c))
+            else:
+                c.close()
+
+    def close(self) -> None:
+        for _, c in self._idle:
+            c.close()
+        self._idle = []
+
+
+def _quiet(conns: list[Connection]) -> set[int]:
+    """id() of each connection whose socket has nothing to read (one poll for all); none without poll()."""
+    if not conns or not hasattr(select, "poll"):
+        return set()
+    poller, by_fd = select.poll(), {c.fileno(): c for c in conns}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    readable = {fd for fd, _ in poller.poll(0)}
+    return {id(c) for fd, c in by_fd.items() if fd not in readable}
+
 
 def _decoded(content: bytes, encoding: str | None) -> bytes:
     """The body without its content-encoding (gzip or deflate, the two this client accepts)."""
@@ -182,4 +252,4 @@ def _decoded(content: bytes, encoding: str | None) -> bytes:
     raise httpx.DecodingError(f"the answer came with content-encoding {enc!r}, which was not asked for")
 
 
-__all__ = ["Answer", "Connection"]
+__all__ = ["KEEP_IDLE_S", "Answer", "Connection", "Pool"]

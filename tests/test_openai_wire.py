@@ -166,6 +166,8 @@ def test_a_batch_reuses_the_last_batchs_open_connections(server, monkeypatch):
         assert len(server.peers) == before + 4, "three batches of 4 on the first batch's 4 connections"
         replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(6)], sample=None, interval=1.0)
         assert len(replies) == 6 and len(server.peers) == before + 6, "4 reused, 2 new"
+        ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
+        assert len(server.peers) == before + 6 and len(ep._pool._idle) == 2, "2 reused, the 4 others closed, not kept idle"
         monkeypatch.setattr(wire, "KEEP_IDLE_S", 0.0)  # idle too long: none is reused
         ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
         assert len(server.peers) == before + 8

@@ -152,10 +152,13 @@ class Endpoint:
         return resp.status_code, _body(resp)
 
     def _client_sync(self, httpx) -> Any:
-        """The one httpx client of the one-off calls, its connections kept alive between them (a client
-        per call cost ~1 ms of CPU and a connection, ~11 times per endpoint before its first batch)."""
+        """The one httpx client of the one-off calls (a client per call cost ~1 ms of CPU, ~11 times per
+        endpoint). It keeps no connection open between calls: an idle one holds a thread of a server
+        with a thread pool (llama-server's cpp-httplib), which a batch then lacks (one fewer request
+        computed at once)."""
         if self._sync is None:
-            self._sync = httpx.Client(headers=self._headers, timeout=self._timeout(httpx), verify=_tls())
+            self._sync = httpx.Client(headers=self._headers, timeout=self._timeout(httpx), verify=_tls(),
+                                      limits=httpx.Limits(max_keepalive_connections=0))
         return self._sync
 
     # -- a group of requests started together --

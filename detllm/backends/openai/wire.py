@@ -186,7 +186,9 @@ class Pool:
     TCP connection (and no new thread in a threading server) per request per batch. Only on the one
     event loop they were opened on (load.py keeps it from batch to batch). A connection is reused only
     when idle() and idle for less than KEEP_IDLE_S, and when nothing is waiting to be read on its
-    socket: what a server sends to an idle connection is its close (or a timeout answer)."""
+    socket: what a server sends to an idle connection is its close (or a timeout answer). A batch
+    takes what it needs and the rest are closed: an idle connection holds a thread of a server with
+    a thread pool (llama-server's cpp-httplib), which the batch's own requests would then lack."""
 
     def __init__(self, make: Callable[[], Connection]) -> None:
         self._make = make
@@ -203,7 +205,8 @@ class Pool:
             if id(c) not in kept:
                 c.close()
         use = [c for _, c in reversed(ok[len(ok) - n:] if n < len(ok) else ok)]
-        self._idle = ok[:max(0, len(ok) - n)]
+        for _, c in ok[:max(0, len(ok) - n)]:  # none is left open idle while the batch runs: see Pool
+            c.close()
         return use + [self._make() for _ in range(n - len(use))]
 
     def give(self, conns: list[Connection]) -> None:

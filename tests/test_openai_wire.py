@@ -106,6 +106,22 @@ def test_every_body_framing_reads_the_same_answer(server, mode):
     assert ans.status_code == 200 and ans.json() == DOC
 
 
+@pytest.mark.parametrize("mode, by_h11", [("plain", False), ("gzip", False), ("busy", False), ("chunked", True), ("close", True)])
+def test_a_simply_framed_answer_is_read_without_h11_as_h11_reads_it(server, monkeypatch, mode, by_h11):
+    """Content-Length answers are read by wire._simple (h11 never built); chunked and close-delimited ones
+    by h11. Either way the status, headers and body are what h11 alone reads."""
+    sent = []
+    real = wire._h11_sent
+    monkeypatch.setattr(wire, "_h11_sent", lambda *a: sent.append(a) or real(*a))
+    fast = _post(server, mode)
+    assert bool(sent) is by_h11
+    monkeypatch.setattr(wire, "_simple", lambda buf, end: None)  # every answer through h11
+    slow = _post(server, mode)
+    assert (fast.status_code, fast.content) == (slow.status_code, slow.content)
+    drop = {"date"}  # the server's clock
+    assert {k: v for k, v in fast.headers.items() if k not in drop} == {k: v for k, v in slow.headers.items() if k not in drop}
+
+
 def test_the_request_is_what_httpx_sends(server):
     _post(server, "plain", {"prompt": "é", "temperature": 0.0, "seed": 7})
     assert server.bodies[-1] == json.dumps({"prompt": "é", "temperature": 0.0, "seed": 7}, ensure_ascii=False,
@@ -217,3 +233,16 @@ def test_https_with_the_clients_tls_context(tmp_path):
             asyncio.run(Connection(url, {}, timeout=10.0, connect_timeout=5.0, tls=ssl.create_default_context()).post(f"{url}/plain", json={}))
     finally:
         s.close()
+
+
+def test_the_request_bytes_are_h11s_and_a_bad_header_is_left_to_h11():
+    conn = Connection("http://127.0.0.1:8080/v1", {"Content-Type": "application/json", "Authorization": "Bearer k"},
+                      timeout=1.0, connect_timeout=1.0, tls=None)
+    for method, target, body in (("POST", "/v1/completions", '{"prompt":"é"}'.encode()), ("GET", "/health", None),
+                                 ("POST", "/v1/x?a=1&b=%20", b"{}")):
+        head = conn.head + ([("Content-Type", "application/json"), ("Content-Length", str(len(body)))] if body is not None else [])
+        assert conn._request_bytes(method, target, head, body) == wire._h11_sent(method, target, head, body)[1]
+    bad = Connection("http://127.0.0.1:8080/v1", {"Authorization": "Bearer k\r\nX-Injected: 1"}, timeout=1.0, connect_timeout=1.0,
+                     tls=None)
+    assert bad._request_bytes("GET", "/health", bad.head, None) is None, "h11 checks it (and refuses it) as before"
+    assert conn._request_bytes("GET", "/a b", conn.head, None) is None

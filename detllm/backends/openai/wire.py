@@ -1,6 +1,7 @@
 """The transport of a batch's requests (load.py's hot path): one connection per request on asyncio
-streams, the answer parsed by h11 (the HTTP/1.1 parser httpx itself runs on). About 0.3 ms of CPU per
-request where an httpx client costs 1.1 ms (benchmarks/bench_fleet.py): a fleet reads 800 answers at once.
+streams; an answer with a Content-Length read here, any other by h11 (the HTTP/1.1 parser httpx itself
+runs on). About 0.1-0.2 ms of CPU per request where an httpx client costs 1.1 ms (benchmarks/bench_fleet.py):
+a fleet reads 800 answers at once.
 
 Owns connecting (TLS included), writing a request, reading its answer under httpx's timeout rules
 (connect, then each write and each read) and raising httpx's own exception classes, so that load.py

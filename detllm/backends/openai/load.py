@@ -216,6 +216,8 @@ class Endpoint:
             elif self._pool is not None:  # on this endpoint's own loop: the last batch's connections, where still open
                 clients = self._pool.take(n)
                 stack.callback(self._pool.give, clients)
+                # new ones opened before any body goes out: a reused one would start a connect ahead (_send reports a failure)
+                await asyncio.gather(*(c.ensure_open() for c in clients if not c.idle()), return_exceptions=True)
             else:
                 clients = self._connections(n)
                 for c in clients:

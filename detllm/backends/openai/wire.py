@@ -84,6 +84,10 @@ class Connection:
         self._ready = False  # open, and at the start of a request (the last answer read in full, kept alive)
         self._head_ok: bool | None = None  # whether h11 accepts self.head (checked once)
 
+    async def ensure_open(self) -> None:
+        if not self._ready:
+            await self._open()
+
     async def get(self, url: str) -> Answer:
         return await self.request("GET", url, None)
 

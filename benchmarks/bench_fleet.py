@@ -13,12 +13,15 @@
 4. --profile: one in-process fleet check at 8 x --prompts with a cProfile per replica thread, timed by
    that thread's CPU clock (so GIL waits are not counted), and the CPU time of each thread.
 5. --base REV: 1 x and 8 x --prompts with the client of commit REV (a temporary worktree) and of this
-   tree, alternated pair by pair against the same stubs: each side's 8-vs-1 wall ratio and client CPU.
+   tree, alternated pair by pair against the same stubs: each side's 8-vs-1 wall ratio (median and per
+   pair), client CPU, the stubs' CPU at 8 x, peak RSS at 1 x and 8 x and its growth, the load average.
 
 Each client run is a fresh `detllm check` process; its CPU time and peak RSS come from
-getrusage(RUSAGE_CHILDREN) around it.
+getrusage(RUSAGE_CHILDREN) around it; the stub servers' CPU meanwhile (stub_cpu_s, "stub 8x") from
+/proc. They run on the client's cores: --stub asyncio serves the same answers from one asyncio thread
+(a third of the CPU), to tell how much of the wall is theirs.
 
-    .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--profile] [--base REV [--pairs 3]]
+    .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--profile] [--base REV [--pairs 3]] [--stub asyncio]
 """
 
 from __future__ import annotations
@@ -82,6 +85,50 @@ print(json.dumps([s.url for s in stubs]), flush=True)
 sys.stdin.read()  # until the benchmark closes our stdin
 """
 
+# --stub asyncio: the same answers from one asyncio thread per process instead of a thread per
+# connection, to tell how much of the 8 x wall is the stub servers' (they share the client's cores)
+ASYNC_STUBS = r"""
+import asyncio, json, sys
+n, sleep, tokens = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+top = {" a": -0.5, " b": -1.5, " c": -2.5, " d": -3.5, " e": -4.5}
+answer = json.dumps({"object": "text_completion", "model": "tiny", "choices": [{"index": 0, "text": " a" * tokens, "finish_reason": "length",
+          "logprobs": {"tokens": [" a"] * tokens, "token_logprobs": [-0.5] * tokens, "top_logprobs": [top] * tokens}}],
+          "usage": {"prompt_tokens": 4, "completion_tokens": tokens}}).encode()
+def reply(status, body):
+    return b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
+MODELS = reply(200, json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "stub"}]}).encode())
+async def handle(r, w):
+    try:
+        while True:
+            head = (await r.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            method, path = head[0].split(" ")[:2]
+            length = next((int(h.split(":", 1)[1]) for h in head[1:] if h.lower().startswith("content-length:")), 0)
+            if length:
+                await r.readexactly(length)
+            if method == "POST":
+                await asyncio.sleep(sleep)
+                w.write(reply(200, answer))
+            else:
+                w.write(MODELS if path == "/v1/models" else reply(200, b'{"status":"ok"}') if path == "/health" else reply(404, b"{}"))
+            await w.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        w.close()
+async def main():
+    servers = [await asyncio.start_server(handle, "127.0.0.1", 0, backlog=2048) for _ in range(n)]
+    print(json.dumps([f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}/v1" for s in servers]), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+asyncio.run(main())
+"""
+
+
+def start_stubs(args) -> subprocess.Popen:
+    """8 stub endpoints in a process of their own (--stub threads: the target's; asyncio: a lighter server)."""
+    code = ASYNC_STUBS if args.stub == "asyncio" else STUBS
+    return subprocess.Popen([sys.executable, "-c", code, str(REPO), "8", str(args.sleep), "16"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+
 
 def client(urls: list[str], prompts: Path, in_flight: int, runs: int, out: Path, extra: list[str] | None = None,
            tree: Path = REPO) -> dict:
@@ -118,17 +165,35 @@ def fresh_rss_client(*a, **kw) -> dict:
     return json.loads(proc.stdout)
 
 
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) a running process has used so far: the stub servers', which share
+    the client's cores (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_stub_cpu(stubs: subprocess.Popen, run, *a, **kw) -> dict:
+    """run(*a, **kw), with the CPU the stub process spent meanwhile as stub_cpu_s."""
+    before = process_cpu(stubs.pid)
+    row = run(*a, **kw)
+    after = process_cpu(stubs.pid)
+    row["stub_cpu_s"] = round(after - before, 2) if before is not None and after is not None else None
+    return row
+
+
 def show(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
-    keys = ["endpoints", "in_flight_each", "in_flight", "verdict", "wall_s", "cpu_s", "peak_rss_mib"]
+    keys = ["endpoints", "in_flight_each", "in_flight", "verdict", "wall_s", "cpu_s", "stub_cpu_s", "peak_rss_mib"]
     print("  " + "  ".join(f"{k:>14}" for k in keys))
     for r in rows:
         print("  " + "  ".join(f"{r.get(k)!s:>14}" for k in keys))
 
 
 def stub_figures(args, tmp: Path) -> None:
-    stubs = subprocess.Popen([sys.executable, "-c", STUBS, str(REPO), "8", str(args.sleep), "16"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    stubs = start_stubs(args)
     try:
         urls = json.loads(stubs.stdout.readline())
         prompts = tmp / "prompts.txt"
@@ -136,7 +201,7 @@ def stub_figures(args, tmp: Path) -> None:
         runs = []
         for name, use, each in (("one", urls[:1], args.prompts), ("eight_small", urls, 13), ("eight", urls, args.prompts)):
             out = tmp / f"out_{name}"
-            runs.append(fresh_rss_client(use, prompts, each, args.runs, out))
+            runs.append(with_stub_cpu(stubs, fresh_rss_client, use, prompts, each, args.runs, out))
             shutil.rmtree(out, ignore_errors=True)
         one, small, eight = runs
         show(f"1-2. stub endpoints answering after {args.sleep:g} s, {args.prompts} prompts x {args.runs} runs per endpoint, "
@@ -160,8 +225,7 @@ def versus_base(args, tmp: Path) -> None:
     made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.base], capture_output=True, text=True)
     if made.returncode != 0:
         raise SystemExit(f"cannot check out {args.base}: {made.stderr.strip()}")
-    stubs = subprocess.Popen([sys.executable, "-c", STUBS, str(REPO), "8", str(args.sleep), "16"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    stubs = start_stubs(args)
     try:
         urls = json.loads(stubs.stdout.readline())
         prompts = tmp / "prompts.txt"
@@ -176,7 +240,8 @@ def versus_base(args, tmp: Path) -> None:
             for side in (("base", "HEAD") if i % 2 == 0 else ("HEAD", "base")):
                 for name, use in (("1", urls[:1]), ("8", urls)):
                     out = tmp / f"vs_{side}_{name}"
-                    got.setdefault((side, name), []).append(fresh_rss_client(use, prompts, args.prompts, args.runs, out, tree=trees[side]))
+                    got.setdefault((side, name), []).append(
+                        with_stub_cpu(stubs, fresh_rss_client, use, prompts, args.prompts, args.runs, out, tree=trees[side]))
                     shutil.rmtree(out, ignore_errors=True)
         load1 = os.getloadavg()
     finally:
@@ -187,13 +252,16 @@ def versus_base(args, tmp: Path) -> None:
     print(f"\n5. base {args.base} vs HEAD, {args.pairs} alternated pairs: 1 x {args.prompts} and 8 x {args.prompts} in flight, "
           f"{args.runs} runs, stub answers after {args.sleep:g} s; load average {load0[0]:.1f} before, {load1[0]:.1f} after "
           f"(1-min), on {os.cpu_count()} CPUs")
-    print(f"  {'side':>6} {'wall 1x':>8} {'wall 8x':>8} {'8x/1x':>6} {'CPU 1x':>7} {'CPU 8x':>7} {'RSS 1x':>7} {'RSS 8x':>7}   per-pair 8x/1x")
+    print(f"  {'side':>6} {'wall 1x':>8} {'wall 8x':>8} {'8x/1x':>6} {'CPU 1x':>7} {'CPU 8x':>7} {'stub 8x':>7} {'RSS 1x':>7} "
+          f"{'RSS 8x':>7} {'growth':>7}   per-pair 8x/1x")
     for side in trees:
         one, eight = got[(side, "1")], got[(side, "8")]
         ratios = [e["wall_s"] / o["wall_s"] for o, e in zip(one, eight)]
+        stub = [r["stub_cpu_s"] for r in eight if r.get("stub_cpu_s") is not None]
+        rss1, rss8 = med(r['peak_rss_mib'] for r in one), med(r['peak_rss_mib'] for r in eight)
         print(f"  {side:>6} {med(r['wall_s'] for r in one):>7.2f}s {med(r['wall_s'] for r in eight):>7.2f}s {med(ratios):>5.2f}x "
               f"{med(r['cpu_s'] for r in one):>6.2f}s {med(r['cpu_s'] for r in eight):>6.2f}s "
-              f"{med(r['peak_rss_mib'] for r in one):>6.1f}M {med(r['peak_rss_mib'] for r in eight):>6.1f}M   "
+              f"{(f'{med(stub):.2f}s' if stub else '-'):>7} {rss1:>6.1f}M {rss8:>6.1f}M {rss8 - rss1:>+6.1f}M   "
               + " ".join(f"{x:.2f}" for x in ratios))
     b8, h8 = med(r["cpu_s"] for r in got[("base", "8")]), med(r["cpu_s"] for r in got[("HEAD", "8")])
     print(f"  client CPU at 8 x {args.prompts}: HEAD/base {h8 / b8:.2f}x (medians; CPU is the figure a shared machine does not move)")
@@ -258,8 +326,7 @@ print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:8
 def profile_figures(args, tmp: Path) -> None:
     """Where the client's CPU goes at 8 x --prompts in flight: one in-process fleet_check with a cProfile
     per replica thread and the CPU time of each thread and of the verdict."""
-    stubs = subprocess.Popen([sys.executable, "-c", STUBS, str(REPO), "8", str(args.sleep), "16"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    stubs = start_stubs(args)
     try:
         urls = json.loads(stubs.stdout.readline())
         prompts = tmp / "prompts_profile.txt"
@@ -316,6 +383,9 @@ def main() -> None:
     ap.add_argument("--base", metavar="REV", help="also run 1 x and 8 x --prompts with the client of commit REV and of this tree, "
                                                    "alternated (--pairs pairs)")
     ap.add_argument("--pairs", type=int, default=3, help="alternated base/HEAD pairs with --base")
+    ap.add_argument("--stub", choices=("threads", "asyncio"), default="threads",
+                    help="the stub servers: a thread per connection (the target's, default) or one asyncio thread, "
+                         "to tell how much of the wall is the stubs'")
     ap.add_argument("--skip-stub", action="store_true", help="skip sections 1-2 (with --base or --profile)")
     args = ap.parse_args()
     print(f"cpus: {os.cpu_count()}, python {sys.version.split()[0]}")

@@ -137,6 +137,55 @@ def test_fast_reader_settles_identical_payloads_unparsed_with_the_same_answers(t
     assert fast_a[1]["token_ids"] == [1, 2, 3], "a payload field parses on first access"
 
 
+def test_served_records_equal_but_for_their_evidence_are_settled_unparsed(tmp_path, monkeypatch):
+    """A served engine's records carry evidence (timings, retries) after finish_reason, different for
+    every request, and unknown input ids where the server tokenized the text: two such records with
+    the same generated fields are settled as identical without being parsed, with the answers the
+    walk gives; a logprob that differs, or a differing evidence before finish_reason, is still walked."""
+    from detllm.compare import engine
+    from detllm.core.versions import CURRENT
+    from detllm.compare.represent import EMPTY_IDS_SHA256, comparable
+
+    words = [" a", " b", " c"]
+    tops = [top((w, -0.1 * t), (w + "x", -0.1 * t - 1)) for t, w in enumerate(words, 1)]
+
+    def served(i: int, lps: list[float], ms: float) -> dict:  # a server that gave token strings, no ids
+        r = rec(i, [1, 2, 3], lps, tops, input_ids=())
+        r.update(schema_version=CURRENT, input_ids=None, input_ids_sha256=EMPTY_IDS_SHA256, token_ids=words, token_texts=words)
+        r["evidence"] = {"prompt_as": "text", "retries": 0, "timing_ms": [0.5, ms], "tokens_as": "strings"}
+        return r
+
+    records = [served(i, [-0.1, -0.2, -0.3], 10.0 + i) for i in range(4)]
+    other = [served(i, [-0.1, -0.2, -0.3], 20.0 + i) for i in range(4)]
+    other[1] = served(1, [-0.1, -0.2, -0.31], 21.0)
+    _write_trace(tmp_path / "a.jsonl", records)
+    _write_trace(tmp_path / "b.jsonl", other)
+    fast_a, _ = load_records(tmp_path / "a.jsonl")
+    fast_b, _ = load_records(tmp_path / "b.jsonl")
+    assert same_output(fast_a[0], fast_b[0]) and not same_output(fast_a[1], fast_b[1])
+    kw = dict(name="n", kind="diff", left_label="L", right_label="R", required=True, check_logprobs=True)
+    walked = compare(records, other, **kw)  # plain dicts: every pair walked
+    assert walked["prompts_diverged"] == 1 and walked["first_divergence"]["prompt_index"] == 1
+    calls = []
+    real = engine.first_divergence
+    monkeypatch.setattr(engine, "first_divergence", lambda a, b, **k: calls.append(a["prompt_index"]) or real(a, b, **k))
+    assert compare(fast_a, fast_b, **kw) == walked
+    assert calls == [1], "only the pair whose generated fields differ is walked"
+    unparsed = comparable(list(zip(fast_a, fast_b)))[2]  # records 0 and 3 were parsed as a sample
+    assert "token_ids" not in unparsed[0].keys() and unparsed[0]["input_ids_sha256"] is None
+    assert unparsed[0]["token_ids"] == words and unparsed[0]["input_ids_sha256"] is None, "read on demand, ids still unknown"
+    # evidence that is not where the runner writes it (before finish_reason) is compared with the payload
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text("".join(json.dumps({**{k: v for k, v in r.items() if k not in ("finish_reason", "evidence")},
+                                         "evidence": r["evidence"], "finish_reason": "length"}, separators=(",", ":")) + "\n"
+                             for r in records))
+    moved_b = tmp_path / "moved_b.jsonl"
+    moved_b.write_text(moved.read_text().replace('"timing_ms":[0.5,10.0]', '"timing_ms":[0.5,99.0]'))
+    (ma, *_), _ = load_records(moved)
+    (mb, *_), _ = load_records(moved_b)
+    assert not same_output(ma, mb)
+
+
 def test_fast_reader_accepts_other_key_orders(tmp_path):
     r = rec(0, [1, 2], [-0.1, -0.2], [top((1, -0.1)), top((2, -0.2))])
     shuffled = {k: r[k] for k in reversed(list(r))}

@@ -1,7 +1,8 @@
 """The batch path's HTTP/1.1 transport (backends/openai/wire.py) against a real loopback server:
 the answers httpx would read (content-length, chunked, close-delimited, gzip), the connection kept
-for a request after a preconnect, and each failure as the httpx error load.py translates: refused,
-dropped before an answer, no answer in time. The proxy fallback (httpx) gives the same replies."""
+for a request after a preconnect and from one batch to the next (never one the server closed or one
+idle too long), and each failure as the httpx error load.py translates: refused, dropped before an
+answer, no answer in time. The proxy fallback (httpx) gives the same replies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from http.server import ThreadingHTTPServer
 import httpx
 import pytest
 
-from detllm.backends.openai import load
+from detllm.backends.openai import load, wire
 from detllm.backends.openai.load import Endpoint
 from detllm.backends.openai.wire import Connection
 from detllm.core.errors import BackendError, UsageError
@@ -73,6 +74,10 @@ class Server(StubServer):
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+                if mode == "hangup":  # a whole answer, then, once the client has it, a close without a word
+                    self.wfile.flush()
+                    time.sleep(0.2)
+                    self.close_connection = True
 
         self.serve(Handler, ThreadingHTTPServer)
 
@@ -99,6 +104,22 @@ def _post(server, mode, body=None, timeout=10.0):
 def test_every_body_framing_reads_the_same_answer(server, mode):
     ans = _post(server, mode)
     assert ans.status_code == 200 and ans.json() == DOC
+
+
+@pytest.mark.parametrize("mode, by_h11", [("plain", False), ("gzip", False), ("busy", False), ("chunked", True), ("close", True)])
+def test_a_simply_framed_answer_is_read_without_h11_as_h11_reads_it(server, monkeypatch, mode, by_h11):
+    """Content-Length answers are read by wire._simple (h11 never built); chunked and close-delimited ones
+    by h11. Either way the status, headers and body are what h11 alone reads."""
+    sent = []
+    real = wire._h11_sent
+    monkeypatch.setattr(wire, "_h11_sent", lambda *a: sent.append(a) or real(*a))
+    fast = _post(server, mode)
+    assert bool(sent) is by_h11
+    monkeypatch.setattr(wire, "_simple", lambda buf, end: None)  # every answer through h11
+    slow = _post(server, mode)
+    assert (fast.status_code, fast.content) == (slow.status_code, slow.content)
+    drop = {"date"}  # the server's clock
+    assert {k: v for k, v in fast.headers.items() if k not in drop} == {k: v for k, v in slow.headers.items() if k not in drop}
 
 
 def test_the_request_is_what_httpx_sends(server):
@@ -150,6 +171,43 @@ def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeyp
     assert len(server.bodies) == sent + 2  # a 429 is sent again once (--opt retries=1), then reported
 
 
+def test_a_batch_reuses_the_last_batchs_open_connections(server, monkeypatch):
+    monkeypatch.setitem(load._SHARED, "proxies", False)
+    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    try:
+        before = len(server.peers)
+        for _ in range(3):
+            replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(4)], sample=None, interval=1.0)
+            assert [r.doc for r in replies] == [DOC] * 4
+        assert len(server.peers) == before + 4, "three batches of 4 on the first batch's 4 connections"
+        replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(6)], sample=None, interval=1.0)
+        assert len(replies) == 6 and len(server.peers) == before + 6, "4 reused, 2 new"
+        ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
+        assert len(server.peers) == before + 6 and len(ep._pool._idle) == 2, "2 reused, the 4 others closed, not kept idle"
+        monkeypatch.setattr(wire, "KEEP_IDLE_S", 0.0)  # idle too long: none is reused
+        ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
+        assert len(server.peers) == before + 8
+    finally:
+        ep.close()
+    assert ep._pool is None and ep._runner is None
+
+
+def test_a_connection_the_server_closed_is_never_reused(server, monkeypatch):
+    """The server closes each connection after its answer (no Connection: close): every batch
+    opens new ones, and none fails on a connection that was closed under it."""
+    monkeypatch.setitem(load._SHARED, "proxies", False)
+    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    try:
+        before = len(server.peers)
+        for _ in range(3):
+            replies, _ = ep.send_batch("/hangup", [{"prompt": str(i)} for i in range(3)], sample=None, interval=1.0)
+            assert [r.doc for r in replies] == [DOC] * 3
+            time.sleep(1.0)  # the server's close arrives while no batch runs: seen by the poll, not by the loop
+        assert len(server.peers) == before + 9
+    finally:
+        ep.close()
+
+
 def test_https_with_the_clients_tls_context(tmp_path):
     """An https base URL: the connection is TLS, checked against the context's CAs and the host name."""
     import shutil
@@ -175,3 +233,16 @@ def test_https_with_the_clients_tls_context(tmp_path):
             asyncio.run(Connection(url, {}, timeout=10.0, connect_timeout=5.0, tls=ssl.create_default_context()).post(f"{url}/plain", json={}))
     finally:
         s.close()
+
+
+def test_the_request_bytes_are_h11s_and_a_bad_header_is_left_to_h11():
+    conn = Connection("http://127.0.0.1:8080/v1", {"Content-Type": "application/json", "Authorization": "Bearer k"},
+                      timeout=1.0, connect_timeout=1.0, tls=None)
+    for method, target, body in (("POST", "/v1/completions", '{"prompt":"é"}'.encode()), ("GET", "/health", None),
+                                 ("POST", "/v1/x?a=1&b=%20", b"{}")):
+        head = conn.head + ([("Content-Type", "application/json"), ("Content-Length", str(len(body)))] if body is not None else [])
+        assert conn._request_bytes(method, target, head, body) == wire._h11_sent(method, target, head, body)[1]
+    bad = Connection("http://127.0.0.1:8080/v1", {"Authorization": "Bearer k\r\nX-Injected: 1"}, timeout=1.0, connect_timeout=1.0,
+                     tls=None)
+    assert bad._request_bytes("GET", "/health", bad.head, None) is None, "h11 checks it (and refuses it) as before"
+    assert conn._request_bytes("GET", "/a b", conn.head, None) is None

@@ -41,3 +41,23 @@ def test_a_bad_record_is_refused_and_abort_leaves_no_trace(tmp_path):
         w.write(record(token_ids=[-1, 6]))
     w.abort()
     assert not (tmp_path / "trace.jsonl").exists()
+
+
+def test_each_value_encoded_once_gives_json_dumps_lines_and_canonical_digests(tmp_path):
+    """The line is json.dumps of the record in its own key order and the digest is over canonical_json,
+    though each value is encoded once for both: evidence nested out of order, non-ASCII text and a
+    fresh_process flag included."""
+    from detllm.core.versions import CURRENT
+
+    recs = [record(logprobs=[-0.5, -0.25], top_logprobs=[[[5, -0.5]], [[6, -0.25]]]),
+            record(schema_version=CURRENT, prompt_index=1, text="é ☃ \"q\"\n", token_texts=["é", "☃"], logprobs=[-0.1, -0.2],
+                   top_logprobs=None, evidence={"timing_ms": [1.0, 2.5], "server_batch": {"source": None, "in_flight": 2},
+                                                "route": "/completions", "cache": {"side": "warm", "b": [{"z": 1, "a": 2}]}},
+                   fresh_process=True)]
+    w = artifacts.TraceWriter(tmp_path)
+    for r in recs:
+        w.write(r)
+    lines = w.finish().read_text(encoding="utf-8").splitlines()
+    assert lines == [json.dumps(r, ensure_ascii=False, separators=(",", ":"), allow_nan=False) for r in recs]
+    assert lines[1].index('"server_batch"') < lines[1].index('"route"'), "the line keeps the record's own order"
+    assert w.digests == [hashlib.sha256(canonical_json(r)).digest() for r in recs]

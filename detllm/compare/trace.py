@@ -104,12 +104,29 @@ class TraceRecord(dict):
 
 
 def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """True when both payloads are byte-identical (so nothing generated can differ)."""
+    """True when both payloads are byte-identical up to their evidence (so nothing generated can differ)."""
     if not (isinstance(a, TraceRecord) and isinstance(b, TraceRecord)) or a._src is None or b._src is None:
         return False
-    n = a._end - a._start
+    ea, eb = _generated_end(a), _generated_end(b)
+    n = ea - a._start
     # one copy, of a's payload; find() over a window exactly its size compares it with b's in place
-    return n == b._end - b._start and b._src.find(a._src[a._start:a._end], b._start, b._end) == b._start
+    return n == eb - b._start and b._src.find(a._src[a._start:ea], b._start, eb) == b._start
+
+
+_EVIDENCE = b',"evidence":'
+_FINISHED = (b'"finish_reason":"length"', b'"finish_reason":"stop"')
+
+
+def _generated_end(rec: TraceRecord) -> int:
+    """Where the generated fields of the payload end: before the evidence (what a served engine said
+    of the request: its timings, retries, batch), which no comparison reads and which differs between
+    any two requests, when it follows finish_reason as the runner writes it; else the payload's end.
+    Found from the end: a later `,"evidence":` (inside the evidence) only makes the span longer."""
+    src = rec._src
+    at = src.rfind(_EVIDENCE, rec._start, rec._end)
+    if at < 0 or not any(src[at - len(w):at] == w for w in _FINISHED):
+        return rec._end
+    return at
 
 
 # payloads below this many bytes on both sides stay on the reference path: numpy's import

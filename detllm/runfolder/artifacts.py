@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..core.errors import ArtifactError, UsageError
-from ..core.hashing import canonical_json
 from .records import check_trace_record  # the schema's fast equivalent: jsonschema is ~100x slower on traces
 # Schemas, stamping, JSON text and atomic writes live in schema_io (the bottom module); these
 # names stay importable from here for the code that has always used them.
@@ -64,6 +63,10 @@ def check_complete(folder: Path) -> None:
                             f"running ({PARTIAL} is there)", hint="re-run it; a partial folder is never compared, reported or packed")
 
 
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode  # a trace line's spelling
+_SORTED = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode  # canonical_json's
+
+
 class TraceWriter:
     """Appends validated records to `trace.jsonl.partial`; `finish()` renames it into place,
     so an interrupted run never leaves a trace.jsonl that looks complete. Keeps the sha256 of
@@ -78,16 +81,20 @@ class TraceWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         try:
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            parts = {k: _ENCODE(v) for k, v in record.items()}
         except ValueError:  # a NaN/inf logprob: rare, so the record is walked only then
             record = _finite(record)
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            parts = {k: _ENCODE(v) for k, v in record.items()}
         problem = check_trace_record(record)
         if problem is not None:
             raise ArtifactError(f"{TRACE} line {self.count + 1}: schema violation: {problem}")
-        self._f.write(line + "\n")
-        # the line keeps the runner's field order (compare/trace.py reads payloads by it); the chain is over canonical JSON
-        self.digests.append(hashlib.sha256(canonical_json(record)).digest())
+        # the line keeps the runner's field order (compare/trace.py reads payloads by it); the chain is over
+        # canonical JSON (canonical_json: sorted keys). Each value is encoded once for both: a valid record's
+        # values hold no object but the evidence (and what it nests), which the digest takes with sorted keys
+        keys = {k: _ENCODE(k) for k in record}
+        self._f.write("{" + ",".join(f"{keys[k]}:{parts[k]}" for k in record) + "}\n")
+        canonical = "{" + ",".join(f"{keys[k]}:{_SORTED(record[k]) if type(record[k]) is dict else parts[k]}" for k in sorted(record)) + "}"
+        self.digests.append(hashlib.sha256(canonical.encode("utf-8")).digest())
         self.count += 1
 
     def finish(self) -> Path:

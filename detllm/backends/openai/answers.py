@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from ...core.errors import BackendError
@@ -72,11 +73,25 @@ def steps(lp: Any) -> list[_Step] | None:
         tops = lp.get("top_logprobs") or [None] * len(tokens)
         for tok, l, top in zip(tokens, lps, tops):
             t, tid = _tok(tok, None)
-            pairs = [(*_tok(k, None), _f(v)) for k, v in (top or {}).items()]
-            pairs.sort(key=_rank)  # most likely first; stable, so ties keep the server's order
+            if type(top) is dict and _plain(top):  # the common case: text keys, finite float values (~2x faster)
+                pairs = [(k, None, v) for k, v in sorted(top.items(), key=_value, reverse=True)]  # reverse keeps ties in order
+            else:
+                pairs = [(*_tok(k, None), _f(v)) for k, v in (top or {}).items()]
+                pairs.sort(key=_rank)  # most likely first; stable, so ties keep the server's order
             out.append(_Step(t, tid, _f(l), pairs))
         return out
     return None
+
+
+def _plain(top: dict[Any, Any]) -> bool:
+    """Every key a token text (no vLLM 'token_id:N') and every value a finite float: taken as they are."""
+    for k, v in top.items():
+        if type(k) is not str or type(v) is not float or not -_INF < v < _INF or k.startswith("token_id:"):
+            return False
+    return True
+
+
+_value = itemgetter(1)
 
 
 def _rank(pair: tuple[str, int | None, float | None]) -> float:

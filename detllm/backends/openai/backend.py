@@ -220,6 +220,9 @@ class OpenAIBackend(Backend):
             batch["earlier_attempts"] = attempts
         return gens
 
+    def close(self) -> None:
+        self.endpoint.close()  # the connections kept from batch to batch, and their loop (load.py)
+
     def _slots(self) -> int | None:
         """llama-server's total slots (/props), read once: fewer than a group's requests cannot compute it together."""
         if not hasattr(self, "_total_slots"):

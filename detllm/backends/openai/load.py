@@ -99,6 +99,9 @@ class Endpoint:
             self._headers["Authorization"] = f"Bearer {api_key}"  # never logged: errors quote the URL, not the headers
         self.timeout, self.connect_timeout, self.retries = timeout, connect_timeout, retries
         self.running = False  # True once a run started: a refused connection then means the server went away
+        self._runner: Any = None  # the asyncio.Runner whose loop runs every batch (and holds the pool's connections)
+        self._pool: Any = None  # wire.Pool: the connections one batch leaves open for the next; None: a new one each
+        self._sync: Any = None  # the httpx.Client of get() and try_post()
 
     def _timeout(self, httpx, timeout: float | None = None):
         return httpx.Timeout(timeout or self.timeout, connect=self.connect_timeout)
@@ -114,8 +117,7 @@ class Endpoint:
         httpx = _httpx()
         timeout = min(timeout, self.timeout)
         try:
-            with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout), verify=_tls()) as client:
-                resp = client.get(self.url(path, root=root))
+            resp = self._client_sync(httpx).get(self.url(path, root=root), timeout=self._timeout(httpx, timeout))
         except httpx.TimeoutException as exc:
             why = f"{type(exc).__name__}: {exc}"
             return 0, (why if isinstance(exc, httpx.ConnectTimeout) else NoAnswer(why, timeout)), {}
@@ -125,9 +127,15 @@ class Endpoint:
 
     def post(self, path: str, body: Any, *, root: bool = False, what: str = "") -> Reply:
         """POST and raise a detllm error on failure (the same rules as a batch)."""
-        return _run(self._post_one(path, body, root=root, what=what))
+        return self._on_loop(self._post_one(path, body, root=root, what=what))
 
     async def _post_one(self, path: str, body: Any, *, root: bool, what: str) -> Reply:
+        if self._pool is not None and not _env_proxies():  # a connection the next batch can take on
+            (conn,) = self._pool.take(1)
+            try:
+                return await self._send(conn, path, body, root=root, what=what, t0=time.monotonic())
+            finally:
+                self._pool.give([conn])
         httpx = _httpx()
         async with httpx.AsyncClient(headers=self._headers, timeout=self._timeout(httpx), verify=_tls()) as client:
             return await self._send(client, path, body, root=root, what=what, t0=time.monotonic())
@@ -138,11 +146,20 @@ class Endpoint:
         httpx = _httpx()
         timeout = min(timeout, self.timeout)
         try:
-            with httpx.Client(headers=self._headers, timeout=self._timeout(httpx, timeout), verify=_tls()) as client:
-                resp = client.post(self.url(path, root=root), json=body)
+            resp = self._client_sync(httpx).post(self.url(path, root=root), json=body, timeout=self._timeout(httpx, timeout))
         except httpx.HTTPError as exc:
             return 0, f"{type(exc).__name__}: {exc or 'no detail'}"
         return resp.status_code, _body(resp)
+
+    def _client_sync(self, httpx) -> Any:
+        """The one httpx client of the one-off calls (a client per call cost ~1 ms of CPU, ~11 times per
+        endpoint). It keeps no connection open between calls: an idle one holds a thread of a server
+        with a thread pool (llama-server's cpp-httplib), which a batch then lacks (one fewer request
+        computed at once)."""
+        if self._sync is None:
+            self._sync = httpx.Client(headers=self._headers, timeout=self._timeout(httpx), verify=_tls(),
+                                      limits=httpx.Limits(max_keepalive_connections=0))
+        return self._sync
 
     # -- a group of requests started together --
 
@@ -151,7 +168,40 @@ class Endpoint:
         """POST every body at once (one connection each) and return the replies in order, with
         the server's own view of its batch sampled from `sample` ("/slots" or "/metrics").
         `preconnect`: open every connection (GET /health) before any request body is sent."""
-        return _run(self._batch(path, list(bodies), sample, interval, preconnect))
+        return self._on_loop(self._batch(path, list(bodies), sample, interval, preconnect))
+
+    def _on_loop(self, coro):
+        """Run a batch (or a POST) on this endpoint's own event loop, kept from call to call (asyncio.Runner,
+        Python 3.11+) so that the connections one leaves open carry the next (wire.Pool). On 3.10, or
+        called from a running loop, on a new loop each time and no connection is kept. A failure or an
+        interrupt closes the loop and its connections, as asyncio.run would."""
+        runner = getattr(asyncio, "Runner", None)
+        if runner is None or _loop_running():
+            self._drop_loop()
+            return _run(coro)
+        if self._runner is None:
+            from .wire import Pool
+
+            self._runner, self._pool = runner(), Pool(lambda: self._connections(1)[0])
+        try:
+            return self._runner.run(coro)
+        except BaseException:
+            self._drop_loop()
+            raise
+
+    def _drop_loop(self) -> None:
+        pool, runner, self._pool, self._runner = self._pool, self._runner, None, None
+        if pool is not None:
+            pool.close()
+        if runner is not None:
+            runner.close()  # runs the loop once more: the closed connections' sockets are released
+
+    def close(self) -> None:
+        """Close every connection kept between calls and batches, and their loop. Safe to call twice."""
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.close()
+        self._drop_loop()
 
     async def _batch(self, path: str, bodies: list[Any], sample: str | None, interval: float,
                      preconnect: bool = False) -> tuple[list[Reply], BatchEvidence]:
@@ -159,10 +209,15 @@ class Endpoint:
         n = len(bodies)
         evidence = BatchEvidence(sample)
         async with contextlib.AsyncExitStack() as stack:
-            # a connection per request (wire.py: ~0.3 ms of CPU each, an httpx client ~1.1 ms); through
+            # a connection per request (wire.py: ~0.1-0.2 ms of CPU each, an httpx client ~1.1 ms); through
             # httpx where the environment names a proxy. The sampler's client is httpx's either way.
             if _env_proxies():
                 clients = [await stack.enter_async_context(self._client(httpx)) for _ in range(n)]
+            elif self._pool is not None:  # on this endpoint's own loop: the last batch's connections, where still open
+                clients = self._pool.take(n)
+                stack.callback(self._pool.give, clients)
+                # new ones opened before any body goes out: a reused one would start a connect ahead (_send reports a failure)
+                await asyncio.gather(*(c.ensure_open() for c in clients if not c.idle()), return_exceptions=True)
             else:
                 clients = self._connections(n)
                 for c in clients:
@@ -309,6 +364,14 @@ class NoAnswer(str):
         self = super().__new__(cls, why)
         self.seconds = seconds
         return self
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _run(coro):

@@ -4,9 +4,12 @@ P and L2 / max-abs figures, H(B_t), h_t, the record validated and written) and w
 interleaved on one model, the median of each and their ratio, wall and CPU (user + sys). Each
 round runs one step without capture and one with each chain version named (--chain; default
 both: detllm-train/1 hashes P by SHA-256, /2 by BLAKE3), in a rotated order. Target (issue 36):
-capture <= 1.10x a bare step.
+capture <= 1.10x a bare step. --profile then takes one captured step apart: P alone, the figures
+alone and both per tensor (training/capture.py) over the gradients and the parameters on one thread,
+the pass on the step's threads, the rest of the record (H(B_t), R_t, validating and writing it), and
+cProfile's functions by own time over one captured step.
 
-    .venv/bin/python benchmarks/bench_training_capture.py [--pairs 10] [--model smollm2-135m] [--threads 2] [--chain detllm-train/2]
+    .venv/bin/python benchmarks/bench_training_capture.py [--pairs 10] [--model smollm2-135m] [--threads 2] [--chain detllm-train/2] [--profile]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--profile", action="store_true", help="then take one captured step apart (what its extra time is spent on)")
     args = ap.parse_args()
     chains = args.chain or ["detllm-train/1", "detllm-train/2"]
 
@@ -82,6 +86,76 @@ def main() -> None:
         won, con = med[c]
         print(f"  capture on ({c}): wall {won:.3f} s, ratio {won / woff:.3f} ({100 * (won / woff - 1):+.1f}%); "
               f"cpu {con:.3f} s, ratio {con / coff:.3f} ({100 * (con / coff - 1):+.1f}%)")
+    if args.profile:
+        profile(task, data, chains[-1], t, args.threads)
+
+
+def profile(task, data, chain: str, t: int, threads: int, rounds: int = 5) -> None:
+    """One captured step's extra work, part by part: CPU medians of `rounds` (ms)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from detllm.runfolder import schema_io
+    from detllm.training import rng
+    from detllm.training.capture import _measure, digests_with_figures, tensor_figures
+    from detllm.training.digest import rng_digest, tensor_bytes, tensor_digest_bytes, dtype_name, torch_batch_digest
+    from detllm.training.loop import StepsWriter
+    from detllm.training.steps import named_params, train_step
+
+    train_step(task, data, t, capture=False)  # every parameter has its gradient
+    params = named_params(task.model)
+    sets = {"gradients": [(n, p.grad) for n, p in params], "parameters": [(n, p.detach()) for n, p in params]}
+    size = sum(p.numel() * p.element_size() for _, p in params) / 1e6
+
+    def cpu_ms(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(rounds):
+            c0 = _cpu()
+            fn()
+            runs.append(1e3 * (_cpu() - c0))
+        return statistics.median(runs)
+
+    def wall_cpu_ms(fn) -> tuple[float, float]:
+        fn()
+        runs = []
+        for _ in range(rounds):
+            w0, c0 = time.perf_counter(), _cpu()
+            fn()
+            runs.append((1e3 * (time.perf_counter() - w0), 1e3 * (_cpu() - c0)))
+        return statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
+
+    before = torch.get_num_threads()
+    print(f"\none captured step taken apart ({chain}, {len(params)} tensors, {size:.0f} MB a pass, CPU medians of {rounds}, ms):")
+    for label, named in sets.items():
+        torch.set_num_threads(1)
+        p_ms = cpu_ms(lambda: [tensor_digest_bytes(n, dtype_name(x), tuple(x.shape), tensor_bytes(x), chain=chain) for n, x in named])
+        f_ms = cpu_ms(lambda: [tensor_figures(x) for _, x in named])
+        both = cpu_ms(lambda: [_measure(n, x, chain) for n, x in named])
+        torch.set_num_threads(threads)
+        w, c = wall_cpu_ms(lambda: digests_with_figures(named, chain))
+        print(f"  {label:10s} one thread: P {p_ms:6.1f}, figures {f_ms:6.1f}, both per tensor {both:6.1f};"
+              f" the pass on {threads} thread(s): wall {w:6.1f}, cpu {c:6.1f}")
+    batch = task.next_batch(data)
+    state = rng.capture(data)
+    print(f"  H(B_t) {cpu_ms(lambda: torch_batch_digest(batch.micro)):.2f}, RNG state and R_t {cpu_ms(lambda: rng_digest(rng.capture(data))):.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = StepsWriter(Path(tmp) / "steps.jsonl")
+        prof = cProfile.Profile()
+        prof.enable()
+        step = train_step(task, data, t + 1, capture=True, rng_state=state, h_prev=b"", chain=chain)
+        prof.disable()
+        print(f"  the record validated and written {cpu_ms(lambda: writer.write(step.record)):.2f}, "
+              f"validated alone {cpu_ms(lambda: schema_io.validate(step.record, 'train_step', where='x')):.2f}")
+        writer.finish()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    print("\ncProfile of one captured step, by own time (the main thread: worker threads show as waiting):")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip() and not line.startswith(("   Ordered", "   List"))))
+    torch.set_num_threads(before)
 
 
 def _cpu() -> float:

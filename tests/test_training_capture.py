@@ -45,15 +45,19 @@ def _tensors():
     nan[7] = float("nan")
     inf = torch.randn(64, generator=g)
     inf[3] = -float("inf")
-    return [("big", big), ("vec", torch.randn(4096, generator=g) * 1e-3), ("bf16", torch.randn(513, 3, generator=g).bfloat16()),
+    # above torch's grain size (32768 elements) in every dtype: a reduction that could split over threads
+    wide = {f"wide-{d}": torch.randn(400, 300, generator=g).to(d) for d in (torch.bfloat16, torch.float16, torch.float64)}
+    return [*wide.items(), ("big", big), ("vec", torch.randn(4096, generator=g) * 1e-3),
+            ("bf16", torch.randn(513, 3, generator=g).bfloat16()),
             ("f16", torch.randn(1000, generator=g).half()), ("f64", torch.randn(77, 5, generator=g, dtype=torch.float64)),
             ("none", None), ("empty", torch.zeros(0, 4)), ("nan", nan), ("inf", inf), ("negzero", torch.full((9,), -0.0)),
             ("negative", -torch.rand(33, generator=g) - 1.0), ("transposed", big[:, :50].t()), ("scalar", torch.tensor(-2.5))]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("chain", CHAINS)
 def test_per_tensor_pass_gives_the_grouped_pass_bits(threads, chain):
+    """The grouped pass computed the figures on the step's n threads; the workers compute on one each."""
     named = _tensors()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -66,7 +70,9 @@ def test_per_tensor_pass_gives_the_grouped_pass_bits(threads, chain):
     assert per == {n: torch_tensor_digest(n, t, chain=chain) for n, t in named}
     # repr compares the float bits that JSON would write (-0.0 and 0.0 differ; None for NaN and inf)
     assert [tuple(map(repr, f)) for f in figs] == [tuple(map(repr, f)) for f in want]
-    assert figs[[n for n, _ in named].index("negzero")] == (0.0, 0.0) and figs[5] == (None, None) and figs[7][0] is None
+    at = dict(zip((n for n, _ in named), figs))
+    assert at["negzero"] == (0.0, 0.0) and at["none"] == at["empty"] == (None, None) and at["nan"] == (None, None)
+    assert at["inf"] == (None, None) and at["negative"][1] > 1.0
 
 
 def test_workers_leave_the_thread_counts_as_they_were(monkeypatch):

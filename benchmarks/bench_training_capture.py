@@ -7,7 +7,9 @@ both: detllm-train/1 hashes P by SHA-256, /2 by BLAKE3), in a rotated order. Tar
 capture <= 1.10x a bare step. --profile then takes one captured step apart: P alone, the figures
 alone and both per tensor (training/capture.py) over the gradients and the parameters on one thread,
 the pass on the step's threads, the rest of the record (H(B_t), R_t, validating and writing it), and
-cProfile's functions by own time over one captured step.
+cProfile's functions by own time over one captured step. --grouped adds a mode that captures /2
+with the pass written before training/capture.py (P on n pool threads beside the figures grouped on
+torch's n threads), so before and after are measured in one alternated run.
 
     .venv/bin/python benchmarks/bench_training_capture.py [--pairs 10] [--model smollm2-135m] [--threads 2] [--chain detllm-train/2] [--profile]
 """
@@ -21,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--grouped", action="store_true", help="add a mode capturing /2 with the pass written before capture.py")
     ap.add_argument("--profile", action="store_true", help="then take one captured step apart (what its extra time is spent on)")
     args = ap.parse_args()
     chains = args.chain or ["detllm-train/1", "detllm-train/2"]
@@ -43,6 +47,8 @@ def main() -> None:
     from detllm.training import rng
     from detllm.training.check import make_config
     from detllm.training.loop import StepsWriter
+    from detllm.training import steps
+    from detllm.training.capture import digests_with_figures
     from detllm.training.steps import genesis_record, train_step
     from detllm.training.task import build_task
 
@@ -54,18 +60,24 @@ def main() -> None:
     task = build_task(config, path)
     data = rng.seed_all(0)
     params = sum(p.numel() for p in task.model.parameters())
-    modes = [None, *chains]  # None: capture off
+    modes = [None, *chains, *(["grouped"] if args.grouped else [])]  # None: capture off
     runs: dict[str | None, list[tuple[float, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        writers = {c: StepsWriter(Path(tmp) / f"steps{i}.jsonl") for i, c in enumerate(chains)}
-        heads = {c: genesis_record(task, {**config, "chain": c}, run=0, seed=0)[1] for c in chains}
+        captured = [m for m in modes if m is not None]
+        writers = {c: StepsWriter(Path(tmp) / f"steps{i}.jsonl") for i, c in enumerate(captured)}
+        heads = {c: genesis_record(task, {**config, "chain": _chain(c)}, run=0, seed=0)[1] for c in captured}
         t = 0
         for i in range(args.pairs + 2):
             k = i % len(modes)
             for mode in modes[k:] + modes[:k]:  # rotate which goes first
                 w0, c0 = time.perf_counter(), _cpu()
                 if mode is not None:
-                    step = train_step(task, data, t, capture=True, rng_state=rng.capture(data), h_prev=heads[mode], chain=mode)
+                    if mode == "grouped":
+                        steps.digests_with_figures = _grouped
+                    try:
+                        step = train_step(task, data, t, capture=True, rng_state=rng.capture(data), h_prev=heads[mode], chain=_chain(mode))
+                    finally:
+                        steps.digests_with_figures = digests_with_figures
                     writers[mode].write(step.record)
                     heads[mode] = step.h
                 else:
@@ -82,7 +94,7 @@ def main() -> None:
           f"{args.threads} threads, {args.pairs} steps each, medians; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}:")
     woff, coff = med[None]
     print(f"  capture off:                   wall {woff:.3f} s, cpu {coff:.3f} s")
-    for c in chains:
+    for c in captured:
         won, con = med[c]
         print(f"  capture on ({c}): wall {won:.3f} s, ratio {won / woff:.3f} ({100 * (won / woff - 1):+.1f}%); "
               f"cpu {con:.3f} s, ratio {con / coff:.3f} ({100 * (con / coff - 1):+.1f}%)")
@@ -156,6 +168,42 @@ def profile(task, data, chain: str, t: int, threads: int, rounds: int = 5) -> No
     print("\ncProfile of one captured step, by own time (the main thread: worker threads show as waiting):")
     print("\n".join(line for line in out.getvalue().splitlines() if line.strip() and not line.startswith(("   Ordered", "   List"))))
     torch.set_num_threads(before)
+
+
+def _chain(mode: str) -> str:
+    return "detllm-train/2" if mode == "grouped" else mode
+
+
+_HASHERS: dict[int, Any] = {}
+
+
+def _grouped(named, chain):
+    """The pass before training/capture.py (commit 31a8502): P on torch's n threads in a pool, beside
+    the figures of all the tensors on this thread (one _foreach_norm per dtype group, aminmax each)."""
+    import math
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from detllm.training.digest import torch_tensor_digest
+
+    n = torch.get_num_threads()
+    pool = _HASHERS.get(n) or _HASHERS.setdefault(n, ThreadPoolExecutor(n))
+    futures = [(name, pool.submit(torch_tensor_digest, name, t, chain=chain)) for name, t in named]
+    present = [t.detach() for _, t in named if t is not None and t.numel() > 0]
+    l2: list[Any] = [None] * len(present)
+    f32 = [i for i, t in enumerate(present) if t.dtype == torch.float32]
+    other = [i for i, t in enumerate(present) if t.dtype != torch.float32]
+    for idx, kw in ((f32, {}), (other, {"dtype": torch.float32})):
+        if idx:
+            for i, x in zip(idx, torch._foreach_norm([present[i].float() if present[i].dtype == torch.float64 else present[i]
+                                                      for i in idx], 2, **kw)):
+                l2[i] = x
+    mx = [torch.maximum(lo.abs(), hi.abs()).float() for lo, hi in (torch.aminmax(t) for t in present)]
+    pairs = iter(zip(torch.stack([x.float() for x in l2]).tolist(), torch.stack(mx).tolist()))
+    fin = (lambda v: v if math.isfinite(v) else None)
+    figs = [(None, None) if t is None or t.numel() == 0 else tuple(fin(v) for v in next(pairs)) for _, t in named]
+    return {name: f.result() for name, f in futures}, figs
 
 
 def _cpu() -> float:

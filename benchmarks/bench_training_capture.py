@@ -179,7 +179,8 @@ _HASHERS: dict[int, Any] = {}
 
 def _grouped(named, chain):
     """The pass before training/capture.py (commit 31a8502): P on torch's n threads in a pool, beside
-    the figures of all the tensors on this thread (one _foreach_norm per dtype group, aminmax each)."""
+    the figures of all the tensors on this thread (one _foreach_norm per dtype group, aminmax each);
+    on one thread P of every tensor first, then the figures."""
     import math
     from concurrent.futures import ThreadPoolExecutor
 
@@ -188,8 +189,12 @@ def _grouped(named, chain):
     from detllm.training.digest import torch_tensor_digest
 
     n = torch.get_num_threads()
-    pool = _HASHERS.get(n) or _HASHERS.setdefault(n, ThreadPoolExecutor(n))
-    futures = [(name, pool.submit(torch_tensor_digest, name, t, chain=chain)) for name, t in named]
+    if n < 2:  # one thread: P of every tensor, then the figures, in this thread
+        done = {name: torch_tensor_digest(name, t, chain=chain) for name, t in named}
+        futures = [(name, _Done(done[name])) for name, _ in named]
+    else:
+        pool = _HASHERS.get(n) or _HASHERS.setdefault(n, ThreadPoolExecutor(n))
+        futures = [(name, pool.submit(torch_tensor_digest, name, t, chain=chain)) for name, t in named]
     present = [t.detach() for _, t in named if t is not None and t.numel() > 0]
     l2: list[Any] = [None] * len(present)
     f32 = [i for i, t in enumerate(present) if t.dtype == torch.float32]
@@ -204,6 +209,14 @@ def _grouped(named, chain):
     fin = (lambda v: v if math.isfinite(v) else None)
     figs = [(None, None) if t is None or t.numel() == 0 else tuple(fin(v) for v in next(pairs)) for _, t in named]
     return {name: f.result() for name, f in futures}, figs
+
+
+class _Done:
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def result(self) -> bytes:
+        return self.value
 
 
 def _cpu() -> float:

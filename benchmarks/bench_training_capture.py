@@ -4,9 +4,14 @@ P and L2 / max-abs figures, H(B_t), h_t, the record validated and written) and w
 interleaved on one model, the median of each and their ratio, wall and CPU (user + sys). Each
 round runs one step without capture and one with each chain version named (--chain; default
 both: detllm-train/1 hashes P by SHA-256, /2 by BLAKE3), in a rotated order. Target (issue 36):
-capture <= 1.10x a bare step.
+capture <= 1.10x a bare step. --profile then takes one captured step apart: P alone, the figures
+alone and both per tensor (training/capture.py) over the gradients and the parameters on one thread,
+the pass on the step's threads, the rest of the record (H(B_t), R_t, validating and writing it), and
+cProfile's functions by own time over one captured step. --grouped adds a mode that captures /2
+with the pass written before training/capture.py (P on n pool threads beside the figures grouped on
+torch's n threads), so before and after are measured in one alternated run.
 
-    .venv/bin/python benchmarks/bench_training_capture.py [--pairs 10] [--model smollm2-135m] [--threads 2] [--chain detllm-train/2]
+    .venv/bin/python benchmarks/bench_training_capture.py [--pairs 10] [--model smollm2-135m] [--threads 2] [--chain detllm-train/2] [--profile]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -29,6 +35,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--grouped", action="store_true", help="add a mode capturing /2 with the pass written before capture.py")
+    ap.add_argument("--profile", action="store_true", help="then take one captured step apart (what its extra time is spent on)")
     args = ap.parse_args()
     chains = args.chain or ["detllm-train/1", "detllm-train/2"]
 
@@ -39,6 +47,8 @@ def main() -> None:
     from detllm.training import rng
     from detllm.training.check import make_config
     from detllm.training.loop import StepsWriter
+    from detllm.training import steps
+    from detllm.training.capture import digests_with_figures
     from detllm.training.steps import genesis_record, train_step
     from detllm.training.task import build_task
 
@@ -50,18 +60,24 @@ def main() -> None:
     task = build_task(config, path)
     data = rng.seed_all(0)
     params = sum(p.numel() for p in task.model.parameters())
-    modes = [None, *chains]  # None: capture off
+    modes = [None, *chains, *(["grouped"] if args.grouped else [])]  # None: capture off
     runs: dict[str | None, list[tuple[float, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        writers = {c: StepsWriter(Path(tmp) / f"steps{i}.jsonl") for i, c in enumerate(chains)}
-        heads = {c: genesis_record(task, {**config, "chain": c}, run=0, seed=0)[1] for c in chains}
+        captured = [m for m in modes if m is not None]
+        writers = {c: StepsWriter(Path(tmp) / f"steps{i}.jsonl") for i, c in enumerate(captured)}
+        heads = {c: genesis_record(task, {**config, "chain": _chain(c)}, run=0, seed=0)[1] for c in captured}
         t = 0
         for i in range(args.pairs + 2):
             k = i % len(modes)
             for mode in modes[k:] + modes[:k]:  # rotate which goes first
                 w0, c0 = time.perf_counter(), _cpu()
                 if mode is not None:
-                    step = train_step(task, data, t, capture=True, rng_state=rng.capture(data), h_prev=heads[mode], chain=mode)
+                    if mode == "grouped":
+                        steps.digests_with_figures = _grouped
+                    try:
+                        step = train_step(task, data, t, capture=True, rng_state=rng.capture(data), h_prev=heads[mode], chain=_chain(mode))
+                    finally:
+                        steps.digests_with_figures = digests_with_figures
                     writers[mode].write(step.record)
                     heads[mode] = step.h
                 else:
@@ -78,10 +94,129 @@ def main() -> None:
           f"{args.threads} threads, {args.pairs} steps each, medians; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}:")
     woff, coff = med[None]
     print(f"  capture off:                   wall {woff:.3f} s, cpu {coff:.3f} s")
-    for c in chains:
+    for c in captured:
         won, con = med[c]
         print(f"  capture on ({c}): wall {won:.3f} s, ratio {won / woff:.3f} ({100 * (won / woff - 1):+.1f}%); "
               f"cpu {con:.3f} s, ratio {con / coff:.3f} ({100 * (con / coff - 1):+.1f}%)")
+    if args.profile:
+        profile(task, data, chains[-1], t, args.threads)
+
+
+def profile(task, data, chain: str, t: int, threads: int, rounds: int = 5) -> None:
+    """One captured step's extra work, part by part: CPU medians of `rounds` (ms)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from detllm.runfolder import schema_io
+    from detllm.training import rng
+    from detllm.training.capture import _measure, digests_with_figures, tensor_figures
+    from detllm.training.digest import rng_digest, tensor_bytes, tensor_digest_bytes, dtype_name, torch_batch_digest
+    from detllm.training.loop import StepsWriter
+    from detllm.training.steps import named_params, train_step
+
+    train_step(task, data, t, capture=False)  # every parameter has its gradient
+    params = named_params(task.model)
+    sets = {"gradients": [(n, p.grad) for n, p in params], "parameters": [(n, p.detach()) for n, p in params]}
+    size = sum(p.numel() * p.element_size() for _, p in params) / 1e6
+
+    def cpu_ms(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(rounds):
+            c0 = _cpu()
+            fn()
+            runs.append(1e3 * (_cpu() - c0))
+        return statistics.median(runs)
+
+    def wall_cpu_ms(fn) -> tuple[float, float]:
+        fn()
+        runs = []
+        for _ in range(rounds):
+            w0, c0 = time.perf_counter(), _cpu()
+            fn()
+            runs.append((1e3 * (time.perf_counter() - w0), 1e3 * (_cpu() - c0)))
+        return statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
+
+    before = torch.get_num_threads()
+    print(f"\none captured step taken apart ({chain}, {len(params)} tensors, {size:.0f} MB a pass, CPU medians of {rounds}, ms):")
+    for label, named in sets.items():
+        torch.set_num_threads(1)
+        p_ms = cpu_ms(lambda: [tensor_digest_bytes(n, dtype_name(x), tuple(x.shape), tensor_bytes(x), chain=chain) for n, x in named])
+        f_ms = cpu_ms(lambda: [tensor_figures(x) for _, x in named])
+        both = cpu_ms(lambda: [_measure(n, x, chain) for n, x in named])
+        torch.set_num_threads(threads)
+        w, c = wall_cpu_ms(lambda: digests_with_figures(named, chain))
+        print(f"  {label:10s} one thread: P {p_ms:6.1f}, figures {f_ms:6.1f}, both per tensor {both:6.1f};"
+              f" the pass on {threads} thread(s): wall {w:6.1f}, cpu {c:6.1f}")
+    batch = task.next_batch(data)
+    state = rng.capture(data)
+    print(f"  H(B_t) {cpu_ms(lambda: torch_batch_digest(batch.micro)):.2f}, RNG state and R_t {cpu_ms(lambda: rng_digest(rng.capture(data))):.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = StepsWriter(Path(tmp) / "steps.jsonl")
+        prof = cProfile.Profile()
+        prof.enable()
+        step = train_step(task, data, t + 1, capture=True, rng_state=state, h_prev=b"", chain=chain)
+        prof.disable()
+        print(f"  the record validated and written {cpu_ms(lambda: writer.write(step.record)):.2f}, "
+              f"validated alone {cpu_ms(lambda: schema_io.validate(step.record, 'train_step', where='x')):.2f}")
+        writer.finish()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    print("\ncProfile of one captured step, by own time (the main thread: worker threads show as waiting):")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip() and not line.startswith(("   Ordered", "   List"))))
+    torch.set_num_threads(before)
+
+
+def _chain(mode: str) -> str:
+    return "detllm-train/2" if mode == "grouped" else mode
+
+
+_HASHERS: dict[int, Any] = {}
+
+
+def _grouped(named, chain):
+    """The pass before training/capture.py (commit 31a8502): P on torch's n threads in a pool, beside
+    the figures of all the tensors on this thread (one _foreach_norm per dtype group, aminmax each);
+    on one thread P of every tensor first, then the figures."""
+    import math
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from detllm.training.digest import torch_tensor_digest
+
+    n = torch.get_num_threads()
+    if n < 2:  # one thread: P of every tensor, then the figures, in this thread
+        done = {name: torch_tensor_digest(name, t, chain=chain) for name, t in named}
+        futures = [(name, _Done(done[name])) for name, _ in named]
+    else:
+        pool = _HASHERS.get(n) or _HASHERS.setdefault(n, ThreadPoolExecutor(n))
+        futures = [(name, pool.submit(torch_tensor_digest, name, t, chain=chain)) for name, t in named]
+    present = [t.detach() for _, t in named if t is not None and t.numel() > 0]
+    l2: list[Any] = [None] * len(present)
+    f32 = [i for i, t in enumerate(present) if t.dtype == torch.float32]
+    other = [i for i, t in enumerate(present) if t.dtype != torch.float32]
+    for idx, kw in ((f32, {}), (other, {"dtype": torch.float32})):
+        if idx:
+            for i, x in zip(idx, torch._foreach_norm([present[i].float() if present[i].dtype == torch.float64 else present[i]
+                                                      for i in idx], 2, **kw)):
+                l2[i] = x
+    mx = [torch.maximum(lo.abs(), hi.abs()).float() for lo, hi in (torch.aminmax(t) for t in present)]
+    pairs = iter(zip(torch.stack([x.float() for x in l2]).tolist(), torch.stack(mx).tolist()))
+    fin = (lambda v: v if math.isfinite(v) else None)
+    figs = [(None, None) if t is None or t.numel() == 0 else tuple(fin(v) for v in next(pairs)) for _, t in named]
+    return {name: f.result() for name, f in futures}, figs
+
+
+class _Done:
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def result(self) -> bytes:
+        return self.value
 
 
 def _cpu() -> float:

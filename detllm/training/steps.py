@@ -1,20 +1,21 @@
 """One training step with its capture: zero the gradients, draw the batch, forward and backward
 per micro-batch, the test-only gradient tamper when recorded, the gradients' digests and figures
 (after backward, before optimizer.step()), the update, the parameters' digests and figures, and
-the step's record with h_t (docs/training.md). Does not own the loop, checkpoints or files (loop.py).
+the step's record with h_t (docs/training.md). Does not own the per-tensor pass (capture.py), the
+loop, checkpoints or files (loop.py).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ..runfolder import schema_io
+from .capture import digests_with_figures
 from .chain import genesis, link
-from .digest import CHAIN, chain_of, config_digest, rng_digest, tensors_digest, torch_batch_digest, torch_tensor_digest
+from .digest import CHAIN, chain_of, config_digest, rng_digest, tensors_digest, torch_batch_digest
 from .task import Task
 
 
@@ -39,50 +40,8 @@ def named_params(model: Any) -> list[tuple[str, Any]]:
     return list(model.named_parameters())
 
 
-def figures(tensors: list[Any]) -> list[tuple[float | None, float | None]]:
-    """(L2 norm, max |x|) of each tensor, computed in float32 (max |x| exact in the tensor's own
-    dtype) and widened; None for a None or empty tensor, or a figure that is not finite."""
-    import torch
-
-    present = [t.detach() for t in tensors if t is not None and t.numel() > 0]
-    if not present:
-        return [(None, None)] * len(tensors)
-    l2: list[Any] = [None] * len(present)
-    f32 = [i for i, t in enumerate(present) if t.dtype == torch.float32]
-    other = [i for i, t in enumerate(present) if t.dtype != torch.float32]
-    for idx, kw in ((f32, {}), (other, {"dtype": torch.float32})):  # no dtype argument on float32: a 4x slower path
-        if idx:
-            # float64 is rounded to float32 first: a float32 norm of a float64 tensor is refused as narrowing
-            for i, n in zip(idx, torch._foreach_norm([present[i].float() if present[i].dtype == torch.float64 else present[i]
-                                                      for i in idx], 2, **kw)):
-                l2[i] = n
-    # max |x| as max(-min, max): aminmax is ~10x faster than an inf-norm on CPU
-    mx = [torch.maximum(lo.abs(), hi.abs()).float() for lo, hi in (torch.aminmax(t) for t in present)]
-    pairs = iter(zip(torch.stack([n.float() for n in l2]).tolist(), torch.stack(mx).tolist()))
-    return [(None, None) if t is None or t.numel() == 0 else tuple(_finite(v) for v in next(pairs)) for t in tensors]
-
-
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def digests_with_figures(named: list[tuple[str, Any]], chain: str) -> tuple[dict[str, bytes], list[tuple[float | None, float | None]]]:
-    """P of each named tensor (None: P(name, none)) and its figures. The tensors hash on as many
-    threads as torch computes with (hashlib and blake3 release the GIL over a large buffer), beside
-    the figures: on 2 idle cores 540 MB take 0.17 s instead of 0.29 s by SHA-256. The digests do
-    not depend on it."""
-    import torch
-
-    n = torch.get_num_threads()
-    if n < 2:
-        return {name: torch_tensor_digest(name, t, chain=chain) for name, t in named}, figures([t for _, t in named])
-    pool = _POOLS.get(n) or _POOLS.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="detllm-digest"))
-    futures = [(name, pool.submit(torch_tensor_digest, name, t, chain=chain)) for name, t in named]
-    figs = figures([t for _, t in named])
-    return {name: f.result() for name, f in futures}, figs
 
 
 def genesis_record(task: Task, config: dict[str, Any], *, run: int, seed: int) -> tuple[dict[str, Any], bytes]:
@@ -145,4 +104,4 @@ def train_step(task: Task, data: Any, t: int, *, capture: bool = True, rng_state
     return StepResult(record, h)
 
 
-__all__ = ["StepResult", "Tamper", "digests_with_figures", "figures", "genesis_record", "named_params", "train_step"]
+__all__ = ["StepResult", "Tamper", "digests_with_figures", "genesis_record", "named_params", "train_step"]

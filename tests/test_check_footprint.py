@@ -18,9 +18,10 @@ from detllm.core import ompwait
 REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import json, os, sys
-if os.environ.get("PROBE_LOAD"):  # the machine's busyness as the wait default sees it, fixed for the test
-    os.getloadavg = lambda: (float(os.environ["PROBE_LOAD"]),) * 3
 import detllm
+from detllm.core import ompwait
+if os.environ.get("PROBE_LOAD"):  # the machine's busyness as the wait default sees it, fixed for the test
+    ompwait._busy = lambda: float(os.environ["PROBE_LOAD"])
 r = detllm.check(backend="hf", model="tiny", runs=2, max_new_tokens=2, out=sys.argv[1])
 maps = open("/proc/self/maps").read()
 import importlib.util, torch
@@ -78,9 +79,16 @@ def test_never_set_once_openmp_has_read_the_environment(monkeypatch):
     monkeypatch.delenv("DETLLM_FRESH_CHILD")
     monkeypatch.setenv("GOMP_SPINCOUNT", "unset")
     monkeypatch.delenv("GOMP_SPINCOUNT")
-    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    monkeypatch.setattr(ompwait, "_busy", lambda: 99.0)
     assert ompwait.passive_before_torch() is True and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(ompwait, "_busy", lambda: 0.0)
     assert ompwait.passive_before_torch() is True and os.environ["GOMP_SPINCOUNT"] == "10000"
     assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_busy_is_the_lower_of_the_load_average_and_the_tasks_runnable_now(monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.1, 1.0, 0.9))  # the last check's own minute, lagging
+    assert 0 <= ompwait._busy() <= 1.1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert ompwait._busy() == 0.0

@@ -3,7 +3,7 @@
 Owns one process-wide default, chosen once from how busy the machine is, unless the user set any
 wait variable. libgomp spins an idle thread for ~300k iterations (~3 ms) by default: on a busy or
 small machine those spins burn the CPU the other threads need (a tiny check at load 17 took 78 s
-instead of 20). So: when fewer than half the CPUs are busy (1-minute load average), a short spin,
+instead of 20). So: when fewer than half the CPUs are busy with other work (_busy), a short spin,
 GOMP_SPINCOUNT=10000 (~0.1 ms), keeps the wake-up cheap between the many small ops of a decode step
 (a tiny check ~0.6 s faster than sleeping); otherwise OMP_WAIT_POLICY=PASSIVE, idle threads sleep.
 Either changes when a thread wakes, never which thread computes what: results are the same bits.
@@ -31,16 +31,29 @@ def _openmp_loaded() -> bool:
         return False
 
 
+def _busy() -> float:
+    """How many CPUs other work keeps busy: the 1-minute load average, or the tasks runnable right now
+    besides this one (/proc/loadavg), whichever is lower: the load average lags by a minute (a check
+    started just after another one ended reads ~1 on an idle machine), a busy machine shows in both."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average: the safe side
+        return float("inf")
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            running = int(f.read().split()[3].split("/")[0]) - 1  # this process is runnable while it reads
+    except (OSError, ValueError, IndexError):
+        return load
+    return min(load, max(running, 0))
+
+
 def _mostly_idle() -> bool:
-    """Fewer than half of this process's CPUs busy over the last minute."""
+    """Fewer than half of this process's CPUs busy with other work."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    try:
-        return os.getloadavg()[0] < cpus / 2
-    except OSError:  # no load average: the safe side
-        return False
+    return _busy() < cpus / 2
 
 
 def passive_before_torch() -> bool:

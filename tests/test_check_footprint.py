@@ -69,21 +69,21 @@ def test_never_set_once_openmp_has_read_the_environment(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "unset")  # registers the restore of the caller's value
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
-    assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
+    assert ompwait.wait_default_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setattr(ompwait, "_openmp_loaded", lambda: True)  # e.g. another library loaded libgomp first
-    assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
+    assert ompwait.wait_default_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.setattr(ompwait, "_openmp_loaded", lambda: False)
     monkeypatch.setenv("DETLLM_FRESH_CHILD", "1")  # a fresh repeat runs under its parent's recorded environment
-    assert ompwait.passive_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
+    assert ompwait.wait_default_before_torch() is False and "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.delenv("DETLLM_FRESH_CHILD")
     monkeypatch.setenv("GOMP_SPINCOUNT", "unset")
     monkeypatch.delenv("GOMP_SPINCOUNT")
     monkeypatch.setattr(ompwait, "_busy", lambda: 99.0)
-    assert ompwait.passive_before_torch() is True and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert ompwait.wait_default_before_torch() is True and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setattr(ompwait, "_busy", lambda: 0.0)
-    assert ompwait.passive_before_torch() is True and os.environ["GOMP_SPINCOUNT"] == "10000"
+    assert ompwait.wait_default_before_torch() is True and os.environ["GOMP_SPINCOUNT"] == "10000"
     assert "OMP_WAIT_POLICY" not in os.environ
 
 

@@ -56,7 +56,7 @@ def _mostly_idle() -> bool:
     return _busy() < cpus / 2
 
 
-def passive_before_torch() -> bool:
+def wait_default_before_torch() -> bool:
     """Set the wait default (short spin on a mostly idle machine, else OMP_WAIT_POLICY=PASSIVE) if the
     user set no wait variable and no OpenMP runtime has read the environment yet (torch not imported,
     no libgomp mapped); True when one was set here. A `--fresh-process` child keeps its parent's

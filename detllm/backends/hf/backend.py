@@ -26,7 +26,7 @@ from ...core.errors import BackendError, BackendUnavailableError, UsageError
 from ...core.hashing import content_key, folder_identity
 from ...core.modelfiles import check_model_files
 from ...core import perturb
-from ...core.ompwait import passive_before_torch
+from ...core.ompwait import wait_default_before_torch
 from ...models import local_folder, resolve_model
 from ...models.hub import hub_unreachable
 from ...core.processwide import disable_tf32, read_tf32, refuse_after_batch_invariant, tf32_is_off, write_tf32
@@ -53,7 +53,7 @@ class HFOptions:
 
 
 def _torch():
-    passive_before_torch()  # before torch loads libgomp: idle threads sleep, not spin (core/ompwait.py)
+    wait_default_before_torch()  # before torch loads libgomp: how idle threads wait, from how busy the machine is (core/ompwait.py)
     try:
         import torch
         import transformers  # noqa: F401

@@ -20,6 +20,7 @@ import argparse
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -181,12 +182,14 @@ def _grouped(named, chain):
     """The pass before training/capture.py (commit 31a8502): P on torch's n threads in a pool, beside
     the figures of all the tensors on this thread (one _foreach_norm per dtype group, aminmax each);
     on one thread P of every tensor first, then the figures."""
-    import math
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
     from detllm.training.digest import torch_tensor_digest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ is not installed
+    from tests.grouped_pass import grouped_figures
 
     n = torch.get_num_threads()
     if n < 2:  # one thread: P of every tensor, then the figures, in this thread
@@ -195,19 +198,7 @@ def _grouped(named, chain):
     else:
         pool = _HASHERS.get(n) or _HASHERS.setdefault(n, ThreadPoolExecutor(n))
         futures = [(name, pool.submit(torch_tensor_digest, name, t, chain=chain)) for name, t in named]
-    present = [t.detach() for _, t in named if t is not None and t.numel() > 0]
-    l2: list[Any] = [None] * len(present)
-    f32 = [i for i, t in enumerate(present) if t.dtype == torch.float32]
-    other = [i for i, t in enumerate(present) if t.dtype != torch.float32]
-    for idx, kw in ((f32, {}), (other, {"dtype": torch.float32})):
-        if idx:
-            for i, x in zip(idx, torch._foreach_norm([present[i].float() if present[i].dtype == torch.float64 else present[i]
-                                                      for i in idx], 2, **kw)):
-                l2[i] = x
-    mx = [torch.maximum(lo.abs(), hi.abs()).float() for lo, hi in (torch.aminmax(t) for t in present)]
-    pairs = iter(zip(torch.stack([x.float() for x in l2]).tolist(), torch.stack(mx).tolist()))
-    fin = (lambda v: v if math.isfinite(v) else None)
-    figs = [(None, None) if t is None or t.numel() == 0 else tuple(fin(v) for v in next(pairs)) for _, t in named]
+    figs = grouped_figures([t for _, t in named])  # on this thread, while the pool hashes
     return {name: f.result() for name, f in futures}, figs
 
 

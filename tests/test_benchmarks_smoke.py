@@ -37,7 +37,7 @@ SMOKE = {
     "bench_fresh_process.py": (["--models", "tiny", "--max-new-tokens", "2", "--repeat", "1"], "extra cost of a fresh repeat"),
     "bench_locate.py": (["--model", "tiny", "--cases", "1"], "1/1 named"),
     "bench_training_capture.py": (["--model", "tiny", "--pairs", "1", "--batch-size", "1", "--seq-len", "8", "--threads", "1",
-                                   "--profile"], "taken apart"),
+                                   "--grouped", "--profile"], "taken apart"),
     "bench_batch_invariant.py": (["--model", "tiny", "--tokens", "2", "--batches", "1,2", "--repeat", "1", "--threads", "1"],
                                  "invariant"),
     # against this commit's own worktree: the comparison machinery, not a regression, is what is smoked here

@@ -157,10 +157,14 @@ def test_failures_are_httpx_errors(server):
             f"http://127.0.0.1:{port}/v1/plain", json={}))
 
 
+def _endpoint(server) -> Endpoint:
+    return Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+
+
 @pytest.mark.parametrize("proxied", [False, True], ids=["wire", "httpx"])
 def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeypatch, proxied):
     monkeypatch.setitem(load._SHARED, "proxies", proxied)  # a proxy in the environment: the batch goes through httpx
-    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    ep = _endpoint(server)
     replies, _ = ep.send_batch("/gzip", [{"prompt": str(i)} for i in range(5)], sample=None, interval=1.0, preconnect=True)
     assert [r.doc for r in replies] == [DOC] * 5 and all(r.retries == 0 for r in replies)
     with pytest.raises(BackendError, match="connection dropped during request 0"):
@@ -173,7 +177,7 @@ def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeyp
 
 def test_a_batch_reuses_the_last_batchs_open_connections(server, monkeypatch):
     monkeypatch.setitem(load._SHARED, "proxies", False)
-    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    ep = _endpoint(server)
     try:
         before = len(server.peers)
         for _ in range(3):
@@ -196,7 +200,7 @@ def test_a_connection_the_server_closed_is_never_reused(server, monkeypatch):
     """The server closes each connection after its answer (no Connection: close): every batch
     opens new ones, and none fails on a connection that was closed under it."""
     monkeypatch.setitem(load._SHARED, "proxies", False)
-    ep = Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
+    ep = _endpoint(server)
     try:
         before = len(server.peers)
         for _ in range(3):

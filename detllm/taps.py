@@ -8,6 +8,7 @@ kept, in `Window`. torch is imported lazily, inside the functions that need it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections import Counter
 from contextlib import ExitStack, contextmanager
@@ -60,12 +61,13 @@ class _Tapper:
 
     def __init__(self, model, *, window: Window, ops: bool, reference: bool, max_bytes: int | None,
                  layers_only: bool, keep_inputs: bool, skip: tuple[str, ...], ref_rows: bool = True,
-                 lazy_reference: bool = False, ops_through: str | None = None) -> None:
-        self.ops_through = ops_through
+                 lazy_reference: bool = False, ops_through: str | None = None, inside_layers: bool = True) -> None:
+        self.ops_through, self.inside_layers = ops_through, inside_layers
         self.model, self.window, self.ops, self.reference, self.ref_rows = model, window, ops, reference, ref_rows
         self.lazy = lazy_reference
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
         self.names = {m: n for n, m in model.named_modules() if n not in skip}
+        self.cache_hooks = {m: _takes_cache(type(m)) for m in self.names}  # whose input hook snapshots the cache
         self.weights = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}  # never an op's recorded input
         self.kinds = {m: module_kind(n, m) for m, n in self.names.items()}
         above = {".".join(n.split(".")[:i]) for m, n in self.names.items() if self.kinds[m] == "layer" for i in range(n.count(".") + 1)}
@@ -85,11 +87,29 @@ class _Tapper:
         self.whole: list[str] = []  # ops whose row or positions could not be told apart: kept whole
         self.order = 0
 
+    def recorded(self) -> set:
+        """The modules whose completion a hook must see: all, except at layers_only without ops (the
+        layer boundaries and `ops_through`) and without `inside_layers` (none inside a decoder layer
+        but its attentions)."""
+        if self.layers_only and not self.ops:
+            return {m for m, n in self.names.items() if self.kinds[m] in LAYER_KINDS or n == self.ops_through}
+        if not self.inside_layers and not self.ops:
+            layers = {n for m, n in self.names.items() if self.kinds[m] == "layer"}
+            return {m for m, n in self.names.items() if self.kinds[m] == "attention" or n == self.ops_through
+                    or not any(".".join(n.split(".")[:i]) in layers for i in range(1, n.count(".") + 1))}
+        return set(self.names)
+
     # -- forward -------------------------------------------------------------------------------
+    def enter(self, module, args):
+        """Every module's start (a global hook: modules outside the tree are not ours): the op names' stack."""
+        if not self.busy and module in self.names:
+            self.stack.append(module)
+        return None
+
     def pre(self, module, args, kwargs):
+        """A module that may be handed the cache (`cache_hooks`): the K/V it holds as the module starts."""
         if self.busy:
             return None
-        self.stack.append(module)
         cache = cache_of(args, kwargs)
         if cache is not None:
             self.snaps[id(module)] = cache_snapshot(cache)
@@ -350,6 +370,20 @@ class _Tapper:
             rec.phase = "param_grad"
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_cache(cls: type) -> bool:
+    """Whether a module class's forward may be handed a transformers cache: it takes *args/**kwargs,
+    or a parameter whose name says past, cache or kv (`past_key_values`, `layer_past`, `cache_position`)."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume it may
+        return True
+    return any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or any(w in p.name.lower() for w in ("past", "cache", "kv"))
+               for p in params)
+
+
 def _quietly(fn):
     """`fn` with torch function modes off: a hook's own tensor work (copies, the float64 copy's
     forward) is never taken for the model's ops."""
@@ -359,6 +393,28 @@ def _quietly(fn):
         with torch._C.DisableTorchFunction():
             return fn(*args, **kwargs)
     return run
+
+
+def _forward_hooks(stack: ExitStack, tapper: _Tapper, ops: bool) -> None:
+    """The forward hooks, as few as what is recorded needs (each costs the forward a Python call per
+    module): a module's output hook on every module recorded, registered on the module (so it runs
+    after a perturbation's or a graft's hook there, and records what they wrote); its input hook only
+    where the input is needed before the module runs: the op names' module stack (ops, one hook for
+    every module) and the cached K/V a module may be handed (`_takes_cache`). With ops, each hook runs
+    with torch function modes off (`_quietly`); without, there is no mode to turn off."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    wrap = _quietly if ops else (lambda fn: fn)
+    post = wrap(tapper.post)
+    cached = wrap(tapper.pre)
+    recorded = tapper.recorded()
+    for module in tapper.names:
+        if module in recorded:
+            stack.callback(module.register_forward_hook(post, with_kwargs=True).remove)
+        if module in recorded and tapper.cache_hooks.get(module):
+            stack.callback(module.register_forward_pre_hook(cached, with_kwargs=True).remove)
+    if ops:  # the stack alone: a global hook (no kwargs) is a cheaper call than one per module
+        stack.callback(register_module_forward_pre_hook(tapper.enter).remove)
 
 
 def _function_mode(tapper: _Tapper):
@@ -392,7 +448,7 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
         layers_only: bool = False, keep_inputs: bool = True, params: bool = True,
         skip: tuple[str, ...] = ("",), ref_rows: bool = True, lazy_reference: bool = False,
-        ops_through: str | None = None) -> Iterator[Tap]:
+        ops_through: str | None = None, inside_layers: bool = True) -> Iterator[Tap]:
     """Capture while the block runs: every named submodule's inputs and output (forward), each torch
     function's output (ops, forward only: F.linear, Tensor.__add__...), module and parameter
     gradients (backward), cut to `window` (or batch `row`). `reference`: each module and op
@@ -400,7 +456,8 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     only, where rows are computed independently). Past `max_bytes`, layer boundaries only (noted);
     `keep_inputs=False` keeps outputs only; `lazy_reference`: each record's `reeval` evaluates its
     float64 reference when called (on the inputs copied as the hooks ran); `ops_through`: no op recorded once the
-    module of that name has completed (modules still are). The hooks are gone after the block.
+    module of that name has completed (modules still are); `inside_layers=False` (without ops): of the
+    modules inside a decoder layer, its attentions only (their cached K/V). The hooks are gone after the block.
 
         with taps.tap(model, forward=True, backward=True, row=None) as t:
             model(**batch).loss.backward()
@@ -409,16 +466,15 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
     window = window or Window(row=row)
     tapper = _Tapper(model, window=window, ops=ops, reference=reference, max_bytes=max_bytes,
                      layers_only=layers_only, keep_inputs=keep_inputs, skip=skip, ref_rows=ref_rows,
-                     lazy_reference=lazy_reference, ops_through=ops_through)
+                     lazy_reference=lazy_reference, ops_through=ops_through, inside_layers=inside_layers)
     with ExitStack() as stack:
         if backward:  # an embedding's integer input has no gradient: torch warns, nothing is wrong
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-        for module in tapper.names:
-            if forward:
-                stack.callback(module.register_forward_pre_hook(_quietly(tapper.pre), with_kwargs=True).remove)
-                stack.callback(module.register_forward_hook(_quietly(tapper.post), with_kwargs=True).remove)
-            if backward:
+        if forward:
+            _forward_hooks(stack, tapper, ops)
+        if backward:
+            for module in tapper.names:
                 stack.callback(module.register_full_backward_hook(_quietly(tapper.on_grad)).remove)
         if backward and params:
             for pname, p in model.named_parameters():

@@ -194,3 +194,25 @@ def test_perturb_option_is_recorded_and_an_unknown_module_refused_before_writing
         detllm.run(backend="hf", model="tiny", max_new_tokens=2, options={"perturb": "model.layers.1.mlp.dwn_proj:output:1e-3"},
                    out=bad)
     assert "did you mean 'model.layers.1.mlp.down_proj'" in err.value.one_line() and not bad.exists()
+
+
+def test_the_prime_before_a_timed_capture_changes_no_bit(hf):
+    """A timed capture (locate's first on a side) first sends one token through a model not yet primed,
+    untimed (hf/capture._primed: a process's first forward pays a one-time set-up). Every generation and
+    every captured tensor is that of a capture on a backend that was never primed."""
+    from detllm.backends.hf import HFBackend
+
+    fresh = HFBackend("tiny")
+    fresh._primed = True  # never primed
+    reqs = _batch(hf, 8)
+    hf._primed = False
+    primed = _capture(hf, reqs, step=1, row=0, level="modules", time_bare=True)
+    assert hf._primed is True
+    plain = _capture(fresh, reqs, step=1, row=0, level="modules", time_bare=True)
+    assert [g.token_ids for g in primed.generations] == [g.token_ids for g in plain.generations]
+    assert [g.logprobs for g in primed.generations] == [g.logprobs for g in plain.generations]
+    assert [t.name for t in primed.tensors] == [t.name for t in plain.tensors]
+    for a, b in zip(primed.tensors, plain.tensors):
+        assert a.output.tobytes() == b.output.tobytes(), a.name
+        assert [x.tobytes() for x in a.inputs] == [x.tobytes() for x in b.inputs], a.name
+    assert "bare" in primed.seconds and "bare" in plain.seconds

@@ -135,6 +135,54 @@ def test_ops_until_the_layer_found_name_what_every_op_names(batch_folder, tmp_pa
     assert any("ops after model.layers.0 completed" in n for n in cut["not_captured"])
 
 
+def _asked(monkeypatch):
+    """What each capture re-run is asked for, in order (both sides each time): (level, float64 inputs, guide)."""
+    from detllm.locate import core
+
+    asked, real = [], core.reruns.capture
+    monkeypatch.setattr(core.reruns, "capture", lambda r, step, **kw: asked.append(
+        (kw["level"], kw["reference"], kw.get("guide", False))) or real(r, step, **kw))
+    return asked
+
+
+def test_the_guide_changes_no_finding(batch_folder, tmp_path, monkeypatch):
+    """The modules capture an ops capture follows is a guide: no float64 inputs, and inside each decoder
+    layer only the attentions (the ops capture records every module again, with its inputs). On real batch
+    variance the op named, its tolerance, the first op beyond it, the category, every row and the graft
+    are those of a locate whose first capture took every module with its float64 inputs."""
+    from detllm.locate import core
+
+    sel = (f"{batch_folder}::batch_1", f"{batch_folder}::batch_8")
+    asked = _asked(monkeypatch)
+    guided = locate(*sel, out=tmp_path / "guided").doc
+    assert asked == [("modules", False, True)] * 2 + [("ops", True, False)] * 2
+    monkeypatch.setattr(core, "_guide", lambda *a, **k: False)
+    full = locate(*sel, out=tmp_path / "full").doc
+    assert asked[4:] == [("modules", True, False)] * 2 + [("ops", True, False)] * 2
+    assert guided["first_bitwise_op"]["tolerance"] is not None  # evaluated: on the ops capture's float64 inputs
+    for key in ("status", "line", "first_bitwise_op", "first_beyond_tolerance_op", "category", "layers", "not_captured",
+                "captured", "growth"):
+        assert guided[key] == full[key], key
+    assert guided["graft"]["into_right"] == full["graft"]["into_right"]
+
+
+def test_a_guide_no_ops_capture_follows_is_taken_again_as_every_module(batch_folder, tmp_path, monkeypatch):
+    """Past the memory bound no ops capture follows, so the guide would be final: every module is captured
+    again, with float64 inputs (a second re-run), and the finding, tolerance included, is a modules-only
+    locate's."""
+    sel = (f"{batch_folder}::batch_1", f"{batch_folder}::batch_8")
+    asked = _asked(monkeypatch)
+    bounded = locate(*sel, out=tmp_path / "bounded", max_bytes=20_000, graft="off").doc
+    assert asked == [("modules", False, True)] * 2 + [("modules", True, False)] * 2
+    assert bounded["cost"]["reruns"] == {"left": 2, "right": 2} and bounded["left"]["level"] == "layers"
+    assert any("(it passed the memory bound): every module was captured again" in n for n in bounded["not_captured"])
+    modules = locate(*sel, out=tmp_path / "modules", max_bytes=20_000, graft="off", ops=False).doc
+    assert bounded["first_bitwise_op"]["tolerance"] is not None
+    assert bounded["first_bitwise_op"] == modules["first_bitwise_op"]
+    assert bounded["first_beyond_tolerance_op"] == modules["first_beyond_tolerance_op"]
+    assert bounded["layers"] == modules["layers"]
+
+
 def test_batch_invariant_mode_no_op_differs(tmp_path):
     out = tmp_path / "inv"
     detllm.check(backend="hf", model="tiny", max_new_tokens=2, tier=3, runs=2, vary_batch=(1, 8), out=out,

@@ -41,6 +41,7 @@ class CaptureSpec:
     run_to: int | None = None  # generate on through this step (> step) after the capture (a graft judged where the traces differ)
     time_bare: bool = False  # also time the captured step's forward without capture (Capture.seconds["bare"])
     ops_through: str | None = None  # level ops: ops captured until this module completes (a modules capture named it), modules after
+    guide: bool = False  # level modules: inside each decoder layer its attentions only (locate's guide before an ops capture)
     warm_up: tuple = ()  # batches (tuples of Request) run first, after a cold start, to rebuild a cache the batch found warm (vLLM's prefix cache)
 
 

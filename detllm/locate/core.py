@@ -197,13 +197,13 @@ def _cached_prefix(doc: dict[str, Any]) -> None:
 
 
 def _capture_both(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: int, level: str, bound: int,
-                  reference: bool, strict: bool = True, ops_through: str | None = None) -> list | None:
+                  reference: bool, strict: bool = True, ops_through: str | None = None, guide: bool = False) -> list | None:
     """Both sides captured at `step`; None (doc says why) when a side did not reproduce its trace:
     `strict`, that ends the search (not reproduced here); else only this capture is set aside."""
     # a side whose engine is loaded first: with one engine per process (vLLM) the other side's is let go once, not twice
     order = sorted(range(len(sides)), key=lambda i: not (sides[i].backend is not None and sides[i].backend.engine_loaded()))
     caught = {i: reruns.capture(sides[i], step, level=level, max_bytes=bound // 2, tier=tier, reference=reference,
-                                ops_through=ops_through) for i in order}
+                                ops_through=ops_through, guide=guide) for i in order}
     got = [caught[i] for i in range(len(sides))]
     for (cap, differs), r, key in zip(got, sides, ("left", "right")):
         if differs is not None and not strict:
@@ -238,7 +238,9 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
     level = "layers" if layers_only else "modules"
     while True:
         doc["steps_searched"].append(step)
-        caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound, reference=reference)
+        guide = _guide(sides, ops=ops, layers_only=layers_only)
+        caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound, reference=reference and not guide,
+                             guide=guide)
         if caps is None:
             return None
         kv = "prefill" not in doc
@@ -249,10 +251,19 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
                                        f"(written at step {verdict.back_to}); searched there")
             step = verdict.back_to
             continue
+        if guide and not _descends(doc, verdict, caps):  # the guide would be final: the modules capture it stands for
+            why = ("it passed the memory bound" if "layers" in {c.level for c in caps} else
+                   "it names no module whose inputs agree and output differs")
+            caps = _capture_both(doc, sides, step, tier=tier, level=level, bound=bound, reference=reference)
+            if caps is None:
+                return None
+            pairs, only_l, only_r = pair_up(caps[0].tensors, caps[1].tensors, _rows(sides), kv=kv)
+            verdict, guide = judge(pairs, evaluate=False), False
+            doc["not_captured"].append(f"step {step}: no ops capture follows the guide capture ({why}): every module was "
+                                       "captured again, in a re-run of its own")
         break
-    asked = doc["step"]["what"] == "asked"  # a control: "no op differs" is claimed of the ops too
-    if (ops and not layers_only and (verdict.first_bitwise is not None or asked) and all(r.runs < 2 and r.offers == "ops" for r in sides)
-            and "layers" not in {c.level for c in caps}):
+    asked = doc["step"]["what"] == "asked"
+    if ops and not layers_only and all(r.runs < 2 and r.offers == "ops" for r in sides) and _descends(doc, verdict, caps):
         # ops only until the decoder layer holding the module found completes: the first op that differs is inside that
         # module or before it; the rest of its layer keeps the graft's next op at op level (docs/locate.md)
         module = verdict.first_bitwise.left.name if verdict.first_bitwise is not None else None
@@ -263,14 +274,35 @@ def _search(doc: dict[str, Any], sides: list[reruns.Rerun], step: int, *, tier: 
             p2, l2, r2 = pair_up(deeper[0].tensors, deeper[1].tensors, _rows(sides), kv=kv)
             v2 = judge(p2, evaluate=False)
             if v2.first_bitwise is not None or asked:
-                caps, pairs, only_l, only_r, verdict = deeper, p2, l2, r2, v2
+                caps, pairs, only_l, only_r, verdict, guide = deeper, p2, l2, r2, v2, False
                 if through is not None:
                     doc["captured"]["ops_through"] = through
                     doc["not_captured"].append(f"ops after {through} completed: modules only from there on ({module}, the first "
                                                "module whose inputs agree but output differs, completes by then)")
+    if guide:  # the ops capture was set aside or named nothing, with no re-run left: the guide's finding stands
+        doc["not_captured"].append("the guide capture's finding stands: inside each decoder layer only its attentions were "
+                                   "captured, and no float64 inputs were kept (no tolerance)")
     verdict = judge(pairs)  # the verdict kept, now with its float64 tolerance (a capture set aside cost none)
     _conclude(doc, caps, pairs, only_l, only_r, verdict, step, bound)
     return Found(caps, pairs, verdict)
+
+
+def _guide(sides: list[reruns.Rerun], *, ops: bool, layers_only: bool) -> bool:
+    """Whether the modules capture about to run is a guide (CaptureSpec.guide): an ops capture may follow
+    it (a re-run left on each side after it, a backend that captures ops). The ops capture records every
+    module again, with its float64 inputs, and every op from the start until the decoder layer the guide
+    names completes; so the guide needs no float64 inputs, and, inside a decoder layer, only the attentions
+    (their cached K/V send the search back a step). A guide no ops capture follows is taken again as
+    the modules capture it stands for (`_search`)."""
+    return ops and not layers_only and all(r.runs == 0 and r.offers == "ops" for r in sides)
+
+
+def _descends(doc: dict[str, Any], verdict: Any, caps: list) -> bool:
+    """Whether an ops capture follows this modules capture: it names a module whose inputs agree and
+    output differs (or the step was asked: "no op differs" is then claimed of the ops too), within the
+    memory bound."""
+    asked = doc["step"]["what"] == "asked"
+    return (verdict.first_bitwise is not None or asked) and "layers" not in {c.level for c in caps}
 
 
 def _through(tensors: list, name: str) -> str:

@@ -143,10 +143,11 @@ def attach(rerun: Rerun, backend: Backend, *, shared: bool = False) -> None:
 
 
 def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, reference: bool = True,
-            ops_through: str | None = None) -> tuple[Capture, str | None]:
+            ops_through: str | None = None, guide: bool = False) -> tuple[Capture, str | None]:
     """Re-run the batch up to `step` capturing row `rerun.row`; returns the capture and what it
     changed from the recorded trace (None: every member reproduced bitwise up to `step`).
-    `ops_through`: at level ops, ops until that module completes (CaptureSpec.ops_through)."""
+    `ops_through`: at level ops, ops until that module completes (CaptureSpec.ops_through);
+    `guide`: CaptureSpec.guide."""
     if rerun.backend is None:
         start(rerun)
     assert rerun.backend is not None
@@ -156,7 +157,7 @@ def capture(rerun: Rerun, step: int, *, level: str, max_bytes: int, tier: int, r
     step = step if rerun.fixed_step is None else rerun.fixed_step
     spec = CaptureSpec(step=step, row=rerun.row, level=level, max_bytes=max_bytes, reference=reference,
                        warm_up=tuple(tuple(b) for b in rerun.warm), in_pass_kv=rerun.in_pass_kv, time_bare=step not in rerun.bare,
-                       ops_through=ops_through)
+                       ops_through=ops_through, guide=guide)
     with rerun.backend.determinism(tier=applied["tier_effective"], seed=cfg.seed, threads=cfg.threads):
         cap = rerun.backend.capture(rerun.requests, cfg.decoding, seed=cfg.seed, n_logprobs=cfg.logprobs, spec=spec)
     rerun.runs += 1

@@ -86,6 +86,8 @@ class _Tapper:
         self.busy = False  # inside a float64 re-evaluation: record nothing
         self.whole: list[str] = []  # ops whose row or positions could not be told apart: kept whole
         self.order = 0
+        self.mode_on = False  # the ops' function mode is on the stack (hooks then run with modes off)
+        self.end_ops: Any = None  # takes that mode off once ops_through has completed (_ops_mode)
 
     def recorded(self) -> set:
         """The modules whose completion a hook must see: all, except at layers_only without ops (the
@@ -102,7 +104,7 @@ class _Tapper:
     # -- forward -------------------------------------------------------------------------------
     def enter(self, module, args):
         """Every module's start (a global hook: modules outside the tree are not ours): the op names' stack."""
-        if not self.busy and module in self.names:
+        if not self.busy and not self.result.ops_ended and module in self.names:
             self.stack.append(module)
         return None
 
@@ -124,6 +126,8 @@ class _Tapper:
         name, kind = self.names[module], self.kinds[module]
         if name == self.ops_through:  # what follows it cannot hold the first op that differs (docs/locate.md)
             self.result.ops_ended = True
+            if self.end_ops is not None:
+                self.end_ops()
         if self.layers_only and kind not in LAYER_KINDS:
             return None
         out = first_tensor(output)
@@ -384,13 +388,17 @@ def _takes_cache(cls: type) -> bool:
                for p in params)
 
 
-def _quietly(fn):
+def _quietly(fn, tapper: "_Tapper | None" = None):
     """`fn` with torch function modes off: a hook's own tensor work (copies, the float64 copy's
-    forward) is never taken for the model's ops."""
-    def run(*args, **kwargs):
-        import torch
+    forward) is never taken for the model's ops. With `tapper`: only while its ops mode is on."""
+    import torch
 
-        with torch._C.DisableTorchFunction():
+    disabled = torch._C.DisableTorchFunction
+
+    def run(*args, **kwargs):
+        if tapper is not None and not tapper.mode_on:
+            return fn(*args, **kwargs)
+        with disabled():
             return fn(*args, **kwargs)
     return run
 
@@ -404,7 +412,7 @@ def _forward_hooks(stack: ExitStack, tapper: _Tapper, ops: bool) -> None:
     with torch function modes off (`_quietly`); without, there is no mode to turn off."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
-    wrap = _quietly if ops else (lambda fn: fn)
+    wrap = (lambda fn: _quietly(fn, tapper)) if ops else (lambda fn: fn)
     post = wrap(tapper.post)
     cached = wrap(tapper.pre)
     recorded = tapper.recorded()
@@ -415,6 +423,31 @@ def _forward_hooks(stack: ExitStack, tapper: _Tapper, ops: bool) -> None:
             stack.callback(module.register_forward_pre_hook(cached, with_kwargs=True).remove)
     if ops:  # the stack alone: a global hook (no kwargs) is a cheaper call than one per module
         stack.callback(register_module_forward_pre_hook(tapper.enter).remove)
+
+
+@contextmanager
+def _ops_mode(tapper: _Tapper) -> Iterator[None]:
+    """The ops' function mode for the block, taken off the mode stack once `ops_through` has completed
+    where it is the innermost mode: no op after it is recorded, and each torch function the rest of
+    the forward calls would still pass through its Python. Balanced on exit either way."""
+    import torch.overrides as overrides
+
+    mode = _function_mode(tapper)
+    with mode:
+        tapper.mode_on = True
+
+        def end() -> None:
+            if overrides._get_current_function_mode() is mode:
+                overrides._pop_mode()
+                tapper.mode_on = False
+        tapper.end_ops = end
+        try:
+            yield
+        finally:
+            tapper.end_ops = None
+            if not tapper.mode_on:
+                overrides._push_mode(mode)  # for `with mode` to take it off
+            tapper.mode_on = False
 
 
 def _function_mode(tapper: _Tapper):
@@ -483,7 +516,7 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
                     kind = tapper.kinds.get(owner, "other")
                     stack.callback(p.register_hook(_quietly(lambda g, n=pname, k=kind: tapper.on_param_grad(n, k, g))).remove)
         if ops and forward:
-            stack.enter_context(_function_mode(tapper))
+            stack.enter_context(_ops_mode(tapper))
         yield tapper.result
     if tapper.whole:
         tapper.result.notes.append(f"{len(tapper.whole)} op(s) kept whole, not cut to the row's real positions (no axis "

@@ -324,3 +324,45 @@ def test_input_hooks_only_where_a_cache_can_be_handed_and_none_left_after(tiny):
     after = (len(torch_module._global_forward_pre_hooks), sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
                                                              for m in model.modules()))
     assert after == before
+
+
+def test_the_ops_mode_leaves_once_ops_through_completes_and_the_stack_stays_balanced(tiny):
+    """With `ops_through`, the ops' function mode is taken off the mode stack as that module completes
+    (each later torch function would still pass through it, to record nothing); under a mode entered
+    after it (an op graft's) it stays, and records nothing more. Either way the stack is as before after
+    the block, and the records are those of a capture whose mode stayed on."""
+    import contextlib
+
+    import torch
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode, _len_torch_function_stack
+
+    model, ids = tiny
+    seen = {}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda m, a, name=name: seen.__setitem__(name, type(_get_current_function_mode()).__name__))
+        for name in ("model.layers.0.mlp", "model.layers.1.mlp")]
+
+    class Outer(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def capture(outer: bool):
+        seen.clear()
+        with torch.inference_mode(), taps.tap(model, row=0, ops=True, ops_through="model.layers.0") as t:
+            with Outer() if outer else contextlib.nullcontext():
+                model(input_ids=torch.tensor([ids]))
+        assert _len_torch_function_stack() == 0
+        return t, dict(seen)
+
+    try:
+        alone, modes = capture(False)
+        assert modes == {"model.layers.0.mlp": "_Ops", "model.layers.1.mlp": "NoneType"}
+        under, modes = capture(True)
+        assert modes == {"model.layers.0.mlp": "Outer", "model.layers.1.mlp": "Outer"}
+    finally:
+        for h in hooks:
+            h.remove()
+    assert alone.ops_ended and under.ops_ended
+    assert [r.name for r in alone.tensors] == [r.name for r in under.tensors]
+    assert not any("/torch." in r.name for r in alone.tensors if r.name.startswith("model.layers.1"))
+    assert all(a.output.tobytes() == b.output.tobytes() for a, b in zip(alone.tensors, under.tensors))

@@ -159,7 +159,11 @@ def module_output(module: Any, args: tuple, kwargs: dict, snap: dict) -> Any:
     import torch
 
     with torch.inference_mode(False), torch.no_grad(), Float64():
-        copy64 = copy.deepcopy(module).to(torch.float64)
+        # each floating parameter and buffer made float64 as it is copied (the memo): no float32 copy of the weights first
+        memo = {id(t): (torch.nn.Parameter(t.detach().to(torch.float64), requires_grad=False) if isinstance(t, torch.nn.Parameter)
+                        else t.to(torch.float64))
+                for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
+        copy64 = copy.deepcopy(module, memo).to(torch.float64)
         return first_tensor(copy64(*to64(args, snap), **{k: to64(v, snap) for k, v in kwargs.items()}))
 
 

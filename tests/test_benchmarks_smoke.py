@@ -18,7 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 
-# script: (its smallest arguments, a line its output must hold: its first figure or verdict)
+# script[#mode]: (its smallest arguments, a line its output must hold: its first figure or verdict); "#mode" starts
+# the same script a second way
 SMOKE = {
     "bench_scale.py": (["--sizes", "2", "--tokens", "2"], "prompts/s"),
     "bench_diff.py": (["--prompts", "4", "--tokens", "10", "--repeat", "1", "--cases", "1"],
@@ -36,6 +37,10 @@ SMOKE = {
     "bench_openai.py": (["--levels", "1", "--tokens", "2", "--slots", "1", "--rounds", "1", "--threads", "1"], "llama-server tiny"),
     "bench_fresh_process.py": (["--models", "tiny", "--max-new-tokens", "2", "--repeat", "1"], "extra cost of a fresh repeat"),
     "bench_locate.py": (["--model", "tiny", "--cases", "1"], "1/1 named"),
+    # the capture overhead against a worktree of this commit, each locate a fresh process
+    "bench_locate.py#cost": (["--model", "tiny", "--cost", "1", "--base", "HEAD"], "HEAD  re-runs without capture"),
+    "bench_fleet.py#asyncio": (["--sleep", "0", "--prompts", "2", "--runs", "2", "--real", "0", "--stub", "asyncio"],
+                               "wall time, 8 x 2 vs 1 x 2"),
     "bench_training_capture.py": (["--model", "tiny", "--pairs", "1", "--batch-size", "1", "--seq-len", "8", "--threads", "1",
                                    "--grouped", "--profile"], "taken apart"),
     "bench_batch_invariant.py": (["--model", "tiny", "--tokens", "2", "--batches", "1,2", "--repeat", "1", "--threads", "1"],
@@ -58,7 +63,8 @@ def _run(script: str, args: list[str], timeout: int = 300) -> subprocess.Complet
 
 def test_every_benchmark_is_started_here():
     scripts = {p.name for p in BENCH.glob("*.py")}
-    assert scripts == set(SMOKE) | IMPORT_ONLY | HELPERS, "a benchmark without a smoke entry (or an entry without a script)"
+    assert scripts == {k.split("#")[0] for k in SMOKE} | IMPORT_ONLY | HELPERS, \
+        "a benchmark without a smoke entry (or an entry without a script)"
 
 
 @pytest.mark.parametrize("script", sorted(IMPORT_ONLY))
@@ -71,17 +77,19 @@ def test_benchmark_imports_and_parses(script):
 @pytest.mark.engine
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_benchmark_runs_at_its_smallest_size(script):
+    args, expect = SMOKE[script]
+    script = script.split("#")[0]
     if script in LLAMACPP:
         from tests.conftest import llama_server_or_fail
 
         llama_server_or_fail()
-    if script in ("bench_vs_base.py", "bench_fleet.py") and (shutil.which("git") is None or not (REPO / ".git").exists()):
-        pytest.skip(f"{script} needs a git checkout to make a worktree from (bench_fleet: --base)")
+    if "--base" in args or script == "bench_vs_base.py":
+        if shutil.which("git") is None or not (REPO / ".git").exists():
+            pytest.skip(f"{script} {' '.join(args)} needs a git checkout to make a worktree from")
     if script == "bench_vs_seed.py":
         seed = Path(os.environ.get("DETLLM_SEED_PYTHON") or Path.home() / ".cache/detllm/seed-venv/bin/python")
         if not seed.exists():
             pytest.skip(f"bench_vs_seed.py needs detllm 0.1.1 in a venv of its own at {seed} (see the script's docstring)")
-    args, expect = SMOKE[script]
     proc = _run(script, args)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert expect in proc.stdout, proc.stdout[-3000:]

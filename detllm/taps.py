@@ -405,22 +405,30 @@ def _quietly(fn, tapper: "_Tapper | None" = None):
 
 def _forward_hooks(stack: ExitStack, tapper: _Tapper, ops: bool) -> None:
     """The forward hooks, as few as what is recorded needs (each costs the forward a Python call per
-    module): a module's output hook on every module recorded, registered on the module (so it runs
-    after a perturbation's or a graft's hook there, and records what they wrote); its input hook only
+    module): the output of every module recorded, through one global hook, or, on a module that holds
+    an output hook of its own as the tap is entered (a perturbation's, a graft's: global hooks run
+    first), through a hook registered after it, so the record holds what it wrote; the input hook only
     where the input is needed before the module runs: the op names' module stack (ops, one hook for
     every module) and the cached K/V a module may be handed (`_takes_cache`). With ops, each hook runs
     with torch function modes off (`_quietly`); without, there is no mode to turn off."""
-    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     wrap = (lambda fn: _quietly(fn, tapper)) if ops else (lambda fn: fn)
     post = wrap(tapper.post)
     cached = wrap(tapper.pre)
     recorded = tapper.recorded()
-    for module in tapper.names:
-        if module in recorded:
+    plain = set()  # recorded modules with no output hook of their own: one global hook records them
+    for module in recorded:
+        if module._forward_hooks:  # a perturbation's or a graft's hook: ours runs after it (global hooks run first)
             stack.callback(module.register_forward_hook(post, with_kwargs=True).remove)
-        if module in recorded and tapper.cache_hooks.get(module):
+        else:
+            plain.add(module)
+        if tapper.cache_hooks.get(module):
             stack.callback(module.register_forward_pre_hook(cached, with_kwargs=True).remove)
+    if plain:
+        stack.callback(register_module_forward_hook(
+            lambda module, args, kwargs, out: post(module, args, kwargs, out) if module in plain else None,
+            with_kwargs=True).remove)
     if ops:  # the stack alone: a global hook (no kwargs) is a cheaper call than one per module
         stack.callback(register_module_forward_pre_hook(tapper.enter).remove)
 

@@ -306,7 +306,8 @@ def test_an_ops_float64_reference_runs_on_the_row_alone_with_the_whole_batchs_er
 def test_input_hooks_only_where_a_cache_can_be_handed_and_none_left_after(tiny):
     """A tap's input hook reads the cache a module is handed: it is registered only on the classes whose
     forward can take one (the attention, the decoder layer, the model), not on every Linear or norm; the
-    ops' module stack is one global hook; and no hook of any kind outlives the block, even one that raised."""
+    outputs and the ops' module stack are global hooks; and no hook of any kind outlives the block, even one
+    that raised."""
     import torch
     from torch.nn.modules import module as torch_module
 
@@ -314,16 +315,17 @@ def test_input_hooks_only_where_a_cache_can_be_handed_and_none_left_after(tiny):
     takes = {type(m).__name__ for m in model.modules() if taps._takes_cache(type(m))}
     assert {"LlamaAttention", "LlamaDecoderLayer", "LlamaModel"} <= takes
     assert not takes & {"Linear", "LlamaRMSNorm", "Embedding", "LlamaMLP", "LlamaRotaryEmbedding", "SiLU"}
-    before = (len(torch_module._global_forward_pre_hooks), sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-                                                              for m in model.modules()))
+    def hooks():
+        return (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks),
+                sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()))
+
+    before = hooks()
     with pytest.raises(RuntimeError, match="inside"):
         with torch.inference_mode(), taps.tap(model, row=0, ops=True, reference=True, lazy_reference=True) as t:
             model(input_ids=torch.tensor([ids]))
             raise RuntimeError("inside the block")
     assert any("/torch." in r.name for r in t.tensors) and any(r.name == "model.layers.0" for r in t.tensors)
-    after = (len(torch_module._global_forward_pre_hooks), sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-                                                             for m in model.modules()))
-    assert after == before
+    assert hooks() == before
 
 
 def test_the_ops_mode_leaves_once_ops_through_completes_and_the_stack_stays_balanced(tiny):

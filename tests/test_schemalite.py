@@ -115,13 +115,13 @@ def test_schemalite_gives_jsonschemas_answer_or_none(artifacts):
 def test_json_equality_and_the_cases_left_to_the_others():
     assert _equal(1, 1.0) is True and _equal(True, 1) is False and _equal([1, {"a": None}], [1.0, {"a": None}]) is True
     assert _equal((1,), [1]) is None  # a tuple is no JSON array to jsonschema
-    compiler = Compiler(({"$id": "https://x/s.json", "type": "object", "additionalProperties": False,
+    compiler = Compiler({"https://x/s.json": {"$id": "https://x/s.json", "type": "object", "additionalProperties": False,
                           "properties": {"h": {"type": "string", "pattern": "^[0-9a-f]{2}$"},
                                          "n": {"type": "integer", "minimum": 0},
                                          "one": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
                                          "w": {"type": "string", "pattern": "^\\w+$"},
                                          "u": {"$ref": "#/$defs/u"}},
-                          "$defs": {"u": {"type": "string", "format": "uri"}}},))
+                          "$defs": {"u": {"type": "string", "format": "uri"}}}}.get)
     check = compiler.root("https://x/s.json")
     assert check({"h": "0a", "n": 3}) is True
     assert check({"h": "0a\n"}) is None  # Python's `$` matches before a final newline, ECMA-262's does not

@@ -82,7 +82,17 @@ def _lite_validator(artifact_type: str, version: str = SCHEMA_VERSION):
 def _lite_compiler(version: str):
     from .schemalite import Compiler
 
-    return Compiler(_schemas(version))
+    def load(doc_id: str) -> dict[str, Any] | None:  # an $id of ours names its file: .../schemas/<type>.schema.json
+        name = doc_id.rsplit("/", 1)[-1]
+        if not name.endswith(".schema.json"):
+            return None
+        try:
+            doc = load_schema(name[: -len(".schema.json")], version)
+        except ArtifactError:
+            return None
+        return doc if doc.get("$id") == doc_id else None
+
+    return Compiler(load)
 
 
 _LITE_MAX_CHARS = 1 << 16  # a larger artifact (a diff report) is validated faster by jsonschema-rs than in Python

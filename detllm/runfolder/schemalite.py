@@ -90,25 +90,34 @@ class Compiler:
     """Compiles the schemas of one schema_version, found by their $id, into checks; a $ref is compiled
     once and may refer to itself."""
 
-    def __init__(self, schemas: tuple[dict[str, Any], ...]):
-        self.docs = {s["$id"]: s for s in schemas}
+    def __init__(self, load: Callable[[str], Optional[dict[str, Any]]]):
+        self.load = load  # $id -> that schema (None: not one of ours), read when a check first needs it
+        self.docs: dict[str, Optional[dict[str, Any]]] = {}
         self.compiled: dict[tuple[str, str], Check] = {}
 
     def root(self, doc_id: str) -> Check:
         return self._ref(doc_id, "")
 
     def _ref(self, doc_id: str, pointer: str) -> Check:
-        key = (doc_id, pointer)
-        if key not in self.compiled:
-            self.compiled[key] = lambda x: None  # a cycle reached before it is built: not known
-            node = self._resolve(doc_id, pointer)
-            check = self._never if node is None else self._node(node, doc_id)
-            self.compiled[key] = check
-        got = self.compiled
-        return lambda x: got[key](x)
+        """The check of the schema at doc_id#pointer, compiled when first called (a FAIL report's causes are
+        compiled only when one is written; a schema may refer to itself)."""
+        key, compiled = (doc_id, pointer), self.compiled
+
+        def check(x: Any) -> Optional[bool]:
+            c = compiled.get(key)
+            if c is None:
+                node = self._resolve(doc_id, pointer)
+                c = compiled[key] = self._never if node is None else self._node(node, doc_id)
+            return c(x)
+        return check
+
+    def _doc(self, doc_id: str) -> Any:
+        if doc_id not in self.docs:
+            self.docs[doc_id] = self.load(doc_id)
+        return self.docs[doc_id]
 
     def _resolve(self, doc_id: str, pointer: str) -> Any:
-        node = self.docs.get(doc_id)
+        node = self._doc(doc_id)
         for part in (p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:]):
             if not isinstance(node, dict) or part not in node:
                 return None
@@ -161,7 +170,7 @@ class Compiler:
 
     def _ref_kw(self, s: dict, base: str) -> Check:
         url, pointer = urldefrag(urljoin(base, s["$ref"]))
-        if url not in self.docs or (pointer and not pointer.startswith("/")):
+        if pointer and not pointer.startswith("/"):
             return self._never
         return self._ref(url, pointer)
 

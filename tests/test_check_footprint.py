@@ -76,14 +76,14 @@ try:
     main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code
-heavy = [m for m in ("rich", "jsonschema", "jsonschema_rs") if m in sys.modules]
+heavy = [m for m in ("rich", "jsonschema", "jsonschema_rs", "xml.etree") if m in sys.modules]
 print(f"exit {code} loaded {heavy}", file=sys.stderr)
 """
 
 
 def test_a_cli_check_to_a_log_loads_neither_rich_nor_a_json_schema_library(tmp_path):
     """stdout a pipe (a CI log): the verdict is written without rich (cli/plainout.py) and every artifact is
-    settled by schemalite, so neither is imported."""
+    settled by schemalite, so neither is imported; nor xml.etree without --junit."""
     proc = subprocess.run([sys.executable, "-c", CLI_PROBE, "check", "--backend", "fake", "--out", str(tmp_path / "r")],
                           env={**{k: v for k, v in os.environ.items() if k not in FORCING}, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)

@@ -123,9 +123,10 @@ def publish(report: dict, junit: Path | None) -> None:
     stderr. The step summary is a side channel: a file that cannot be written is a warning, never
     a change of the verdict's exit code."""
     from ..render.github import append_step_summary, step_summary_target, tier_warning
-    from ..render.junit import write_junit
 
     if junit is not None:
+        from ..render.junit import write_junit  # only when asked: it loads xml.etree (~0.5 MiB)
+
         write_junit(report, junit)
     try:
         append_step_summary(report)

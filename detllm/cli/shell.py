@@ -100,15 +100,17 @@ def _console(stderr: bool = False):
 
 def print_verdict(report: dict, out_dir: Path | None, *, folder_line: bool = True) -> None:
     from ..render.text import render_text
+    from .plainout import write_plain
 
+    text = render_text(report, shlex.quote(str(out_dir)) if out_dir is not None else "RUN_DIR").splitlines()
+    rest = text[1:] + ([f"run folder: {out_dir}"] if out_dir is not None and folder_line else [])
+    if write_plain(text[0], rest):  # no terminal: the same bytes without importing rich
+        return
     con = _console()
     colour = {"PASS": "green", "FAIL": "red"}.get(report["status"], "yellow")
-    text = render_text(report, shlex.quote(str(out_dir)) if out_dir is not None else "RUN_DIR").splitlines()
     con.print(f"[bold {colour}]{text[0]}[/]")
-    for line in text[1:]:
+    for line in rest:
         con.print(line, markup=False)
-    if out_dir is not None and folder_line:
-        con.print(f"run folder: {out_dir}", markup=False)
 
 
 def warn(text: str) -> None:
@@ -121,9 +123,10 @@ def publish(report: dict, junit: Path | None) -> None:
     stderr. The step summary is a side channel: a file that cannot be written is a warning, never
     a change of the verdict's exit code."""
     from ..render.github import append_step_summary, step_summary_target, tier_warning
-    from ..render.junit import write_junit
 
     if junit is not None:
+        from ..render.junit import write_junit  # only when asked: it loads xml.etree (~0.3 MiB in a check)
+
         write_junit(report, junit)
     try:
         append_step_summary(report)

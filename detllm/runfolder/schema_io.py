@@ -2,8 +2,9 @@
 
 Owns loading and applying schemas/*.schema.json (each file under its own schema_version),
 the `schema_version`/`artifact_type` header, non-finite-safe JSON text and the
-write-to-temp-then-rename rule. Imports nothing of detllm but errors and versions, so
-records, env, artifacts, integrity and pack can all build on it without a cycle.
+write-to-temp-then-rename rule. Imports nothing of detllm but errors, versions and schemalite
+(which imports none), so records, env, artifacts, integrity and pack can all build on it without
+a cycle.
 Does not own the run-folder layout (artifacts.py) or manifests (integrity.py).
 """
 
@@ -72,14 +73,45 @@ def _fast_validator(artifact_type: str, version: str = SCHEMA_VERSION):
         return None
 
 
-def validate(obj: Any, artifact_type: str, *, where: str = "") -> None:
+@lru_cache(maxsize=None)
+def _lite_validator(artifact_type: str, version: str = SCHEMA_VERSION):
+    """schemalite's check of a schema: True where the object surely is valid, else False or None."""
+    return _lite_compiler(version).root(load_schema(artifact_type, version)["$id"])
+
+
+@lru_cache(maxsize=None)
+def _lite_compiler(version: str):
+    from .schemalite import Compiler
+
+    def load(doc_id: str) -> dict[str, Any] | None:  # an $id of ours names its file: .../schemas/<type>.schema.json
+        name = doc_id.rsplit("/", 1)[-1]
+        if not name.endswith(".schema.json"):
+            return None
+        try:
+            doc = load_schema(name[: -len(".schema.json")], version)
+        except ArtifactError:
+            return None
+        return doc if doc.get("$id") == doc_id else None
+
+    return Compiler(load)
+
+
+_LITE_MAX_CHARS = 1 << 16  # a larger artifact (a diff report) is validated faster by jsonschema-rs than in Python
+
+
+def validate(obj: Any, artifact_type: str, *, where: str = "", size: int | None = None) -> None:
     """Raise ArtifactError naming the first violation, against the schema of the object's own
     schema_version (a folder written by an older detllm is read under its own rules). What
     jsonschema-rs finds valid is valid (tests/test_schema_io.py holds it to jsonschema's
-    answers); anything else is judged, and its violation named, by jsonschema."""
+    answers); anything else is judged, and its violation named, by jsonschema. An artifact being
+    written whose JSON text has `size` <= _LITE_MAX_CHARS characters is first given to schemalite,
+    whose True is final (tests/test_schemalite.py holds it to jsonschema's answers): a small process
+    then never loads jsonschema-rs (~9 MiB resident)."""
     version = obj.get("schema_version") if isinstance(obj, dict) else None
     if version not in READABLE_SCHEMA_VERSIONS:
         version = SCHEMA_VERSION  # the const in the schema then names the problem
+    if size is not None and size <= _LITE_MAX_CHARS and _lite_validator(artifact_type, version)(obj) is True:
+        return
     fast = _fast_validator(artifact_type, version)
     try:
         if fast is not None and fast.is_valid(obj):
@@ -179,7 +211,7 @@ def write_json(folder: Path, name: str, obj: dict[str, Any]) -> Path:
     except ValueError:
         obj = finite(obj)
         text = to_json(obj, ensure_ascii=False, allow_nan=False)
-    validate(obj, obj["artifact_type"], where=name)
+    validate(obj, obj["artifact_type"], where=name, size=len(text))
     path = folder / name
     atomic_write_text(path, text + "\n")
     return path

@@ -1,6 +1,7 @@
 """Hooks on a torch module tree: capture each module's (and, optionally, each torch op's) inputs and
 outputs, forward and backward, under Hugging Face module names, with a float64 re-evaluation of each
-as the tolerance. Used by the torch backends' capture (locate) and by the training loop. The
+as the tolerance. Used by the torch backends' capture (locate) and by the training loop. How the
+hooks attach (global or per module, the ops' function mode) is core/taphooks'. The
 test-only perturbation of one module lives in `detllm.perturb`; which part of a batched tensor is
 kept, in `Window`. torch is imported lazily, inside the functions that need it.
 """
@@ -8,13 +9,13 @@ kept, in `Window`. torch is imported lazily, inside the functions that need it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from .core.taphooks import forward_hooks, ops_mode, quietly, takes_cache
 from .core.float64 import cache_of, cache_snapshot, first_tensor, module_output, one_row, op_output, op_row
 from .core.opkinds import _SKIP_OPS, module_kind, op_kind, op_name  # noqa: F401 (grafthook names ops as taps do)
 from .core.window import Window  # noqa: F401 (re-exported: taps.Window)
@@ -67,7 +68,7 @@ class _Tapper:
         self.lazy = lazy_reference
         self.max_bytes, self.layers_only, self.keep_inputs = max_bytes, layers_only, keep_inputs
         self.names = {m: n for n, m in model.named_modules() if n not in skip}
-        self.cache_hooks = {m: _takes_cache(type(m)) for m in self.names}  # whose input hook snapshots the cache
+        self.cache_hooks = {m: takes_cache(type(m)) for m in self.names}  # whose input hook snapshots the cache
         self.weights = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}  # never an op's recorded input
         self.kinds = {m: module_kind(n, m) for m, n in self.names.items()}
         above = {".".join(n.split(".")[:i]) for m, n in self.names.items() if self.kinds[m] == "layer" for i in range(n.count(".") + 1)}
@@ -87,7 +88,7 @@ class _Tapper:
         self.whole: list[str] = []  # ops whose row or positions could not be told apart: kept whole
         self.order = 0
         self.mode_on = False  # the ops' function mode is on the stack (hooks then run with modes off)
-        self.end_ops: Any = None  # takes that mode off once ops_through has completed (_ops_mode)
+        self.end_ops: Any = None  # takes that mode off once ops_through has completed (core/taphooks.ops_mode)
 
     def recorded(self) -> set:
         """The modules whose completion a hook must see: all, except at layers_only without ops (the
@@ -374,116 +375,6 @@ class _Tapper:
             rec.phase = "param_grad"
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_cache(cls: type) -> bool:
-    """Whether a module class's forward may be handed a transformers cache: it takes *args/**kwargs,
-    or a parameter whose name says past, cache or kv (`past_key_values`, `layer_past`, `cache_position`)."""
-    import inspect
-
-    try:
-        params = inspect.signature(cls.forward).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: assume it may
-        return True
-    return any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or any(w in p.name.lower() for w in ("past", "cache", "kv"))
-               for p in params)
-
-
-def _quietly(fn, tapper: "_Tapper | None" = None):
-    """`fn` with torch function modes off: a hook's own tensor work (copies, the float64 copy's
-    forward) is never taken for the model's ops. With `tapper`: only while its ops mode is on."""
-    import torch
-
-    disabled = torch._C.DisableTorchFunction
-
-    def run(*args, **kwargs):
-        if tapper is not None and not tapper.mode_on:
-            return fn(*args, **kwargs)
-        with disabled():
-            return fn(*args, **kwargs)
-    return run
-
-
-def _forward_hooks(stack: ExitStack, tapper: _Tapper, ops: bool) -> None:
-    """The forward hooks, as few as what is recorded needs (each costs the forward a Python call per
-    module): the output of every module recorded, through one global hook, or, on a module that holds
-    an output hook of its own as the tap is entered (a perturbation's, a graft's: global hooks run
-    first), through a hook registered after it, so the record holds what it wrote; the input hook only
-    where the input is needed before the module runs: the op names' module stack (ops, one hook for
-    every module) and the cached K/V a module may be handed (`_takes_cache`). With ops, each hook runs
-    with torch function modes off (`_quietly`); without, there is no mode to turn off."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-    wrap = (lambda fn: _quietly(fn, tapper)) if ops else (lambda fn: fn)
-    post = wrap(tapper.post)
-    cached = wrap(tapper.pre)
-    recorded = tapper.recorded()
-    plain = set()  # recorded modules with no output hook of their own: one global hook records them
-    for module in recorded:
-        if module._forward_hooks:  # a perturbation's or a graft's hook: ours runs after it (global hooks run first)
-            stack.callback(module.register_forward_hook(post, with_kwargs=True).remove)
-        else:
-            plain.add(module)
-        if tapper.cache_hooks.get(module):
-            stack.callback(module.register_forward_pre_hook(cached, with_kwargs=True).remove)
-    if plain:
-        stack.callback(register_module_forward_hook(
-            lambda module, args, kwargs, out: post(module, args, kwargs, out) if module in plain else None,
-            with_kwargs=True).remove)
-    if ops:  # the stack alone: a global hook (no kwargs) is a cheaper call than one per module
-        stack.callback(register_module_forward_pre_hook(tapper.enter).remove)
-
-
-@contextmanager
-def _ops_mode(tapper: _Tapper) -> Iterator[None]:
-    """The ops' function mode for the block, taken off the mode stack once `ops_through` has completed
-    where it is the innermost mode: no op after it is recorded, and each torch function the rest of
-    the forward calls would still pass through its Python. Balanced on exit either way."""
-    import torch.overrides as overrides
-
-    mode = _function_mode(tapper)
-    with mode:
-        tapper.mode_on = True
-
-        def end() -> None:
-            if overrides._get_current_function_mode() is mode:
-                overrides._pop_mode()
-                tapper.mode_on = False
-        tapper.end_ops = end
-        try:
-            yield
-        finally:
-            tapper.end_ops = None
-            if not tapper.mode_on:
-                overrides._push_mode(mode)  # for `with mode` to take it off
-            tapper.mode_on = False
-
-
-def _function_mode(tapper: _Tapper):
-    """Ops seen at the torch function level (F.linear, Tensor.__add__, softmax...). Not a
-    TorchDispatchMode: under one, aten.linear on a strided input took another kernel on CPU (torch
-    2.13; the logits moved by 1e-5), and a capture must compute what the run computed, bit for bit."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    known: dict[Any, tuple[str, bool]] = {}  # func -> (its name, whether it is recorded at all)
-
-    class _Ops(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            seen = known.get(func)
-            if seen is None:
-                seen = known[func] = (op_name(func), op_name(func) not in _SKIP_OPS)
-            if not seen[1] or tapper.result.ops_ended or tapper.busy:  # nothing to record: just run it
-                return func(*args, **kwargs)
-            inplace = seen[0].endswith("_") and args and isinstance(args[0], torch.Tensor)
-            before = args[0].detach().clone() if inplace else None  # what an in-place op read
-            out = func(*args, **kwargs)
-            tapper.on_op(func, (before,) + tuple(args[1:]) if inplace else args, kwargs, out, seen[0])
-            return out
-
-    return _Ops()
-
-
 @contextmanager
 def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool = False, row: int | None = None,
         window: Window | None = None, reference: bool = False, max_bytes: int | None = None,
@@ -513,18 +404,18 @@ def tap(model: Any, *, forward: bool = True, backward: bool = False, ops: bool =
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         if forward:
-            _forward_hooks(stack, tapper, ops)
+            forward_hooks(stack, tapper, ops)
         if backward:
             for module in tapper.names:
-                stack.callback(module.register_full_backward_hook(_quietly(tapper.on_grad)).remove)
+                stack.callback(module.register_full_backward_hook(quietly(tapper.on_grad)).remove)
         if backward and params:
             for pname, p in model.named_parameters():
                 if p.requires_grad:
                     owner = model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model
                     kind = tapper.kinds.get(owner, "other")
-                    stack.callback(p.register_hook(_quietly(lambda g, n=pname, k=kind: tapper.on_param_grad(n, k, g))).remove)
+                    stack.callback(p.register_hook(quietly(lambda g, n=pname, k=kind: tapper.on_param_grad(n, k, g))).remove)
         if ops and forward:
-            stack.enter_context(_ops_mode(tapper))
+            stack.enter_context(ops_mode(tapper))
         yield tapper.result
     if tapper.whole:
         tapper.result.notes.append(f"{len(tapper.whole)} op(s) kept whole, not cut to the row's real positions (no axis "

@@ -311,8 +311,10 @@ def test_input_hooks_only_where_a_cache_can_be_handed_and_none_left_after(tiny):
     import torch
     from torch.nn.modules import module as torch_module
 
+    from detllm.core.taphooks import takes_cache
+
     model, ids = tiny
-    takes = {type(m).__name__ for m in model.modules() if taps._takes_cache(type(m))}
+    takes = {type(m).__name__ for m in model.modules() if takes_cache(type(m))}
     assert {"LlamaAttention", "LlamaDecoderLayer", "LlamaModel"} <= takes
     assert not takes & {"Linear", "LlamaRMSNorm", "Embedding", "LlamaMLP", "LlamaRotaryEmbedding", "SiLU"}
     def hooks():

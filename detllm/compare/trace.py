@@ -121,12 +121,18 @@ def _generated_end(rec: TraceRecord) -> int:
     """Where the generated fields of the payload end: before the evidence (what a served engine said
     of the request: its timings, retries, batch), which no comparison reads and which differs between
     any two requests, when it follows finish_reason as the runner writes it; else the payload's end.
-    Found from the end: a later `,"evidence":` (inside the evidence) only makes the span longer."""
+    The last finish_reason is found from the end (near it: the payload's last section), and the
+    evidence must follow it directly; one inside the evidence only makes the span longer. (Searching
+    for the evidence itself read a whole payload from the end whenever a record had none.)"""
     src = rec._src
-    at = src.rfind(_EVIDENCE, rec._start, rec._end)
-    if at < 0 or not any(src[at - len(w):at] == w for w in _FINISHED):
+    fin = src.rfind(_SECTIONS[-1], rec._start, rec._end)
+    if fin < 0:
         return rec._end
-    return at
+    for w in _FINISHED:
+        after = fin + 1 + len(w)
+        if src[fin + 1:after] == w and src[after:after + len(_EVIDENCE)] == _EVIDENCE:
+            return after
+    return rec._end
 
 
 # payloads below this many bytes on both sides stay on the reference path: numpy's import

@@ -234,3 +234,24 @@ def test_check_reports_drift_per_prompt_and_by_position(tmp_path):
     assert batch["drift"]["max_abs_logprob_diff"] == pytest.approx(1e-6)
     assert len(batch["drift"]["per_prompt"]) == 4 and len(batch["drift"]["max_abs_logprob_diff_by_position"]) == 6
     assert batch["prompts"] == [0, 1, 2, 3] and batch["logprobs_compared"] is False and batch["atol"] == 0.0
+
+
+def test_the_generated_span_ends_before_the_evidence_that_follows_finish_reason(tmp_path):
+    """Where a record's generated fields end (what same_output compares): right before an evidence that
+    follows its finish_reason, else at the payload's end; a record without evidence is never read as far
+    as an evidence-shaped string (trace._generated_end finds the last finish_reason from the end)."""
+    from detllm.compare.trace import _generated_end
+    from detllm.core.versions import CURRENT
+
+    plain = {**rec(0, [1, 2], [-0.1, -0.2], [top((1, -0.1)), top((2, -0.2))]), "schema_version": CURRENT}
+    served = {**plain, "prompt_index": 1, "evidence": {"prompt_as": "text", "retries": 0, "timing_ms": [0.5, 3.0],
+                                                       "tokens_as": "strings"}}
+    _write_trace(tmp_path / "t.jsonl", [plain, served])
+    got, _ = load_records(tmp_path / "t.jsonl")
+    for r in got:
+        line = r._src[r._start:r._end]
+        end = _generated_end(r) - r._start
+        if "evidence" in r.keys() or b'"evidence"' in line:
+            assert line[end:].startswith(b',"evidence":') and line[:end].endswith(b'"finish_reason":"length"')
+        else:
+            assert end == len(line)

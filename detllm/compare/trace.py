@@ -60,6 +60,8 @@ class TraceRecord(dict):
         out that way is read by load(), which validates the whole record."""
         self._tail = True
         at = self._src.rfind(_SECTIONS[-1], self._start, self._end)
+        if at >= 0 and self._src[at + 1:self._end] in _BARE_TAILS:  # a local engine's record: nothing after finish_reason
+            return
         try:
             tail = json.loads(b"{" + self._src[at + 1:self._end]) if at >= 0 else None
         except ValueError:
@@ -114,6 +116,7 @@ def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 _EVIDENCE = b',"evidence":'
+_BARE_TAILS = (b'"finish_reason":"length"}', b'"finish_reason":"stop"}')  # a payload's last bytes with no tail keys
 _FINISHED = (b'"finish_reason":"length"', b'"finish_reason":"stop"')
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,11 @@ from typer.testing import CliRunner
 
 from detllm.runfolder.artifacts import validate_folder
 from detllm.cli import app
+
+# A test run started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and so
+# would every process it starts: the Ctrl-C tests would then wait forever. Ctrl-C as in a terminal, always.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REQUIRED = ("env.json", "run_config.json", "determinism_applied.json", "trace.jsonl", "report.json", "report.txt")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from detllm.runfolder import schema_io
+from tests.mutations import mutations
 
 
 def _report(n: int) -> dict:
@@ -55,39 +56,8 @@ def _artifacts() -> list[tuple[str, dict]]:
 
 def _mutations(obj: dict, rng: random.Random, n: int) -> list[dict]:
     """n copies of obj, each with one leaf or key changed the ways a bug would change it."""
-    paths = []
-
-    def walk(x, path):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                paths.append(path + [k])
-                walk(v, path + [k])
-        elif isinstance(x, list):
-            for i, v in enumerate(x[:3]):
-                paths.append(path + [i])
-                walk(v, path + [i])
-
-    walk(obj, [])
-    out = []
-    for _ in range(n):
-        y = copy.deepcopy(obj)
-        path = rng.choice(paths)
-        parent = y
-        for key in path[:-1]:
-            parent = parent[key]
-        how = rng.choice(["type", "delete", "extra", "negative", "float"])
-        if how == "delete":
-            del parent[path[-1]]
-        elif how == "extra" and isinstance(parent, dict):
-            parent["not_in_the_schema"] = 1
-        elif how == "negative":
-            parent[path[-1]] = -1
-        elif how == "float":
-            parent[path[-1]] = 1.5
-        else:
-            parent[path[-1]] = rng.choice(["a string", None, True, [], {}, 2**70])
-        out.append(y)
-    return out
+    return mutations(obj, rng, n, ("type", "delete", "extra", "negative", "float"), ["a string", None, True, [], {}, 2**70],
+                     deletes_list_items=True)
 
 
 def test_jsonschema_rs_agrees_with_jsonschema_on_every_fixture_and_its_mutations():

@@ -4,7 +4,6 @@ Its True ends validation, so a True where jsonschema says invalid would let a ba
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 import detllm
 from detllm.core.errors import ArtifactError
 from detllm.runfolder import schema_io
+from tests.mutations import mutations
 from detllm.runfolder.schemalite import Compiler, _equal
 
 TESTS = Path(__file__).parent
@@ -48,48 +48,8 @@ def artifacts(tmp_path_factory) -> list[tuple[str, dict]]:
 
 def _mutations(obj: dict, rng: random.Random, n: int) -> list[dict]:
     """n copies of obj, each with one leaf or key changed the ways a bug (or an odd value) would change it."""
-    paths = []
-
-    def walk(x, path):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                paths.append(path + [k])
-                walk(v, path + [k])
-        elif isinstance(x, list):
-            for i, v in enumerate(x[:3]):
-                paths.append(path + [i])
-                walk(v, path + [i])
-
-    walk(obj, [])
-    out = []
-    for _ in range(n):
-        y = copy.deepcopy(obj)
-        path = rng.choice(paths)
-        parent = y
-        for key in path[:-1]:
-            parent = parent[key]
-        old = parent[path[-1]]
-        how = rng.choice(["type", "delete", "extra", "negative", "float", "integral", "string", "empty", "append"])
-        if how == "delete" and isinstance(parent, dict):
-            del parent[path[-1]]
-        elif how == "extra" and isinstance(parent, dict):
-            parent["not_in_the_schema"] = 1
-        elif how == "negative":
-            parent[path[-1]] = -1
-        elif how == "float":
-            parent[path[-1]] = 1.5
-        elif how == "integral":  # 2.0 where an integer is asked: left to the others
-            parent[path[-1]] = float(old) if type(old) is int else 2.0
-        elif how == "string" and isinstance(old, str):  # near misses of a pattern or an enum
-            parent[path[-1]] = rng.choice([old + "\n", old.upper(), old[:-1], old + "é", "../" + old, "", old + "x"])
-        elif how == "empty":
-            parent[path[-1]] = type(old)() if isinstance(old, (list, dict, str)) else 0
-        elif how == "append" and isinstance(old, list):
-            old.append(old[0] if old else None)
-        else:
-            parent[path[-1]] = rng.choice(["a string", None, True, False, 0, [], {}, 2**70, 1e300, (1, 2)])
-        out.append(y)
-    return out
+    return mutations(obj, rng, n, ("type", "delete", "extra", "negative", "float", "integral", "string", "empty", "append"),
+                     ["a string", None, True, False, 0, [], {}, 2**70, 1e300, (1, 2)])
 
 
 def test_schemalite_gives_jsonschemas_answer_or_none(artifacts):

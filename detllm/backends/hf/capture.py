@@ -136,7 +136,7 @@ def _primed(backend: Any, torch: Any) -> None:
     process's first forward pays a one-time set-up (~30 ms on smollm2-135m here: thread pools, the
     allocator, kernel choice) that is neither the capture's cost nor the re-run's; unprimed, it fell
     on the captured forward, which runs before the bare one. No cache, no perturbation: nothing of it
-    reaches a later forward's numbers (tests/test_locate_hf.py)."""
+    reaches a later forward's numbers (tests/test_hf_capture.py::test_the_prime_before_a_timed_capture_changes_no_bit)."""
     if getattr(backend, "_primed", False):
         return
     with torch.inference_mode():

@@ -8,13 +8,14 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
-from typing import Annotated, get_args, get_origin
+from typing import Annotated
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from detllm.cli import app
+from detllm.cli.usage import is_path, value_kind
 
 ROOT = typer.main.get_command(app)
 
@@ -30,18 +31,11 @@ def _commands(group=ROOT, path=()):
 COMMANDS = list(_commands())
 
 
-def _kind(param) -> type | None:
-    annotation = param.type_descriptor.annotation
-    if get_origin(annotation) is list:
-        (annotation,) = get_args(annotation)
-    return annotation
-
-
 def _numeric():
     for path, cmd in COMMANDS:
         for p in cmd.params:
-            if p.param_type_name == "option" and not p.is_flag and _kind(p) in (int, float):
-                yield path, max(p.opts, key=len), _kind(p)
+            if p.param_type_name == "option" and not p.is_flag and value_kind(p) in (int, float):
+                yield path, max(p.opts, key=len), value_kind(p)
 
 
 def _takes_value():
@@ -65,7 +59,7 @@ def _required():
 def _paths():
     for path, cmd in COMMANDS:
         for p in cmd.params:
-            if p.param_type_name == "option" and p.type_descriptor.is_path:
+            if p.param_type_name == "option" and is_path(p):
                 yield from ((path, flag) for flag in p.opts)
 
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import re
 import sys
-from types import SimpleNamespace
 from difflib import get_close_matches
-from typing import Any, get_args, get_origin
+from typing import Any
 
 import typer
+from typer._click import exceptions as click_errors
+from typer._click import types as click_types
+from typer._types import TyperChoice
 from typer.core import TyperGroup
+from typer.exceptions import Abort
+from typer.models import TyperPath
 
-try:  # typer vendors click from 0.2x on, with Abort moved to typer.exceptions
-    from typer._click import exceptions as click_errors
-    from typer.exceptions import Abort
-except ImportError:  # older typer: click itself
-    from click import exceptions as click_errors
-    from click.exceptions import Abort
+# typer 0.28 (pinned below 0.29 in pyproject.toml): its vendored click's parameter types. 0.29 coerces
+# through pydantic, ~7 MiB of peak memory and ~80 ms of import that no command uses.
 
 # commands whose numeric options are RunConfig's settings, so their declared ranges (config.Range) apply
 RANGED_COMMANDS = ("run", "check", "sweep")
@@ -65,26 +65,22 @@ def path_flags(group: Any) -> set[str]:
         if getattr(cmd, "commands", None):
             flags |= path_flags(cmd)
         for p in cmd.params:
-            if p.param_type_name == "option" and p.type_descriptor.is_path:
+            if p.param_type_name == "option" and is_path(p):
                 flags.update(p.opts)
     return flags
 
 
-def bare_flags(group: Any) -> None:
-    """A flag takes no value, so its help shows no type: typer's plain help already leaves it out,
-    its rich help printed `--json <bool>`. Every flag of every command, --help included, shows none."""
-    names = (group.context_settings or {}).get("help_option_names", ["--help"])
-    for cmd in [group, *group.commands.values()]:
-        if cmd is not group and getattr(cmd, "commands", None):
-            bare_flags(cmd)
-            continue
-        helper = cmd.get_help_option(SimpleNamespace(help_option_names=names))  # what get_help_option reads of a context
-        for p in [*cmd.params, helper]:
-            if p is not None and getattr(p, "is_flag", False):
-                p.display_type_rich = _no_type
+def is_path(param: Any) -> bool:
+    """Whether the parameter's value is a path (typer gives a pathlib.Path annotation TyperPath)."""
+    return isinstance(param.type, TyperPath)
 
 
-def _no_type(ctx: Any = None) -> None:
+def value_kind(param: Any) -> type | None:
+    """int or float for a numeric parameter (each item's, for a list), None for any other."""
+    if isinstance(param.type, click_types.IntParamType):
+        return int
+    if isinstance(param.type, click_types.FloatParamType):
+        return float
     return None
 
 
@@ -96,7 +92,6 @@ class Group(TyperGroup):
         if not standalone_mode:
             return super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
         argv = sys.argv[1:] if args is None else list(args)
-        bare_flags(self)
         flag = empty_path_argument(argv, path_flags(self)) if any(a == "" or a.endswith("=") for a in argv) else None
         if flag is not None:
             typer.echo(f"detllm: error: {flag} is empty; give a path (use . for the current folder)", err=True)
@@ -114,7 +109,7 @@ class Group(TyperGroup):
                 err.show()
             sys.exit(err.exit_code)
         except click_errors.UsageError as err:
-            typer.echo(f"detllm: error: {explain(err, self.command_path(argv))}", err=True)
+            typer.echo(f"detllm: error: {explain(err, self.command_path(argv), argv)}", err=True)
             sys.exit(2)
         except click_errors.ClickException as err:
             typer.echo(f"detllm: error: {_one_line(err.format_message())}", err=True)
@@ -137,9 +132,9 @@ class Group(TyperGroup):
         return " ".join(path)
 
 
-def explain(err: Any, command_path: str = "detllm") -> str:
+def explain(err: Any, command_path: str = "detllm", argv: list[str] | None = None) -> str:
     """One line (what is wrong, then what to do in parentheses) for a click UsageError; the
-    command is the error's own, else command_path."""
+    command is the error's own, else command_path; argv (the command line) names the value refused."""
     ctx = err.ctx
     where = ctx.command_path if ctx is not None else command_path  # e.g. "detllm check"
     see = f"see `{where} --help`"
@@ -148,7 +143,7 @@ def explain(err: Any, command_path: str = "detllm") -> str:
         about = _first_sentence(getattr(param, "help", None))
         return f"`{where}` needs {_name(param)}{f': {about}' if about else ''} ({see})"
     if isinstance(err, click_errors.BadParameter) and param is not None:
-        value = _input_of(err)
+        value = _input_of(err, argv or [])
         if value is _UNKNOWN:
             return f"{_name(param)}: {_one_line(err.message)} ({see})"
         return f"{_name(param)} must be {expected(param, where)}, got {_show(value)}"
@@ -174,13 +169,9 @@ def explain(err: Any, command_path: str = "detllm") -> str:
 
 def expected(param: Any, where: str) -> str:
     """What a value of this parameter must be: 'an integer in [1, 4096]', 'a number', 'one of a, b'."""
-    desc = param.type_descriptor
-    if desc.is_choice:
-        return "one of " + ", ".join(str(getattr(c, "value", c)) for c in desc.choices or ())
-    annotation = desc.annotation
-    if get_origin(annotation) is list:
-        (annotation,) = get_args(annotation)
-    kind = {int: "an integer", float: "a number"}.get(annotation, f"a {getattr(annotation, '__name__', 'value')}")
+    if isinstance(param.type, TyperChoice):
+        return "one of " + ", ".join(str(getattr(c, "value", c)) for c in param.type.choices)
+    kind = {int: "an integer", float: "a number"}.get(value_kind(param), f"a {param.type.name}")
     rng = _declared_ranges().get(param.opts[0]) if where.split()[-1] in RANGED_COMMANDS else None
     return f"{kind} in {rng}" if rng else kind
 
@@ -200,13 +191,28 @@ def _declared_ranges() -> dict[str, str]:
 _UNKNOWN = object()
 
 
-def _input_of(err: Any) -> Any:
-    """The value the user gave, from the pydantic error typer's coercion raised; _UNKNOWN without one."""
-    cause = err.__cause__
-    try:
-        return cause.errors()[0]["input"]
-    except (AttributeError, IndexError, KeyError, TypeError):
+def _input_of(err: Any, argv: list[str]) -> Any:
+    """The value of the option the user gave that its type refuses (click's error carries only a
+    message): each value argv gives the option (`--x v`, `--x=v`), converted again; _UNKNOWN
+    when none is refused (an argument, a value from elsewhere)."""
+    param = err.param
+    if param.param_type_name != "option":
         return _UNKNOWN
+    given = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        for opt in param.opts:
+            if arg == opt and i + 1 < len(argv):
+                given.append(argv[i + 1])
+            elif opt.startswith("--") and arg.startswith(opt + "="):
+                given.append(arg[len(opt) + 1:])
+    for value in given:
+        try:
+            param.type.convert(value, param, err.ctx)
+        except click_errors.BadParameter:
+            return value
+    return _UNKNOWN
 
 
 def _name(param: Any) -> str:
@@ -234,4 +240,4 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()).rstrip(".")
 
 
-__all__ = ["Group", "bare_flags", "dashed_path_value", "empty_path_argument", "expected", "explain", "path_flags"]
+__all__ = ["Group", "dashed_path_value", "empty_path_argument", "expected", "explain", "is_path", "path_flags", "value_kind"]

@@ -33,7 +33,7 @@ from ...core.processwide import disable_tf32, read_tf32, refuse_after_batch_inva
 from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
                     parse_options, request_seed)
 from . import invariant
-from .lean import without_triton
+from .lean import forget_sources, without_triton
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -146,6 +146,7 @@ class HFBackend(Backend):
             raise BackendError(f"transformers could not load model {self.resolved.id!r}: {exc.__class__.__name__}: "
                                f"{(str(exc).splitlines() or [''])[0][:200]}") from exc
         model.to(self.device).eval()
+        forget_sources()  # the source text loading left in linecache (lean.py)
         tok.padding_side = "left"  # decoder-only: pad on the left so the last position is real
         for stale in [k for k in _LOADED if k[0] == source and k[1] != content]:
             del _LOADED[stale]  # files changed since: that model is never served again
@@ -360,6 +361,7 @@ class HFBackend(Backend):
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
+        forget_sources()  # torch's lazy CUDA seeding read every file on the stack (lean.py)
         stack = ExitStack()
         try:
             if tier >= 1:

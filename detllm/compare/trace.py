@@ -24,6 +24,7 @@ from ..core.errors import ArtifactError
 from ..runfolder.records import check_trace_record
 
 PAYLOAD_KEYS = ("token_ids", "token_texts", "text", "logprobs", "top_logprobs", "finish_reason")
+_PAYLOAD_SET = frozenset(PAYLOAD_KEYS)
 TAIL_KEYS = ("evidence", "fresh_process")  # optional, written after the payload: read from the line's tail alone
 _MARK = b',"token_ids":'  # cannot occur inside a JSON string: a quote there is escaped
 # where each payload field starts, in the order the runner writes them
@@ -263,7 +264,7 @@ def _read_line(data: bytes, start: int, end: int, where: str) -> TraceRecord:
             header = json.loads(data[start:mark] + b"}")
         except ValueError:
             header = None
-        if isinstance(header, dict) and not any(k in header for k in PAYLOAD_KEYS):
+        if isinstance(header, dict) and header.keys().isdisjoint(_PAYLOAD_SET):
             check_header(header, "trace_record", where)
             problem = check_trace_record({**header, **_EMPTY_PAYLOAD})
             if problem:

@@ -346,7 +346,9 @@ for p in profiles[1:]:
 buf = io.StringIO()
 stats.stream = buf
 stats.sort_stats("tottime").print_stats(25)
-print("  replica threads, all together, by own CPU time (cProfile timed by each thread's CPU clock; GIL waits not counted):")
+print("  replica threads, all together, by own CPU time (cProfile timed by each thread's CPU clock; GIL waits not counted;")
+print("  a coroutine's ncalls counts each time it resumed, not each call: wire.py's _open is listed ~3 times per connection")
+print("  opened. The connections are the stubs' count, conns in sections 1-2 and 5):")
 print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:6000])
 buf = io.StringIO()
 stats.stream = buf

@@ -273,15 +273,15 @@ class Pool:
 
 
 async def get_once(conn: Connection, url: str) -> Answer | Exception:
-    """GET `url` on `conn`, then close it; a failure (httpx's classes) is handed back, not raised. Its
-    socket is closed before this returns, not when the loop next runs: an open one holds a server thread."""
+    """GET `url` on `conn`, then close it (an open one holds a thread of a threading server; its socket
+    is closed by a loop callback that runs before the loop's run ends); a failure (httpx's classes) is
+    handed back, not raised."""
     try:
         return await conn.get(url)
     except Exception as exc:  # noqa: BLE001 - the caller raises it outside the loop
         return exc
     finally:
         conn.close()
-        await asyncio.sleep(0)  # the transport's close is a loop callback
 
 
 def _h11_sent(method: str, target: str, head: list[tuple[str, str]], body: bytes | None) -> tuple[Any, bytes]:

@@ -18,7 +18,8 @@
 
 Each client run is a fresh `detllm check` process; its CPU time and peak RSS come from
 getrusage(RUSAGE_CHILDREN) around it; the stub servers' CPU meanwhile (stub_cpu_s, "stub 8x") from
-/proc. They run on the client's cores: --stub asyncio serves the same answers from one asyncio thread
+/proc, and the connections they accepted and the requests they answered (conns, requests; "conns 8x"
+is connections/requests) from the stubs' own counts. They run on the client's cores: --stub asyncio serves the same answers from one asyncio thread
 (a third of the CPU), to tell how much of the wall is theirs.
 
     .venv/bin/python benchmarks/bench_fleet.py [--sleep 2] [--prompts 100] [--runs 2] [--real 8] [--profile] [--base REV [--pairs 3]] [--stub asyncio]
@@ -42,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 DETLLM = [sys.executable, "-m", "detllm"]
 
 STUBS = r"""
-import json, sys, time
+import json, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from http.server import ThreadingHTTPServer
 from tests.stubhttp import JSONHandler, StubServer
@@ -53,8 +54,22 @@ answer = json.dumps({"object": "text_completion", "model": "tiny", "choices": [{
           "logprobs": {"tokens": [" a"] * tokens, "token_logprobs": [-0.5] * tokens, "top_logprobs": [step["top_logprobs"]] * tokens}}],
           "usage": {"prompt_tokens": 4, "completion_tokens": tokens}}).encode()
 
+counts, lock = [0, 0], threading.Lock()  # connections accepted, requests answered
+
+def count(i):
+    with lock:
+        counts[i] += 1
+
 class Handler(JSONHandler):
     protocol_version = "HTTP/1.1"
+    def setup(self):  # once per connection the server accepted
+        count(0)
+        super().setup()
+    def handle_one_request(self):
+        self.command = None
+        super().handle_one_request()
+        if self.command:
+            count(1)
     def do_GET(self):
         if self.path == "/v1/models":
             return self.send_json(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "stub"}]})
@@ -82,7 +97,9 @@ for _ in range(n):
     s.serve(Handler, Server)
     stubs.append(s)
 print(json.dumps([s.url for s in stubs]), flush=True)
-sys.stdin.read()  # until the benchmark closes our stdin
+for _ in sys.stdin:  # each line asks for the counts so far; until the benchmark closes our stdin
+    with lock:
+        print(json.dumps(counts), flush=True)
 """
 
 # --stub asyncio: the same answers from one asyncio thread per process instead of a thread per
@@ -97,7 +114,9 @@ answer = json.dumps({"object": "text_completion", "model": "tiny", "choices": [{
 def reply(status, body):
     return b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
 MODELS = reply(200, json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "stub"}]}).encode())
+counts = [0, 0]  # connections accepted, requests answered (one thread: plain ints)
 async def handle(r, w):
+    counts[0] += 1
     try:
         while True:
             head = (await r.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
@@ -110,6 +129,7 @@ async def handle(r, w):
                 w.write(reply(200, answer))
             else:
                 w.write(MODELS if path == "/v1/models" else reply(200, b'{"status":"ok"}') if path == "/health" else reply(404, b"{}"))
+            counts[1] += 1
             await w.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
@@ -118,7 +138,8 @@ async def handle(r, w):
 async def main():
     servers = [await asyncio.start_server(handle, "127.0.0.1", 0, backlog=2048) for _ in range(n)]
     print(json.dumps([f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}/v1" for s in servers]), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    while await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline):  # a line: the counts so far
+        print(json.dumps(counts), flush=True)
 asyncio.run(main())
 """
 
@@ -175,21 +196,31 @@ def process_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def stub_counts(stubs: subprocess.Popen) -> list[int]:
+    """[connections accepted, requests answered] by the stub servers so far (all 8 together)."""
+    stubs.stdin.write("\n")
+    stubs.stdin.flush()
+    return json.loads(stubs.stdout.readline())
+
+
 def with_stub_cpu(stubs: subprocess.Popen, run, *a, **kw) -> dict:
-    """run(*a, **kw), with the CPU the stub process spent meanwhile as stub_cpu_s."""
-    before = process_cpu(stubs.pid)
+    """run(*a, **kw), with the CPU the stub process spent meanwhile as stub_cpu_s, and the connections
+    the client opened to the stubs and the requests it sent them (conns, requests): a new connection
+    per request, where it could have reused one, costs a thread-per-connection server a thread start."""
+    before, counted = process_cpu(stubs.pid), stub_counts(stubs)
     row = run(*a, **kw)
-    after = process_cpu(stubs.pid)
+    after, now = process_cpu(stubs.pid), stub_counts(stubs)
     row["stub_cpu_s"] = round(after - before, 2) if before is not None and after is not None else None
+    row["conns"], row["requests"] = now[0] - counted[0], now[1] - counted[1]
     return row
 
 
 def show(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
-    keys = ["endpoints", "in_flight_each", "in_flight", "verdict", "wall_s", "cpu_s", "stub_cpu_s", "peak_rss_mib"]
-    print("  " + "  ".join(f"{k:>14}" for k in keys))
+    keys = ["endpoints", "in_flight_each", "in_flight", "verdict", "wall_s", "cpu_s", "stub_cpu_s", "peak_rss_mib", "conns", "requests"]
+    print("  " + "  ".join(f"{k:>12}" for k in keys))
     for r in rows:
-        print("  " + "  ".join(f"{r.get(k)!s:>14}" for k in keys))
+        print("  " + "  ".join(f"{r.get(k)!s:>12}" for k in keys))
 
 
 def stub_figures(args, tmp: Path) -> None:
@@ -253,15 +284,17 @@ def versus_base(args, tmp: Path) -> None:
           f"{args.runs} runs, stub answers after {args.sleep:g} s; load average {load0[0]:.1f} before, {load1[0]:.1f} after "
           f"(1-min), on {os.cpu_count()} CPUs")
     print(f"  {'side':>6} {'wall 1x':>8} {'wall 8x':>8} {'8x/1x':>6} {'CPU 1x':>7} {'CPU 8x':>7} {'stub 8x':>7} {'RSS 1x':>7} "
-          f"{'RSS 8x':>7} {'growth':>7}   per-pair 8x/1x")
+          f"{'RSS 8x':>7} {'growth':>7} {'conns 8x':>12}   per-pair 8x/1x")
     for side in trees:
         one, eight = got[(side, "1")], got[(side, "8")]
         ratios = [e["wall_s"] / o["wall_s"] for o, e in zip(one, eight)]
         stub = [r["stub_cpu_s"] for r in eight if r.get("stub_cpu_s") is not None]
         rss1, rss8 = med(r['peak_rss_mib'] for r in one), med(r['peak_rss_mib'] for r in eight)
+        conns = f"{med(r['conns'] for r in eight):g}/{med(r['requests'] for r in eight):g}"  # connections / requests, at 8 x
         print(f"  {side:>6} {med(r['wall_s'] for r in one):>7.2f}s {med(r['wall_s'] for r in eight):>7.2f}s {med(ratios):>5.2f}x "
               f"{med(r['cpu_s'] for r in one):>6.2f}s {med(r['cpu_s'] for r in eight):>6.2f}s "
-              f"{(f'{med(stub):.2f}s' if stub else '-'):>7} {rss1:>6.1f}M {rss8:>6.1f}M {rss8 - rss1:>+6.1f}M   "
+              f"{(f'{med(stub):.2f}s' if stub else '-'):>7} {rss1:>6.1f}M {rss8:>6.1f}M {rss8 - rss1:>+6.1f}M "
+              f"{conns:>12}   "
               + " ".join(f"{x:.2f}" for x in ratios))
     b8, h8 = med(r["cpu_s"] for r in got[("base", "8")]), med(r["cpu_s"] for r in got[("HEAD", "8")])
     print(f"  client CPU at 8 x {args.prompts}: HEAD/base {h8 / b8:.2f}x (medians; CPU is the figure a shared machine does not move)")
@@ -313,7 +346,9 @@ for p in profiles[1:]:
 buf = io.StringIO()
 stats.stream = buf
 stats.sort_stats("tottime").print_stats(25)
-print("  replica threads, all together, by own CPU time (cProfile timed by each thread's CPU clock; GIL waits not counted):")
+print("  replica threads, all together, by own CPU time (cProfile timed by each thread's CPU clock; GIL waits not counted;")
+print("  a coroutine's ncalls counts each time it resumed, not each call: wire.py's _open is listed ~3 times per connection")
+print("  opened. The connections are the stubs' count, conns in sections 1-2 and 5):")
 print("\n".join("    " + l for l in buf.getvalue().splitlines() if l.strip())[:6000])
 buf = io.StringIO()
 stats.stream = buf

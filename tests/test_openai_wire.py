@@ -1,7 +1,7 @@
 """The batch path's HTTP/1.1 transport (backends/openai/wire.py) against a real loopback server:
 the answers httpx would read (content-length, chunked, close-delimited, gzip), the connection kept
 for a request after a preconnect and from one batch to the next (never one the server closed or one
-idle too long), and each failure as the httpx error load.py translates: refused, dropped before an
+idle too long), a one-off GET on a connection closed before it returns, and each failure as the httpx error load.py translates: refused, dropped before an
 answer, no answer in time. The proxy fallback (httpx) gives the same replies."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import queue
 import socket
 import time
 from http.server import ThreadingHTTPServer
@@ -31,14 +32,19 @@ class Server(StubServer):
     """Answers POST /v1/<mode> in the way the mode names; counts connections and keeps the bodies."""
 
     def __init__(self) -> None:
-        self.bodies, self.peers, self.headers = [], set(), []
+        self.bodies, self.peers, self.headers, self.gets, self.ended = [], set(), [], [], queue.Queue()
         srv = self
 
         class Handler(JSONHandler):
             protocol_version = "HTTP/1.1"
 
+            def finish(self):  # the client closed the connection (or the server did)
+                super().finish()
+                srv.ended.put(self.client_address)
+
             def do_GET(self):
                 srv.peers.add(self.client_address)
+                srv.gets.append(self.client_address)
                 self.send_json(200 if self.path == "/health" else 404, {"status": "ok"})
 
             def do_POST(self):
@@ -161,6 +167,15 @@ def _endpoint(server) -> Endpoint:
     return Endpoint(server.url, api_key=None, timeout=10.0, connect_timeout=5.0, retries=0)
 
 
+@pytest.fixture
+def wire_endpoint(server, monkeypatch):
+    """An endpoint of the server on wire.py's transport (no proxy in the environment), closed after the test."""
+    monkeypatch.setitem(load._SHARED, "proxies", False)
+    ep = _endpoint(server)
+    yield ep
+    ep.close()
+
+
 @pytest.mark.parametrize("proxied", [False, True], ids=["wire", "httpx"])
 def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeypatch, proxied):
     monkeypatch.setitem(load._SHARED, "proxies", proxied)  # a proxy in the environment: the batch goes through httpx
@@ -175,41 +190,58 @@ def test_a_batch_reads_the_same_replies_through_either_transport(server, monkeyp
     assert len(server.bodies) == sent + 2  # a 429 is sent again once (--opt retries=1), then reported
 
 
-def test_a_batch_reuses_the_last_batchs_open_connections(server, monkeypatch):
-    monkeypatch.setitem(load._SHARED, "proxies", False)
-    ep = _endpoint(server)
-    try:
-        before = len(server.peers)
-        for _ in range(3):
-            replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(4)], sample=None, interval=1.0)
-            assert [r.doc for r in replies] == [DOC] * 4
-        assert len(server.peers) == before + 4, "three batches of 4 on the first batch's 4 connections"
-        replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(6)], sample=None, interval=1.0)
-        assert len(replies) == 6 and len(server.peers) == before + 6, "4 reused, 2 new"
-        ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
-        assert len(server.peers) == before + 6 and len(ep._pool._idle) == 2, "2 reused, the 4 others closed, not kept idle"
-        monkeypatch.setattr(wire, "KEEP_IDLE_S", 0.0)  # idle too long: none is reused
-        ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
-        assert len(server.peers) == before + 8
-    finally:
-        ep.close()
+def test_a_batch_reuses_the_last_batchs_open_connections(server, wire_endpoint, monkeypatch):
+    ep = wire_endpoint
+    before = len(server.peers)
+    for _ in range(3):
+        replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(4)], sample=None, interval=1.0)
+        assert [r.doc for r in replies] == [DOC] * 4
+    assert len(server.peers) == before + 4, "three batches of 4 on the first batch's 4 connections"
+    replies, _ = ep.send_batch("/plain", [{"prompt": str(i)} for i in range(6)], sample=None, interval=1.0)
+    assert len(replies) == 6 and len(server.peers) == before + 6, "4 reused, 2 new"
+    ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
+    assert len(server.peers) == before + 6 and len(ep._pool._idle) == 2, "2 reused, the 4 others closed, not kept idle"
+    monkeypatch.setattr(wire, "KEEP_IDLE_S", 0.0)  # idle too long: none is reused
+    ep.send_batch("/plain", [{"prompt": "x"}] * 2, sample=None, interval=1.0)
+    assert len(server.peers) == before + 8
+    ep.close()
     assert ep._pool is None and ep._runner is None
 
 
-def test_a_connection_the_server_closed_is_never_reused(server, monkeypatch):
+def test_a_connection_the_server_closed_is_never_reused(server, wire_endpoint):
     """The server closes each connection after its answer (no Connection: close): every batch
     opens new ones, and none fails on a connection that was closed under it."""
+    before = len(server.peers)
+    for _ in range(3):
+        replies, _ = wire_endpoint.send_batch("/hangup", [{"prompt": str(i)} for i in range(3)], sample=None, interval=1.0)
+        assert [r.doc for r in replies] == [DOC] * 3
+        time.sleep(1.0)  # the server's close arrives while no batch runs: seen by the poll, not by the loop
+    assert len(server.peers) == before + 9
+
+
+def test_a_get_is_httpxs_answer_on_a_connection_closed_before_it_returns(server, wire_endpoint, monkeypatch):
+    """Endpoint.get on wire.py: the status, body and headers httpx's client gets; its connection
+    is closed when get() returns (an open one would hold a thread of llama-server's HTTP pool), and
+    the batches' kept connections survive a GET that failed."""
+    ep = wire_endpoint
+    ep.send_batch("/plain", [{"prompt": str(i)} for i in range(2)], sample=None, interval=1.0)
+    kept = list(ep._pool._idle)
+    got = ep.get("/health", root=True)
+    assert got[0] == 200 and got[1] == {"status": "ok"}
+    while server.ended.get(timeout=10) != server.gets[-1]:  # the server saw the GET's close (no timer: an open one never ends)
+        pass
+    assert ep.get("/nothing", root=True)[:2] == (404, {"status": "ok"})
+    monkeypatch.setitem(load._SHARED, "proxies", True)  # through httpx's client: the same answer
+    by_httpx = ep.get("/health", root=True)
+    assert by_httpx[:2] == got[:2] and by_httpx[2]["content-type"] == got[2]["content-type"] == "application/json"
     monkeypatch.setitem(load._SHARED, "proxies", False)
-    ep = _endpoint(server)
-    try:
-        before = len(server.peers)
-        for _ in range(3):
-            replies, _ = ep.send_batch("/hangup", [{"prompt": str(i)} for i in range(3)], sample=None, interval=1.0)
-            assert [r.doc for r in replies] == [DOC] * 3
-            time.sleep(1.0)  # the server's close arrives while no batch runs: seen by the poll, not by the loop
-        assert len(server.peers) == before + 9
-    finally:
-        ep.close()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep.base_url = ep.root = f"http://127.0.0.1:{port}"
+    status, why, headers = ep.get("/health", root=True)
+    assert (status, headers) == (0, {}) and why == "ConnectError: [Errno 111] Connection refused"
+    assert ep._pool._idle == kept, "a failed GET leaves the loop and the batches' connections as they were"
 
 
 def test_https_with_the_clients_tls_context(tmp_path):

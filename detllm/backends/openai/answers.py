@@ -1,8 +1,9 @@
 """Reading the answers of OpenAI-compatible servers for the `openai` backend: the first choice,
 per-token logprob steps in either OpenAI format (chat's `content` list, which llama-server also uses
 on /v1/completions with ids; completions' `tokens`/`token_logprobs`/`top_logprobs`), token ids where
-the server gives them (an `id` field, vLLM's `token_id:N`), and the prompt tokens served from cache.
-Pure functions on JSON; no HTTP, no runs.
+the server gives them (an `id` field, vLLM's `token_id:N`), the prompt tokens served from cache, and
+the requests a server says it is computing (/slots, /metrics: busy_from). Pure functions on JSON and
+text; no HTTP, no runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from ...core.errors import BackendError
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")  # vLLM's return_tokens_as_token_ids spelling
 _INF = float("inf")
+# /metrics gauges of requests the engine is computing right now (vLLM, SGLang, TGI)
+RUNNING_GAUGES = re.compile(r"^(vllm:num_requests_running|sglang:num_running_reqs|tgi_batch_current_size)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$",
+                            re.M)
 
 
 @dataclass
@@ -122,4 +126,17 @@ def cached_tokens(doc: Any) -> int | None:
     return None
 
 
-__all__ = ["cached_tokens", "choice", "shape", "steps"]
+def busy_from(source: str, body: Any) -> int | None:
+    """Requests the server is computing: /slots (llama-server) counts slots with is_processing,
+    /metrics sums the running-request gauges."""
+    if source == "/slots":
+        if isinstance(body, list):
+            return sum(1 for s in body if isinstance(s, dict) and (s.get("is_processing") or s.get("state") == 1))
+        return None
+    if isinstance(body, str):
+        found = RUNNING_GAUGES.findall(body)
+        return int(sum(float(v) for *_, v in found)) if found else None
+    return None
+
+
+__all__ = ["busy_from", "cached_tokens", "choice", "shape", "steps"]

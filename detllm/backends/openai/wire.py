@@ -272,6 +272,18 @@ class Pool:
         self._idle = []
 
 
+async def get_once(conn: Connection, url: str) -> Answer | Exception:
+    """GET `url` on `conn`, then close it (an open one holds a thread of a threading server; its socket
+    is closed by a loop callback that runs before the loop's run ends); a failure (httpx's classes) is
+    handed back, not raised."""
+    try:
+        return await conn.get(url)
+    except Exception as exc:  # noqa: BLE001 - the caller raises it outside the loop
+        return exc
+    finally:
+        conn.close()
+
+
 def _h11_sent(method: str, target: str, head: list[tuple[str, str]], body: bytes | None) -> tuple[Any, bytes]:
     """An h11 client connection that has sent this request, and the bytes it wrote."""
     import h11
@@ -349,4 +361,4 @@ def _decoded(content: bytes, encoding: str | None) -> bytes:
     raise httpx.DecodingError(f"the answer came with content-encoding {enc!r}, which was not asked for")
 
 
-__all__ = ["KEEP_IDLE_S", "Answer", "Connection", "Pool"]
+__all__ = ["KEEP_IDLE_S", "Answer", "Connection", "Pool", "get_once"]

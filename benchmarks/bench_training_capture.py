@@ -16,7 +16,7 @@ cProfile's functions by own time over one captured step. --grouped adds a mode t
 with the pass written before training/capture.py (P on n pool threads beside the figures grouped on
 torch's n threads), so before and after are measured in one alternated run.
 
-    .venv/bin/python benchmarks/bench_training_capture.py [--pairs 10] [--model smollm2-135m] [--threads 2] [--chain detllm-train/2] [--profile]
+    .venv/bin/python benchmarks/bench_training_capture.py [--pairs 10] [--quiet 5] [--model smollm2-135m] [--threads 2] [--chain detllm-train/2] [--grouped] [--profile]
 """
 
 from __future__ import annotations

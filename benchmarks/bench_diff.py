@@ -126,7 +126,7 @@ def _cpu() -> str:
 
 
 # `detllm diff` in one process: compare/pairs.py's worker never starts (the two-core split measured against it)
-ONE_PROCESS = ("import sys; from detllm.compare import pairs; pairs.WORKER_MIN_BYTES = 1 << 62; "
+ONE_PROCESS = ("import sys; from detllm.compare import pairs, trace; pairs.WORKER_MIN_BYTES = trace._WARM_MIN_BYTES = 1 << 62; "
                "from detllm.cli import entry; sys.argv[0] = 'detllm'; entry()")
 
 

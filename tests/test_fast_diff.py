@@ -112,7 +112,7 @@ def _pair(root: Path, variant: str, prompts: int = 12, tokens: int = 40, k: int 
         if variant == "drift" or (variant in ("mixed", "nulls") and i % 3 == 0):
             b["logprobs"] = [lp + 1e-7 for lp in b["logprobs"]]
             b["top_logprobs"] = [[[t, lp + 1e-7 * (j + 1)] for j, (t, lp) in enumerate(s)] for s in b["top_logprobs"]]
-        if (variant in ("flip", "mixed") and i % 4 == 1) or (variant == "planted" and i == prompts // 2):
+        if variant in ("flip", "mixed") and i % 4 == 1:
             p = tokens // 2
             b["token_ids"][p] = b["top_logprobs"][p][1][0]
             b["token_texts"][p] = f" w{b['token_ids'][p]}"
@@ -232,52 +232,36 @@ class _Parent:
 
     def alone(self) -> None:
         self.monkeypatch.setattr(self.pairs, "WORKER_MIN_BYTES", 1 << 62)
+        self.monkeypatch.setattr(trace, "_WARM_MIN_BYTES", 1 << 62)
         self.slow = False
         self.mine.clear()
 
-    def shared(self) -> None:
-        """A worker for any pairs past the count (it inherits the traces' descriptors)."""
+    def shared(self, warm: bool = False) -> None:
+        """With `warm`, the worker is started while the traces load (a spare that opens them
+        through /proc), else when the pairs are handed over (it inherits their descriptors)."""
         self.monkeypatch.setattr(self.pairs, "WORKER_MIN_BYTES", 0)
+        self.monkeypatch.setattr(trace, "_WARM_MIN_BYTES", 0 if warm else 1 << 62)
         self.slow = True
         self.mine.clear()
 
 
-def _started(monkeypatch) -> list:
-    """Every process started from here on (subprocess.Popen), as it was started."""
-    import subprocess
+@pytest.mark.parametrize("variant,tier,warm", [("mixed", 2, False), ("nulls", 2, True), ("flip", 1, True), ("topk", 2, False)])
+def test_a_worker_process_gives_the_same_report(monkeypatch, tmp_path, variant, tier, warm):
+    from detllm.compare import spare
 
-    started: list = []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, real=subprocess.Popen, **k: started.append(real(*a, **k)) or started[-1])
-    return started
-
-
-@pytest.mark.parametrize("variant,tier", [("mixed", 2), ("nulls", 2), ("flip", 1), ("topk", 2)])
-def test_a_worker_process_gives_the_same_report(monkeypatch, tmp_path, variant, tier):
     left, right = _pair(tmp_path, variant, prompts=100, tokens=24)
     parent = _Parent(monkeypatch)
     parent.alone()
     reference = json.dumps(diff(left, right, tier=tier).report, sort_keys=True)
     differing = len(parent.mine)
-    parent.shared()
-    started = _started(monkeypatch)
+    parent.shared(warm)
+    spares = []
+    monkeypatch.setattr(spare, "take", lambda real=spare.take: spares.append(real()) or spares[-1])
     shared = json.dumps(diff(left, right, tier=tier).report, sort_keys=True)
     assert differing > 20
     assert 0 < len(parent.mine) < differing, f"this process settled {len(parent.mine)} of {differing} pairs"
     assert shared == reference
-    assert len(started) == 1 and started[0].returncode is not None  # one worker, ended and reaped with the diff
-
-
-def test_few_differing_pairs_start_no_process(monkeypatch, tmp_path):
-    """One planted flip among 100 mapped records: the pair is settled here, and no process starts, not
-    even while the traces load (a worker started ahead cost ~0.17 CPU-s there, compare/spare.py)."""
-    left, right = _pair(tmp_path, "planted", prompts=100, tokens=24)
-    parent = _Parent(monkeypatch)
-    parent.shared()
-    parent.slow = False
-    started = _started(monkeypatch)
-    report = diff(left, right, tier=1).report
-    assert parent.mine == [50] and started == []
-    assert report["first_divergence"]["prompt_index"] == 50
+    assert (spares[0] is not None) == warm and spare._waiting is None  # a spare was taken, when there was one
 
 
 def test_a_record_the_worker_cannot_read_is_refused_here(monkeypatch, tmp_path):

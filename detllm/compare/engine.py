@@ -8,6 +8,7 @@ byte-identical (compare/trace.py) are settled without parsing them.
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from typing import Any, Iterable
 
@@ -335,6 +336,9 @@ def compare(
             jobs.append(k)
     if not use_fast_path(len(jobs)):
         jobs = []
+        spare = sys.modules.get(__package__ + ".spare")  # loaded only where a large trace started a spare worker
+        if spare is not None:
+            spare.drop()
     fast = set(jobs)
     for k, (a, b) in enumerate(pairs):
         if k in identical or k in fast:

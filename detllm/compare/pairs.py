@@ -79,6 +79,8 @@ def settle_pairs(pairs: list[tuple[Any, Any]], jobs: list[int], spec: Spec) -> d
     """settle() for pairs[k] of each k in jobs, with a worker process when they are many and large."""
     out: dict[int, Settled] = {}
     worker = _Worker.start(pairs, jobs, spec) if _worth_a_worker(pairs, jobs) else None
+    if worker is None:
+        spare.drop()
     try:
         front, back = 0, len(jobs)  # this process settles jobs[:front], the worker jobs[back:]
         while front < back:
@@ -133,10 +135,16 @@ class _Worker:
                 fd = files.setdefault(id(rec._file), rec._file.fileno())
                 task.append((dict.copy(rec), fd, rec._start, rec._end, rec.where))
             tasks.append(task)
-        proc = spare.spawn(sorted(set(files.values())))  # it inherits the descriptors themselves
+        proc = spare.take()
+        fds = sorted(set(files.values()))
+        # a spare opens each file again through /proc (it was started before they were opened);
+        # a worker started now inherits the descriptors themselves
+        opened = {fd: f"{spare.PROC_FD}/{fd}" if proc is not None else None for fd in fds}
         if proc is None:
-            return None
-        setup = pickle.dumps((spec, tasks), protocol=pickle.HIGHEST_PROTOCOL)
+            proc = spare.spawn(fds)
+            if proc is None:
+                return None
+        setup = pickle.dumps((spec, opened, tasks), protocol=pickle.HIGHEST_PROTOCOL)
         self = cls(proc)
         # the setup is written from a thread: the worker reads it only once its imports are done
         def send_setup() -> None:
@@ -208,18 +216,19 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 def _worker_main() -> int:
     import mmap
 
-    from . import fast  # noqa: F401 - numpy and simdjson, imported while the parent settles its first pairs
+    from . import fast  # noqa: F401 - numpy and simdjson, imported while the parent reads its traces
 
     fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
     if not select.select([fd_in], [], [], spare.WAIT_S)[0]:
-        return 0  # no setup came
+        return 0  # a spare nobody took
     head = _read_exact(fd_in, _FRAME.size)
     if head is None:
         return 0
     setup = _read_exact(fd_in, _FRAME.unpack(head)[0])
     if setup is None:
         return 0
-    spec, tasks = pickle.loads(setup)
+    spec, opened, tasks = pickle.loads(setup)
+    fds = {fd: (os.open(path, os.O_RDONLY) if path else fd) for fd, path in opened.items()}
     maps: dict[int, Any] = {}
     front = 0  # how many jobs the parent has settled from the front
     pending = b""
@@ -240,7 +249,7 @@ def _worker_main() -> int:
         for header, fd, start, end, where in sides:
             if fd not in maps:
                 # not populated: it reads about half the pages, faulted in as it goes
-                maps[fd] = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                maps[fd] = mmap.mmap(fds[fd], 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             rec = TraceRecord(header, maps[fd], start, end, where)
             recs.append(rec)
         try:

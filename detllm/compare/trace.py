@@ -225,6 +225,7 @@ def _map(path: Path) -> "tuple[bytes | mmap.mmap, Any]":
 
 
 _MAP_MIN_BYTES = 1 << 22  # below 4 MiB a read is as fast and holds no descriptor
+_WARM_MIN_BYTES = 1 << 24  # a trace this large may well need compare/pairs.py's worker: start it early (spare.py)
 
 
 def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: True) -> tuple[list[TraceRecord], set[tuple[int, int]]]:
@@ -239,6 +240,10 @@ def load_records(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda h: 
     out: list[TraceRecord] = []
     present: set[tuple[int, int]] = set()
     pos, n, line_no = 0, len(data), 0
+    if file is not None and n >= _WARM_MIN_BYTES:
+        from . import spare
+
+        spare.warm()  # a worker for the comparison that may follow imports while the headers are read (compare/pairs.py)
     while pos < n:
         end = data.find(b"\n", pos)
         end = n if end < 0 else end

@@ -205,10 +205,10 @@ class Ahead:
 
 
 def _main(argv: list[str]) -> int:
-    from ..compare import pairs
+    from ..compare import pairs, trace
     from ..core.errors import DetllmError
 
-    pairs.WORKER_MIN_BYTES = 1 << 62  # verify's own process has the other core
+    pairs.WORKER_MIN_BYTES = trace._WARM_MIN_BYTES = 1 << 62  # verify's own process has the other core
     try:
         answer: dict[str, Any] = {"ok": rederive_verdict(Path(argv[0]))}
     except DetllmError as exc:

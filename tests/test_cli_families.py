@@ -1,0 +1,51 @@
+"""The console script imports only the family of the command it runs (cli/__init__.COMMANDS) and builds
+only that command: the map is held to what each family module really registers, and a command run
+that way sees the same app (help, errors) as the whole one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from detllm.cli import COMMANDS, FAMILIES, app
+
+PROBE = """
+import json, sys
+import detllm.cli.{family}
+from detllm.cli.shell import app
+from typer.main import get_command_name
+names = [c.name or get_command_name(c.callback.__name__) for c in app.registered_commands] + [g.name for g in app.registered_groups]
+print(json.dumps(sorted(names)))
+"""
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_each_family_registers_exactly_the_commands_the_map_gives_it():
+    for family in FAMILIES:
+        got = json.loads(_run(PROBE.format(family=family)))
+        assert got == sorted(c for c, f in COMMANDS.items() if f == family), family
+    whole = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands} | {g.name for g in app.registered_groups}
+    assert whole == set(COMMANDS)
+
+
+def test_a_command_line_imports_its_family_alone_and_help_lists_every_command_in_order():
+    """`env` imports the info family alone; --help afterwards, in the same process, lists every command
+    in the order of the whole app (the families' order, whichever was imported first)."""
+    code = ("import sys, contextlib, io\nfrom detllm.cli import main\n"
+            "def go(args):\n    out = io.StringIO()\n    with contextlib.redirect_stdout(out):\n        try:\n            main(args)\n"
+            "        except SystemExit:\n            pass\n    return out.getvalue()\n"
+            "go(['env', '--json'])\n"
+            f"print(sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.rsplit('.', 1)[0] == 'detllm.cli' and m.rsplit('.', 1)[1] in {FAMILIES!r}))\n"
+            "print(' '.join(line.split()[1] for line in go(['--help']).splitlines() if line.startswith('\u2502 ') and len(line.split()) > 2))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    imported, listed = out.stdout.strip().splitlines()[-2:]
+    assert imported == "['info']"
+    whole = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands] + [g.name for g in app.registered_groups]
+    assert [n for n in listed.split() if n in COMMANDS] == whole

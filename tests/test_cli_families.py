@@ -1,4 +1,4 @@
-"""The console script imports only the family of the command it runs (cli/__init__.COMMANDS) and builds
+"""The console script imports only the family of the command it runs (cli/families.COMMANDS) and builds
 only that command: the map is held to what each family module really registers, and a command run
 that way sees the same app (help, errors) as the whole one."""
 
@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 from detllm.cli import COMMANDS, FAMILIES, app
+from detllm.cli.families import names
 
 PROBE = """
-import json, sys
+import json
 import detllm.cli.{family}
+from detllm.cli.families import names
 from detllm.cli.shell import app
-from typer.main import get_command_name
-names = [c.name or get_command_name(c.callback.__name__) for c in app.registered_commands] + [g.name for g in app.registered_groups]
-print(json.dumps(sorted(names)))
+print(json.dumps(sorted(names(app))))
 """
 
 
@@ -30,8 +30,7 @@ def test_each_family_registers_exactly_the_commands_the_map_gives_it():
     for family in FAMILIES:
         got = json.loads(_run(PROBE.format(family=family)))
         assert got == sorted(c for c, f in COMMANDS.items() if f == family), family
-    whole = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands} | {g.name for g in app.registered_groups}
-    assert whole == set(COMMANDS)
+    assert sorted(names(app)) == sorted(COMMANDS)
 
 
 def test_a_command_line_imports_its_family_alone_and_help_lists_every_command_in_order():
@@ -47,5 +46,4 @@ def test_a_command_line_imports_its_family_alone_and_help_lists_every_command_in
     assert out.returncode == 0, out.stderr
     imported, listed = out.stdout.strip().splitlines()[-2:]
     assert imported == "['info']"
-    whole = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands] + [g.name for g in app.registered_groups]
-    assert [n for n in listed.split() if n in COMMANDS] == whole
+    assert [n for n in listed.split() if n in COMMANDS] == names(app)

@@ -13,9 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from typer.main import get_command_name
-
-from .families import register
+from .families import command_name, register
 from .shell import closed_pipe
 
 # engines whose clean-up runs in finalizers at teardown (shared-memory segments, worker processes, a
@@ -92,7 +90,7 @@ def only(args: list[str]) -> Any:
     list every command)."""
     name = next((a for a in args if not a.startswith("-")), None)
     app = register(name)  # only the family that registers it, when it names a command
-    commands = [c for c in app.registered_commands if (c.name or get_command_name(c.callback.__name__)) == name]
+    commands = [c for c in app.registered_commands if command_name(c) == name]
     groups = [g for g in app.registered_groups if g.name == name]
     if len(commands) + len(groups) != 1:
         return register()

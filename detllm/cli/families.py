@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from typer.main import get_command_name
+
 from .shell import app
 
 # the families in --help's order, and the family that registers each command (tests/test_cli_families.py
@@ -27,6 +29,16 @@ def register(command: str | None = None) -> Any:
         _load(name)
     app.registered_commands.sort(key=lambda c: FAMILIES.index(c.callback.__module__.rsplit(".", 1)[-1]))
     return app
+
+
+def command_name(info: Any) -> str:
+    """The name a registered command (typer's CommandInfo) is called by on the command line."""
+    return info.name or get_command_name(info.callback.__name__)
+
+
+def names(typer_app: Any) -> list[str]:
+    """Every command and command group registered on the app, commands first, in registration order."""
+    return [command_name(c) for c in typer_app.registered_commands] + [g.name for g in typer_app.registered_groups]
 
 
 def _load(family: str) -> None:

@@ -267,9 +267,9 @@ class HFBackend(Backend):
                 timed["bare"], timed["bare_forward"] = False, _since(clock)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()  # (n, vocab) raw logits of the next token
-            logp = torch.log_softmax(logits, dim=-1)
             nxt = logits.argmax(dim=-1) if gens is None else self._sample(torch, logits, decoding, gens)
-            if want_logprobs:
+            if want_logprobs:  # only then: tier 1 records token ids alone
+                logp = torch.log_softmax(logits, dim=-1)
                 chosen = logp.gather(1, nxt[:, None])[:, 0].tolist()
                 tv, ti = logp.topk(min(n_logprobs, logp.shape[-1]), dim=-1)
                 tv, ti = tv.tolist(), ti.tolist()

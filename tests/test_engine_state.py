@@ -4,8 +4,12 @@ TF32 read and set through torch's new fp32_precision API."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import threading
+import time
+import types
 
 import numpy as np
 import pytest
@@ -56,6 +60,67 @@ def test_a_file_changed_just_before_its_hash_is_hashed_again(tmp_path):
     key = next(k for k in hashing._memo if k[0] == str(f.resolve()))
     hashing._memo[key] = ("0" * 64, hashing._memo[key][1])  # a stale entry under the same key
     assert hashing.sha256_file(f) == hashing.sha256_bytes(b"a" * 64), "a racy entry is never trusted"
+
+
+def _counted_slow_prehash(monkeypatch, delay: float) -> list:
+    """hashing._hash_file, counted per call; on the prehash thread its first read is `delay` s slow
+    (after the hash's start time is taken), so a caller's sha256_file of the same file arrives while
+    that hash is in flight and began before the call."""
+    calls, real, real_sha = [], hashing._hash_file, hashlib.sha256
+
+    def counted(path, key, busy, chunk=hashing._CHUNK):
+        calls.append(threading.current_thread().name)
+        return real(path, key, busy, chunk)
+
+    class Slow:
+        def __init__(self):
+            self.h, self.slept = real_sha(), threading.current_thread().name != hashing._PRE_THREAD
+
+        def update(self, data):
+            if not self.slept:
+                self.slept = True
+                time.sleep(delay)
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(hashing, "_hash_file", counted)
+    monkeypatch.setattr(hashing, "hashlib", types.SimpleNamespace(sha256=lambda *a: real_sha(*a) if a else Slow()))
+    return calls
+
+
+def test_a_file_being_prehashed_is_waited_for_and_read_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(hashing, "RACY_NS", 0)  # the fresh file counts as old: the other thread's hash may be used
+    f = tmp_path / "w.bin"
+    f.write_bytes(os.urandom(3 << 20))
+    calls = _counted_slow_prehash(monkeypatch, 0.3)
+    thread = hashing.prehash([f])
+    time.sleep(0.05)  # the thread has marked the file in flight
+    assert hashing.sha256_file(f) == hashing.sha256_bytes(f.read_bytes())
+    thread.join()
+    assert calls == [hashing._PRE_THREAD], calls  # read once, by the prehash thread; the caller waited
+    assert not hashing._inflight
+
+
+def test_a_racy_file_hashed_by_another_thread_before_the_call_is_read_again(tmp_path, monkeypatch):
+    f = tmp_path / "w.bin"  # just written: changed within RACY_NS of any hash taken now
+    f.write_bytes(os.urandom(1 << 20))
+    calls = _counted_slow_prehash(monkeypatch, 0.3)
+    thread = hashing.prehash([f])
+    time.sleep(0.05)
+    assert hashing.sha256_file(f) == hashing.sha256_bytes(f.read_bytes())
+    thread.join()
+    # the thread's read may have begun before the call and the file is racy: the caller reads it itself
+    assert sorted(calls) == sorted([hashing._PRE_THREAD, "MainThread"]), calls
+
+
+def test_prehash_of_a_file_it_cannot_read_leaves_the_error_to_the_caller(tmp_path):
+    missing = tmp_path / "gone.bin"
+    hashing.prehash([missing]).join()
+    assert not hashing._inflight
+    with pytest.raises(FileNotFoundError):
+        hashing.sha256_file(missing)
 
 
 @pytest.mark.engine

@@ -17,13 +17,14 @@ import os
 import random
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 from ...core.clock import clock as _clock, since as _since
 from ...core.config import Decoding, RunConfig
 from ...runfolder.env import dist_version
 from ...core.errors import BackendError, BackendUnavailableError, UsageError
-from ...core.hashing import content_key, folder_identity
+from ...core.hashing import content_key, folder_files, folder_identity, prehash
 from ...core.modelfiles import check_model_files
 from ...core import perturb
 from ...core.ompwait import wait_default_before_torch
@@ -70,10 +71,17 @@ class HFBackend(Backend):
 
     def __init__(self, model: str, *, options: HFOptions | None = None, revision: str | None = None,
                  dtype: str = "float32", device: str = "cpu", cublas_workspace: bool = False) -> None:
+        wait_default_before_torch()  # before anything imports torch: a built-in model's first build does (core/ompwait.py)
+        self.revision = revision
+        self.resolved = resolve_model(model)
+        self._folder = self._local_folder()
+        if self._folder is not None:
+            # the files' hashes (the cache key of _load, the run's model identity) are read on a thread of their
+            # own while torch and transformers import: ~0.45 s of smollm2-135m's start, off the clock
+            prehash(folder_files(Path(self._folder)))
         torch = _torch()
         refuse_after_batch_invariant("the hf backend")
         self.options = options or HFOptions()
-        self.revision = revision
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
@@ -84,7 +92,6 @@ class HFBackend(Backend):
         if dtype == "auto":
             dtype = "float32"
         self.dtype = dtype
-        self.resolved = resolve_model(model)
         self.perturbation = perturb.parse(self.options.perturb) if self.options.perturb else None  # before any load
         self.model, self.tokenizer = self._load(torch)
         if self.perturbation is not None:
@@ -105,24 +112,28 @@ class HFBackend(Backend):
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
         return True, "set before CUDA initialised"
 
+    def _local_folder(self) -> Any:
+        """The model's folder on this machine (a hub id already in the hub cache: no network), or None
+        when from_pretrained must download it; a UsageError when it is not cached and the hub is unreachable."""
+        if self.resolved.path is not None:
+            return self.resolved.path
+        try:
+            return local_folder(self.resolved, self.revision)
+        except BackendError:
+            why = hub_unreachable()  # a short connect now, not the hub client's retries (~50 s offline)
+            if why:
+                raise UsageError(f"model {self.resolved.id!r} is not in the hub cache and the hub cannot be reached: {why}",
+                                 hint="pass a built-in model or a local folder, or load it once where the hub is reachable "
+                                      "to fill the hub cache") from None
+            return None  # not cached: from_pretrained downloads it where the hub is reachable
+
     def _load(self, torch):
+        folder = self._folder
         with without_triton(torch):  # the model classes' imports pull triton, which a GPU-less torch never runs (lean.py)
             from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # keep stderr for detllm's one-line messages
-
-        folder = self.resolved.path
-        if folder is None:
-            try:
-                folder = local_folder(self.resolved, self.revision)  # a hub id already cached: no network
-            except BackendError:
-                folder = None  # not cached: from_pretrained downloads it where the hub is reachable
-                why = hub_unreachable()  # a short connect now, not the hub client's retries (~50 s offline)
-                if why:
-                    raise UsageError(f"model {self.resolved.id!r} is not in the hub cache and the hub cannot be reached: {why}",
-                                     hint="pass a built-in model or a local folder, or load it once where the hub is reachable "
-                                          "to fill the hub cache") from None
         if folder is not None:
             check_model_files(folder)  # a truncated or corrupt file is one line naming it, not a loader traceback
         source = str(folder) if folder else self.resolved.id

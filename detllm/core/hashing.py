@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import threading
 import time
 from pathlib import Path
@@ -85,12 +86,13 @@ def _hash_file(path: Path, key: tuple, busy: threading.Event | None, chunk: int 
     try:
         started = time.time_ns()
         h = hashlib.sha256()
-        buf = bytearray(min(chunk, max(key[3], 1)))
-        view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
+        # the buffer is an anonymous mapping of its own, unmapped on return: a malloc'd one of this size can
+        # stay in a thread's arena after it is freed (+3.4 MiB of smollm2-135m's peak RSS with a bytearray)
+        with open(path, "rb", buffering=0) as f, mmap.mmap(-1, min(chunk, max(key[3], 1))) as buf:
+            view = memoryview(buf)
+            while n := f.readinto(view):
                 h.update(view[:n])  # read and hash both let go of the GIL: a prehash runs beside Python
-        del view
+            view.release()
         _memo[key] = (h.hexdigest(), started)
         return h.hexdigest()
     finally:

@@ -123,6 +123,29 @@ def test_prehash_of_a_file_it_cannot_read_leaves_the_error_to_the_caller(tmp_pat
         hashing.sha256_file(missing)
 
 
+def test_eight_threads_asking_one_version_read_its_metadata_once(monkeypatch):
+    from detllm.runfolder import env
+
+    reads = []
+
+    def version(name):
+        reads.append(name)
+        time.sleep(0.05)  # the other threads ask while this read is on
+        return "1.0"
+
+    env._dist_version.cache_clear()
+    monkeypatch.setattr(env.metadata, "version", version)
+    try:
+        threads = [threading.Thread(target=env.dist_version, args=("somedist",)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert reads == ["somedist"] and env.dist_version("somedist") == "1.0"
+    finally:
+        env._dist_version.cache_clear()
+
+
 @pytest.mark.engine
 def test_hf_reloads_a_model_edited_in_place(tiny_copy):
     from detllm.backends.hf import HFBackend

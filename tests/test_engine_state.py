@@ -90,13 +90,21 @@ def _counted_slow_prehash(monkeypatch, delay: float) -> list:
     return calls
 
 
+def _until_in_flight() -> None:
+    """Return once the prehash thread has marked its file in flight (it then sleeps in its first read)."""
+    deadline = time.monotonic() + 30
+    while not hashing._inflight:
+        assert time.monotonic() < deadline, "the prehash thread never started"
+        time.sleep(0.001)
+
+
 def test_a_file_being_prehashed_is_waited_for_and_read_once(tmp_path, monkeypatch):
     monkeypatch.setattr(hashing, "RACY_NS", 0)  # the fresh file counts as old: the other thread's hash may be used
     f = tmp_path / "w.bin"
     f.write_bytes(os.urandom(3 << 20))
     calls = _counted_slow_prehash(monkeypatch, 0.3)
     thread = hashing.prehash([f])
-    time.sleep(0.05)  # the thread has marked the file in flight
+    _until_in_flight()
     assert hashing.sha256_file(f) == hashing.sha256_bytes(f.read_bytes())
     thread.join()
     assert calls == [hashing._PRE_THREAD], calls  # read once, by the prehash thread; the caller waited
@@ -108,7 +116,7 @@ def test_a_racy_file_hashed_by_another_thread_before_the_call_is_read_again(tmp_
     f.write_bytes(os.urandom(1 << 20))
     calls = _counted_slow_prehash(monkeypatch, 0.3)
     thread = hashing.prehash([f])
-    time.sleep(0.05)
+    _until_in_flight()
     assert hashing.sha256_file(f) == hashing.sha256_bytes(f.read_bytes())
     thread.join()
     # the thread's read may have begun before the call and the file is racy: the caller reads it itself

@@ -98,15 +98,22 @@ def _until_in_flight() -> None:
         time.sleep(0.001)
 
 
-def test_a_file_being_prehashed_is_waited_for_and_read_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(hashing, "RACY_NS", 0)  # the fresh file counts as old: the other thread's hash may be used
-    f = tmp_path / "w.bin"
-    f.write_bytes(os.urandom(3 << 20))
+def _asked_while_prehashing(f, monkeypatch) -> list:
+    """sha256_file(f) asked while a prehash of f is in flight (its read began before the call); the
+    hash it returns checked against the bytes; the threads that read f, in order."""
     calls = _counted_slow_prehash(monkeypatch, 0.3)
     thread = hashing.prehash([f])
     _until_in_flight()
     assert hashing.sha256_file(f) == hashing.sha256_bytes(f.read_bytes())
     thread.join()
+    return calls
+
+
+def test_a_file_being_prehashed_is_waited_for_and_read_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(hashing, "RACY_NS", 0)  # the fresh file counts as old: the other thread's hash may be used
+    f = tmp_path / "w.bin"
+    f.write_bytes(os.urandom(3 << 20))
+    calls = _asked_while_prehashing(f, monkeypatch)
     assert calls == [hashing._PRE_THREAD], calls  # read once, by the prehash thread; the caller waited
     assert not hashing._inflight
 
@@ -114,11 +121,7 @@ def test_a_file_being_prehashed_is_waited_for_and_read_once(tmp_path, monkeypatc
 def test_a_racy_file_hashed_by_another_thread_before_the_call_is_read_again(tmp_path, monkeypatch):
     f = tmp_path / "w.bin"  # just written: changed within RACY_NS of any hash taken now
     f.write_bytes(os.urandom(1 << 20))
-    calls = _counted_slow_prehash(monkeypatch, 0.3)
-    thread = hashing.prehash([f])
-    _until_in_flight()
-    assert hashing.sha256_file(f) == hashing.sha256_bytes(f.read_bytes())
-    thread.join()
+    calls = _asked_while_prehashing(f, monkeypatch)
     # the thread's read may have begun before the call and the file is racy: the caller reads it itself
     assert sorted(calls) == sorted([hashing._PRE_THREAD, "MainThread"]), calls
 

@@ -20,7 +20,7 @@ from .identity import ModelIdentity, WeightFile
 
 _CHUNK = 1 << 20  # 1 MiB reads
 _PRE_CHUNK = 16 << 20  # prehash's reads: each takes the GIL back twice (read, hash), 16x fewer times than 1 MiB
-_PRE_THREAD = "detllm-prehash"
+_PRE_THREAD = "detllm-prehash"  # the thread's name, as a thread dump shows it
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -49,8 +49,8 @@ def sha256_text(text: str) -> str:
     return sha256_bytes(text.encode("utf-8"))
 
 
-def sha256_file(path: Path) -> str:
-    """sha256 of the file's bytes. A long-lived process (tests, a notebook, the API) re-uses an
+def sha256_file(path: Path, *, chunk: int = _CHUNK) -> str:
+    """sha256 of the file's bytes, read `chunk` bytes at a time. A long-lived process (tests, a notebook, the API) re-uses an
     earlier hash only when nothing about the file can have changed since: same inode, size,
     mtime *and* ctime, and the file was last changed well before that hash was taken (git's
     "racy clean" rule: an edit within the timestamp granularity of the hash is not visible).
@@ -76,8 +76,8 @@ def sha256_file(path: Path) -> str:
         hit = _memo.get(key)
         if hit is not None and (hit[1] >= asked or changed < hit[1] - RACY_NS):
             return hit[0]
-        return _hash_file(path, key, None)
-    return _hash_file(path, key, busy, _PRE_CHUNK if threading.current_thread().name == _PRE_THREAD else _CHUNK)
+        return _hash_file(path, key, None, chunk)
+    return _hash_file(path, key, busy, chunk)
 
 
 def _hash_file(path: Path, key: tuple, busy: threading.Event | None, chunk: int = _CHUNK) -> str:
@@ -88,11 +88,9 @@ def _hash_file(path: Path, key: tuple, busy: threading.Event | None, chunk: int 
         h = hashlib.sha256()
         # the buffer is an anonymous mapping of its own, unmapped on return: a malloc'd one of this size can
         # stay in a thread's arena after it is freed (+3.4 MiB of smollm2-135m's peak RSS with a bytearray)
-        with open(path, "rb", buffering=0) as f, mmap.mmap(-1, min(chunk, max(key[3], 1))) as buf:
-            view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f, mmap.mmap(-1, min(chunk, max(key[3], 1))) as buf, memoryview(buf) as view:
             while n := f.readinto(view):
                 h.update(view[:n])  # read and hash both let go of the GIL: a prehash runs beside Python
-            view.release()
         _memo[key] = (h.hexdigest(), started)
         return h.hexdigest()
     finally:
@@ -112,7 +110,7 @@ def prehash(paths: Iterable[Path]) -> threading.Thread:
     def run() -> None:
         for p in todo:
             try:
-                sha256_file(p)
+                sha256_file(p, chunk=_PRE_CHUNK)
             except OSError:
                 pass
 

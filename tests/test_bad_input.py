@@ -287,12 +287,12 @@ def failing_seal(monkeypatch):
     """The disk fills up while the folder is sealed: the last write of a run fails."""
     import errno
 
-    from detllm.pipeline import outcome  # runner.write_report's home: the seal is its last write
+    from detllm.runfolder import integrity  # the seal, the last write of outcome.write_report (imported there when it writes)
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "manifest.json")
 
-    monkeypatch.setattr(outcome, "seal", no_space)
+    monkeypatch.setattr(integrity, "seal", no_space)
 
 
 def test_a_run_that_fails_late_leaves_a_folder_every_reader_refuses(cli, tmp_path, failing_seal, monkeypatch):

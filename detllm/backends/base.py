@@ -15,12 +15,26 @@ import typing
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
 
 from ..core.config import Decoding, RunConfig, check_ranges
 from ..core.errors import UsageError
-from .capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec, Graft  # noqa: F401 (UNCAPTURED_PREFIX: for locate)
 from ..core.identity import ModelIdentity, WeightFile  # records of the base layer (hashing fills them in); backends use them from here
+
+if TYPE_CHECKING:
+    from .capture import UNCAPTURED_PREFIX, Capture, CapturedTensor, CaptureSpec, Graft  # noqa: F401
+
+_CAPTURE_NAMES = ("UNCAPTURED_PREFIX", "Capture", "CapturedTensor", "CaptureSpec", "Graft")
+
+
+def __getattr__(name: str) -> Any:
+    """locate's records (capture.py), re-exported from here but imported when first asked for: a check or
+    run never captures, so their classes stay out of its process."""
+    if name in _CAPTURE_NAMES:
+        from . import capture
+
+        return getattr(capture, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 FINISH_REASONS = ("length", "stop")
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..compare.engine import parse_label
-from ..compare.verdict import check_comparisons, check_report
 from ..core.config import RunConfig
 from ..core.errors import UsageError
 
@@ -39,6 +37,9 @@ def cache_report(config: RunConfig, records: list[dict[str, Any]], *, tier: int,
     verify alike): the check's comparisons with the run's noise floor, renamed by side, and
     CACHE_VARIANCE in place of RUN_VARIANCE (within a probe folder nothing but the cache differs
     between runs)."""
+    from ..compare.engine import parse_label  # the comparisons: needed once the runs are done, not to plan them
+    from ..compare.verdict import check_comparisons, check_report
+
     comps = check_comparisons(records, base_batch=1, runs=config.runs, batch_sizes=(1,), tier=tier, atol=config.atol,
                               floor=floor, sampled=not config.decoding.greedy, drift=drift)
     for c in comps:  # every one is a repeat at batch 1 (run_k vs run_0): named by its side before causes cite it

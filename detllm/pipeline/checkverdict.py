@@ -3,8 +3,7 @@
 
 Owns which report maker a check gets (a plain check, or `check --cache-probe`, read from the
 config the trace chain binds), what it is given (noise floor, sampled, fresh runs, the records
-for per-record causes), and the effective tier gated from the requested tier and the backend's
-capabilities. Does not own the comparisons and causes (compare/), running (runner.py) or reading
+for per-record causes); the effective tier's gate (tiergate.py) is re-exported. Does not own the comparisons and causes (compare/), running (runner.py) or reading
 a sealed folder (rederive.py).
 """
 
@@ -12,31 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.base import Capabilities
 from . import engagement
 from .cacheprobe import cache_report, wants_probe
 from ..compare.verdict import check_comparisons, check_report
 from ..core.config import RunConfig
-from ..core.errors import TierUnsupportedError
 from .fresh import fresh_runs, scope_text
-
-
-def gate_tier(config: RunConfig, caps: Capabilities) -> tuple[int, str | None]:
-    """(effective tier, downgrade reason). Strict mode refuses instead of downgrading."""
-    max_tier = caps.max_tier if caps.logprobs else min(caps.max_tier, 1)
-    if config.tier <= max_tier:
-        return config.tier, None
-    why = f"backend {config.backend!r} enforces tier {max_tier} at most" + (f": {'; '.join(caps.notes)}" if caps.notes else "")
-    if config.mode == "strict":
-        raise TierUnsupportedError(f"tier {config.tier} refused in strict mode: {why}", hint=f"use --tier {max_tier} or --mode best-effort")
-    return max_tier, why
-
-
-def recorded_capabilities(applied: dict[str, Any]) -> Capabilities:
-    """The Capabilities determinism_applied.json recorded (what gate_tier was given)."""
-    caps = applied["capabilities"]
-    return Capabilities(max_tier=caps["max_tier"], logprobs=caps["logprobs"], sampling=caps["sampling"],
-                        batch_invariant=caps["batch_invariant"], notes=tuple(caps.get("notes") or ()))
+from .tiergate import gate_tier, recorded_capabilities  # re-exported: gated before the runs (tiergate.py)
 
 
 def check_verdict(config: RunConfig, records: list[dict[str, Any]], *, tier: int, floor: float | None,

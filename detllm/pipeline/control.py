@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from .batching import batch_requests, trace_record
-from ..compare.engine import compare, select
 
 CONTROL_BATCH = 8  # the control's batch size, capped by what the backend was started for (llama.cpp slots)
 
@@ -34,6 +33,8 @@ def negative_control(config, backend, caps, prompts, input_ids, filler_ids, reco
         return {"ran": False, "setting": None, "differed": None,
                 "note": f"the backend was started for batches of 1 ({config.backend} slots); add --vary-batch to allow a batch control"}
     ref_batch = 1 if any(r["batch_size"] == 1 for r in records) else config.batch_size
+    from ..compare.engine import compare, select  # only a check with --negative-control compares here
+
     ref = select(records, run=0, batch=ref_batch)
     got = []
     for batch in control_batches(len(prompts.texts), size):

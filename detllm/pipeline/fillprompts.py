@@ -14,7 +14,6 @@ import random
 from ..core.config import RunConfig
 from ..core.errors import UsageError
 from ..core.prompts import PromptSet
-from .engagement import needed
 
 _OPENINGS = ("Explain in one paragraph", "Write three sentences about", "Describe for a new student", "List the main facts about",
              "Summarise what is known about", "Give a short example involving", "Compare two views of", "Tell a short story about")
@@ -39,6 +38,8 @@ def plan(config: RunConfig, prompts: PromptSet) -> tuple[RunConfig, PromptSet]:
     with fillers (config.user_prompts set) under --fill-prompts; else refused before running."""
     if config.max_rate is None:
         return config, prompts
+    from .engagement import needed  # the bound's arithmetic; engagement's comparisons are for after the runs
+
     need, have = needed(config.max_rate, config.confidence), len(prompts.texts)
     if have >= need:
         return config, prompts

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import EXIT_FAIL, EXIT_PASS, EXIT_UNVERIFIED_STRICT
-from ..render.markdown import render_markdown
-from ..render.text import render_text
 from ..runfolder import artifacts
-from ..runfolder.integrity import seal
-from ..runfolder.signing import Signer
+
+if TYPE_CHECKING:
+    from ..runfolder.signing import Signer
 
 
 @dataclass
@@ -47,7 +46,12 @@ class Outcome:
 def write_report(out: Path, report: dict[str, Any], *, signer: Signer | None = None,
                  record_digests: list[bytes] | None = None) -> None:
     """report.json, report.txt, report.md and, on FAIL, diffs/first_divergence.json; then, last, the
-    manifest that seals the folder (and manifest.sig with a signer), see integrity.py."""
+    manifest that seals the folder (and manifest.sig with a signer), see integrity.py. The renderers and
+    the seal are imported here, when a report is written: an Outcome alone (the Python API) needs none."""
+    from ..render.markdown import render_markdown
+    from ..render.text import render_text
+    from ..runfolder.integrity import seal
+
     if report["first_divergence"] is not None:
         comp = next((c for c in report["comparisons"] if c["first_divergence"] is report["first_divergence"]), None)
         body: dict[str, Any] = {"divergence": report["first_divergence"]}

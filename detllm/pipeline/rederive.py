@@ -70,10 +70,10 @@ _EDITED = "the verdict was edited after the run; re-run the check"
 
 
 def expected_tier(run_config: dict[str, Any], applied: dict[str, Any]) -> int:
-    """The effective tier, re-derived the way the runner gated it (checkverdict.gate_tier) from the
+    """The effective tier, re-derived the way the runner gated it (tiergate.gate_tier) from the
     chained request (run_config: tier, mode) and the capabilities the backend declared; raises
     IntegrityError when determinism_applied.json says otherwise."""
-    from .checkverdict import gate_tier, recorded_capabilities
+    from .tiergate import gate_tier, recorded_capabilities
     from ..core.config import RunConfig
     from ..core.errors import TierUnsupportedError
 

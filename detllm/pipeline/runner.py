@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..runfolder import artifacts
 from . import fresh
 from ..backends.base import Backend, options_json
 from .batching import add_evidence, batch_requests, plan_batches, trace_record
 from ..backends.registry import create_backend
-from ..compare.divergence import run_noise_floor
-from .checkverdict import check_verdict, gate_tier
+from .tiergate import gate_tier
 from ..core.config import RunConfig
 from .control import negative_control
 from ..runfolder.env import Redaction, collect_env, detllm_version
 from ..core.errors import DetllmError, UsageError
 from ..runfolder.folderlock import exclusive_writer
 from ..core.prompts import FILLERS, PromptSet, load_prompts
-from ..runfolder.signing import Signer, load_signing_key
 from .outcome import Outcome, write_report  # re-exported: the Python API's names
+
+if TYPE_CHECKING:
+    from ..runfolder.signing import Signer
 
 Progress = Callable[[int, int, int], None]  # (prompts done, prompts total, tokens generated so far)
 MakeReport = Callable[[list, int, float | None, dict], dict]  # (records, effective tier, noise floor, summary) -> report.json
@@ -79,7 +80,11 @@ def _execute(
     `prompt_set` replaces the prompt file (replay: the pack's prompts); `make_report` replaces the
     check verdict (replay: the diff against the pack); `sign_key` signs the manifest."""
     config.validate(command=command)
-    signer = load_signing_key(sign_key) if sign_key is not None else None  # a bad key is refused before anything runs
+    signer = None
+    if sign_key is not None:  # a bad key is refused before anything runs
+        from ..runfolder.signing import load_signing_key
+
+        signer = load_signing_key(sign_key)
     prompts = prompt_set or load_prompts(prompts_path)
     out = Path(out) if out is not None else artifacts.default_out_dir(command)
     artifacts.check_out_dir(out, force=force)
@@ -125,6 +130,10 @@ def _execute(
     finally:
         if owned:
             backend.close()
+    # what only the finished runs need is imported now, once the engine's peak is behind: the comparisons,
+    # causes and report rendering add nothing to the memory a check's generation holds
+    from ..compare.divergence import run_noise_floor
+
     floor = run_noise_floor(config.dtype, settings, identity.quantization)
     return _finish(config, command, out, records, digests, tier, floor, signer, make_report, control)
 
@@ -186,6 +195,8 @@ def _finish(config: RunConfig, command: str, out: Path, records: list[dict[str, 
         })
     else:
         # the one verdict function verify re-derives with (checkverdict.py): plain check or cache probe
+        from .checkverdict import check_verdict
+
         report = check_verdict(config, compared_records(out, records), tier=tier, floor=floor, summary=summary,
                                control=control)
     write_report(out, report, signer=signer, record_digests=digests)

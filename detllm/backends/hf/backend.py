@@ -18,7 +18,7 @@ import random
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 from ...core.clock import clock as _clock, since as _since
 from ...core.config import Decoding, RunConfig
@@ -31,10 +31,12 @@ from ...core.ompwait import wait_default_before_torch
 from ...models import local_folder, resolve_model
 from ...models.hub import hub_unreachable
 from ...core.processwide import disable_tf32, read_tf32, refuse_after_batch_invariant, tf32_is_off, write_tf32
-from ..base import (Applied, Backend, Capabilities, Capture, CaptureSpec, Generation, Installed, ModelIdentity, Request,
+from ..base import (Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request,
                     parse_options, request_seed)
-from . import invariant
 from .lean import forget_sources, without_triton
+
+if TYPE_CHECKING:
+    from ..capture import Capture, CaptureSpec
 
 CUBLAS_WORKSPACE = ":4096:8"  # the value cuBLAS documents for deterministic GEMM workspaces
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -51,6 +53,12 @@ class HFOptions:
     trust_remote_code: bool = False  # never run hub code unless asked
     batch_invariant: bool = False  # tier 3: batch-invariant ops for the run (invariant.py); slower
     perturb: str | None = None  # TEST-ONLY: MODULE:output|weight:REL[@STEP] (detllm.perturb), a known difference for locate
+
+
+def _invariant():
+    from . import invariant  # only `--opt batch_invariant=true` installs, probes or counts those ops
+
+    return invariant
 
 
 def _torch():
@@ -174,13 +182,13 @@ class HFBackend(Backend):
                        "pass --opt batch_invariant=true for tier 3",),
                 capture="ops",
             )
-        missing = invariant.uncovered(self._invariant_ops())
+        missing = _invariant().uncovered(self._invariant_ops())
         notes = tuple(f"batch_invariant: op {op.name!r} {op.how}" for op in missing)
         return Capabilities(max_tier=2 if missing else 3, logprobs=True, sampling=True, batch_invariant=not missing, notes=notes,
                             capture="ops")
 
     def _invariant_ops(self):
-        return invariant.coverage(self.model, self.options.attn_implementation, self.device)
+        return _invariant().coverage(self.model, self.options.attn_implementation, self.device)
 
     def context_limit(self) -> int | None:
         # past its trained positions a model keeps generating, silently degraded: refuse instead
@@ -203,10 +211,11 @@ class HFBackend(Backend):
     def generate(self, requests: Sequence[Request], decoding: Decoding, *, seed: int, n_logprobs: int, logprobs: bool) -> list[Generation]:
         torch = _torch()
         try:
-            before = invariant.live_calls(self.model)
+            inv = _invariant() if self.options.batch_invariant else None  # its ops are installed only then
+            before = inv.live_calls(self.model) if inv else None
             with torch.inference_mode(), perturb.applied(self.model, self.perturbation) as moved:
                 gens = self._generate(torch, requests, decoding, seed, n_logprobs, logprobs, at_step=self.stepper(moved))
-            after = invariant.live_calls(self.model)
+            after = inv.live_calls(self.model) if inv else None
             if before is not None and after is not None:  # tier 3: the invariant kernels' own count, the mode's live proof
                 mode = {"batch_invariant": True, "linear_calls": after[0] - before[0], "attention_calls": after[1] - before[1],
                         "seen_by": "hf: the batch-invariant kernels' own call counts during this batch"}
@@ -364,11 +373,8 @@ class HFBackend(Backend):
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,  # manual_seed reseeds CUDA too
         }
-        applied = [
-            Applied("seed.python", seed, True, seed),
-            Applied("seed.numpy", seed, True, seed),
-            Applied("seed.torch", seed, True, seed, "plus a torch.Generator per request seeded from (seed, prompt_index)"),
-        ]
+        applied = [Applied("seed.python", seed, True, seed), Applied("seed.numpy", seed, True, seed),
+                   Applied("seed.torch", seed, True, seed, "plus a torch.Generator per request seeded from (seed, prompt_index)")]
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
@@ -400,7 +406,7 @@ class HFBackend(Backend):
             applied.append(Applied("dtype", self.requested_dtype, True, str(self.model.dtype).replace("torch.", ""),
                                    "auto resolves to float32" if self.requested_dtype == "auto" else ""))
             if self.options.batch_invariant:  # the invariant ops, swapped in for this run only
-                ops = self._invariant_ops()
+                ops, invariant = self._invariant_ops(), _invariant()
                 complete = not invariant.uncovered(ops)  # all or nothing: a partial swap proves nothing
                 if not complete and tier >= 3:  # probed again under this run's thread count, and it failed
                     raise BackendError(f"batch_invariant: {'; '.join(f'{o.name} {o.how}' for o in invariant.uncovered(ops))}")

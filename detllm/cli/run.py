@@ -113,7 +113,7 @@ def _gen_command(command: str, default_runs: int) -> Callable:
             write_html(outcome, html)
             return emit(outcome, as_json=as_json, junit=junit)
 
-        guarded(body)
+        guarded(body, detach=True)  # run after the parser is gone (shell.held_bodies)
 
     if command != "check":
         cmd.__annotations__["fresh_process"] = "FreshProcessHidden"

@@ -3,8 +3,8 @@
 
 Owns which report maker a check gets (a plain check, or `check --cache-probe`, read from the
 config the trace chain binds), what it is given (noise floor, sampled, fresh runs, the records
-for per-record causes); the effective tier's gate (tiergate.py) is re-exported. Does not own the comparisons and causes (compare/), running (runner.py) or reading
-a sealed folder (rederive.py).
+for per-record causes); the effective tier's gate (tiergate.py) is re-exported. Does not own the
+comparisons and causes (compare/), running (runner.py) or reading a sealed folder (rederive.py).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 
 Owns which report maker a check gets (a plain check, or `check --cache-probe`, read from the
 config the trace chain binds), what it is given (noise floor, sampled, fresh runs, the records
-for per-record causes); the effective tier's gate (tiergate.py) is re-exported. Does not own the
-comparisons and causes (compare/), running (runner.py) or reading a sealed folder (rederive.py).
+for per-record causes). Does not own the effective tier's gate (tiergate.py), the comparisons and
+causes (compare/), running (runner.py) or reading a sealed folder (rederive.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from .cacheprobe import cache_report, wants_probe
 from ..compare.verdict import check_comparisons, check_report
 from ..core.config import RunConfig
 from .fresh import fresh_runs, scope_text
-from .tiergate import gate_tier, recorded_capabilities  # re-exported: gated before the runs (tiergate.py)
 
 
 def check_verdict(config: RunConfig, records: list[dict[str, Any]], *, tier: int, floor: float | None,
@@ -34,4 +33,4 @@ def check_verdict(config: RunConfig, records: list[dict[str, Any]], *, tier: int
     return engagement.apply(report, records, config)  # UNVERIFIED where a varied axis was shown not engaged
 
 
-__all__ = ["check_verdict", "gate_tier", "recorded_capabilities"]
+__all__ = ["check_verdict"]

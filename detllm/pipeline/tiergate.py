@@ -2,8 +2,8 @@
 (gate_tier), and the capabilities determinism_applied.json recorded for that gate
 (recorded_capabilities), so `verify` re-gates from the folder as the runner gated before running.
 
-Apart from checkverdict.py, which re-exports both: the runner gates before the first generate,
-and the comparison and verdict machinery checkverdict imports is only needed once the runs are done.
+Apart from checkverdict.py: the runner gates before the first generate, and the comparison and
+verdict machinery checkverdict imports is only needed once the runs are done.
 """
 
 from __future__ import annotations

@@ -94,38 +94,53 @@ def test_json_equality_and_the_cases_left_to_the_others():
     assert check({"h": "0a", 1: 2}) is None and check({"h": ("0a",)}) is None  # an int key, a tuple: not plain JSON
 
 
-def test_a_small_write_is_settled_without_jsonschema_rs_and_a_bad_one_is_named_by_jsonschema(tmp_path):
-    """A fresh process: writing a check's artifacts loads neither jsonschema-rs nor jsonschema; a bad one
-    is still refused with jsonschema's words, before anything is written."""
+def test_a_small_write_or_read_is_settled_without_jsonschema_rs_and_a_bad_one_is_named_by_jsonschema(tmp_path):
+    """A fresh process: writing a check's artifacts, and reading two folders back for a diff, loads neither
+    jsonschema-rs nor jsonschema; a bad write is still refused with jsonschema's words before anything is
+    written, and a bad file read back with jsonschema's words too."""
     probe = """
-import json, sys
+import json, shutil, sys
 from pathlib import Path
 import detllm
 from detllm.core.errors import ArtifactError
 from detllm.runfolder import schema_io
-o = detllm.check(backend="fake", out=sys.argv[1])
+root = Path(sys.argv[1])
+o = detllm.check(backend="fake", out=root / "r")
+detllm.check(backend="fake", out=root / "s")
+d = detllm.diff(root / "r", root / "s")
 clean = not any(m in sys.modules for m in ("jsonschema_rs", "jsonschema"))
-report = json.loads((Path(sys.argv[1]) / "report.json").read_text())
+report = json.loads((root / "r" / "report.json").read_text())
 report["status"] = "MAYBE"
 try:
-    schema_io.write_json(Path(sys.argv[1]) / "bad", "report.json", report)
+    schema_io.write_json(root / "bad", "report.json", report)
     refused = ""
 except ArtifactError as err:
     refused = str(err)
-print(json.dumps({"status": o.status, "clean": clean, "refused": refused, "written": (Path(sys.argv[1]) / "bad").exists()}))
+shutil.copytree(root / "s", root / "t")
+cfg = json.loads((root / "t" / "run_config.json").read_text())
+cfg["command"] = "maybe"
+(root / "t" / "run_config.json").write_text(json.dumps(cfg))
+try:
+    detllm.diff(root / "r", root / "t")
+    unread = ""
+except ArtifactError as err:
+    unread = str(err)
+print(json.dumps({"status": o.status, "diff": d.status, "clean": clean, "refused": refused, "written": (root / "bad").exists(),
+                  "unread": unread}))
 """
-    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "r")], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen["status"] == "PASS" and seen["clean"], seen
+    assert seen["status"] == "PASS" and seen["diff"] == "PASS" and seen["clean"], seen
     assert seen["refused"].startswith("report.json: schema violation at status: 'MAYBE' is not one of"), seen
     assert not seen["written"]
+    assert "run_config.json: schema violation at command: 'maybe' is not one of" in seen["unread"], seen
 
 
 def test_what_schemalite_leaves_is_decided_as_before(monkeypatch, tmp_path):
-    """What it cannot settle (a str subclass inside) goes to jsonschema-rs and jsonschema, as before; a read
-    (no size) never asks it."""
+    """What it cannot settle (a str subclass inside) goes to jsonschema-rs and jsonschema, as before; a
+    validation without a size never asks it."""
     out = detllm.check(backend="fake", out=tmp_path / "r").out_dir
     obj = json.loads((out / "run_config.json").read_text())
     asked = []
@@ -133,7 +148,7 @@ def test_what_schemalite_leaves_is_decided_as_before(monkeypatch, tmp_path):
     monkeypatch.setattr(schema_io, "_fast_validator", lambda *a: asked.append(a) or real(*a))
     schema_io.validate(obj, "run_config", size=100)
     assert asked == []  # settled by schemalite
-    schema_io.validate(obj, "run_config")  # no size: a read, jsonschema-rs as always
+    schema_io.validate(obj, "run_config")  # no size: jsonschema-rs as always
     assert len(asked) == 1
     odd = {**obj, "created_at": type("Stamp", (str,), {})(obj["created_at"])}
     assert schema_io._lite_validator("run_config")(odd) is None

@@ -104,7 +104,7 @@ def validate(obj: Any, artifact_type: str, *, where: str = "", size: int | None 
     schema_version (a folder written by an older detllm is read under its own rules). What
     jsonschema-rs finds valid is valid (tests/test_schema_io.py holds it to jsonschema's
     answers); anything else is judged, and its violation named, by jsonschema. An artifact being
-    written whose JSON text has `size` <= _LITE_MAX_CHARS characters is first given to schemalite,
+    written or read whose JSON text has `size` <= _LITE_MAX_CHARS characters is first given to schemalite,
     whose True is final (tests/test_schemalite.py holds it to jsonschema's answers): a small process
     then never loads jsonschema-rs (~9 MiB resident)."""
     version = obj.get("schema_version") if isinstance(obj, dict) else None

@@ -1,6 +1,6 @@
 """A small validator for the JSON Schema keywords detllm's own schemas use, compiled to Python closures.
 
-Owns only a first answer for small artifacts as they are written (schema_io.validate): True when the
+Owns only a first answer for small artifacts as they are written and read (schema_io.validate): True when the
 object surely is valid, False when it surely is not, None when it cannot be sure (a keyword, a type or
 a string it does not decide exactly). Only True ends validation; anything else goes to jsonschema-rs
 and jsonschema as before. It exists to keep jsonschema-rs (~9 MiB resident) out of a small process.

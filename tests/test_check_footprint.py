@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import detllm
 from detllm.cli.plainout import _FORCING as FORCING
 from detllm.core import ompwait
 
@@ -83,7 +84,7 @@ try:
     main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code
-heavy = [m for m in ("rich", "jsonschema", "jsonschema_rs", "xml.etree") if m in sys.modules]
+heavy = [m for m in ("rich", "jsonschema", "jsonschema_rs", "xml.etree", "tarfile") if m in sys.modules]
 print(f"exit {code} loaded {heavy}", file=sys.stderr)
 """
 
@@ -95,6 +96,19 @@ def test_a_cli_check_to_a_log_loads_neither_rich_nor_a_json_schema_library(tmp_p
                           env={**{k: v for k, v in os.environ.items() if k not in FORCING}, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
     assert "detllm check: PASS" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "exit 0 loaded []", proc.stderr[-2000:]
+
+
+def test_a_cli_diff_to_a_log_loads_neither_rich_nor_a_json_schema_library_nor_tarfile(tmp_path):
+    """A diff of two small run folders, stdout a pipe: its verdict (whose side labels hold `::`, no emoji
+    code) is written without rich, the folders' files are settled by schemalite as they are read, and
+    folders (not packs) are read without tarfile."""
+    for name in ("a", "b"):
+        detllm.check(backend="fake", out=tmp_path / name)
+    proc = subprocess.run([sys.executable, "-c", CLI_PROBE, "diff", str(tmp_path / "a"), str(tmp_path / "b")],
+                          env={**{k: v for k, v in os.environ.items() if k not in FORCING}, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert "PASS a::run_0@batch_1 vs b::run_0@batch_1" in proc.stdout, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == "exit 0 loaded []", proc.stderr[-2000:]
 
 

@@ -47,7 +47,30 @@ def test_the_plain_verdict_is_the_bytes_rich_writes(monkeypatch, capsys, reports
             plain = _printed(m, capsys, report, folder, plain=True)
         assert plain == via_rich, (report.get("status"), plain, via_rich)
         engaged += used == [True]
-    assert engaged >= 3, "the plain path was never taken: this test would prove nothing"
+        if report.get("command") == "diff":  # its sides' labels (a::run_0@batch_1) are no emoji codes
+            assert used == [True], report["summary"]
+    assert engaged >= 6, "the plain path was taken too rarely: this test would prove little"
+
+
+@pytest.mark.parametrize("line", ["a::run_0@batch_1 vs b::run_0@batch_1", "x::smile: y", "::smile::", ":-emoji: and :-text:",
+                                  "a :smile: b", "a:b:c", ":thumbs_up:", "time 12:30:01", "x:smile-emoji:", "::", ":"])
+def test_a_line_rich_leaves_as_it_is_is_written_plain_and_the_same(monkeypatch, capsys, line):
+    """Emoji codes as rich scans them: a code without a name (a diff side's `::`) is left as it is, so it
+    is written plain; one with a name goes to rich unless rich leaves it too. Either way the bytes are rich's."""
+    from rich.console import Console
+
+    Console(highlight=False, soft_wrap=True).print(line, markup=False)
+    via_rich = capsys.readouterr().out
+    for var in plainout._FORCING:
+        monkeypatch.delenv(var, raising=False)
+    plain = plainout.write_plain("detllm diff: PASS", [line])
+    written = capsys.readouterr().out
+    named = any(m.group(2) for m in plainout._EMOJI_CODE.finditer(line))
+    if plain:
+        assert written == "detllm diff: PASS\n" + via_rich
+    else:
+        assert written == "" and named, line  # nothing else here sends a line to rich
+    assert plain is not named
 
 
 @pytest.mark.parametrize("first,rest", [

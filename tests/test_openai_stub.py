@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -356,3 +359,27 @@ def test_kld_of_a_server_keyed_by_token_text(cli, stub, tmp_path):
     assert cli("run", "--backend", "fake", "--tier", "2", "--max-new-tokens", "4", "--out", fake).exit_code == 0
     r = cli("report", "--format", "kld", fake, a)
     assert r.exit_code == 2 and "one run records token ids, the other token text" in r.stderr and "Traceback" not in r.output
+
+
+LEAN_PROBE = """
+import sys
+from detllm.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+heavy = [m for m in ("rich", "pygments", "httpx._main") if m in sys.modules]
+import httpx._main  # imports as usual afterwards
+print(f"exit {code} loaded {heavy} then {httpx._main.__name__}", file=sys.stderr)
+"""
+
+
+def test_a_served_check_imports_httpx_without_its_command_line_client(stub, tmp_path):
+    """httpx imports its CLI (click, rich, pygments: ~30 ms, ~4.5 MiB) whenever they are installed; a served
+    check to a log keeps it out while httpx imports (wire.httpx_module), and it imports as usual afterwards."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    proc = subprocess.run([sys.executable, "-c", LEAN_PROBE, "check", "--backend", "openai", "--base-url", stub.url, "--model",
+                           "stub-model", "--runs", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "r")],
+                          env={**env, "PYTHONPATH": str(Path(__file__).parents[1])}, capture_output=True, text=True, timeout=120)
+    assert "detllm check: PASS" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "exit 0 loaded [] then httpx._main", proc.stderr[-2000:]

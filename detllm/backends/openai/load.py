@@ -28,11 +28,12 @@ INSTALL_HINT = "install httpx: pip install 'detllm[openai]'"
 
 
 def _httpx():
+    from .wire import httpx_module  # httpx without its command-line client
+
     try:
-        import httpx
+        return httpx_module()
     except ImportError as exc:  # pragma: no cover - httpx ships with the openai extra
         raise BackendUnavailableError("the openai backend needs httpx", hint=INSTALL_HINT) from exc
-    return httpx
 
 
 _SHARED: dict[str, Any] = {}  # built once per process, not once per client (a fleet runs N endpoints on threads)

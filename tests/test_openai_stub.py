@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -248,6 +249,45 @@ def test_step_parsing_of_both_logprob_formats():
     assert vllm[0].id == 7 and [t[1] for t in vllm[0].top] == [7, 3]
     assert _steps(None) is None
     assert math.isclose(vllm[0].logprob, -1.0)
+
+
+def _as_generation(steps):
+    """What _generation makes of steps() for token texts without ids: (ids, texts, logprobs, top-k)."""
+    if not steps or any(s.id is not None for s in steps):
+        return None
+    return [s.token for s in steps], [s.token for s in steps], [s.logprob for s in steps], [[(t[0], t[2]) for t in s.top] for s in steps]
+
+
+def test_the_plain_answer_path_gives_what_the_steps_give_and_leaves_the_rest_to_them():
+    """plain_steps (most servers' completions layout, no step objects) is held to steps() as _generation reads
+    them, on random answers with tied, reordered, integral, non-finite, missing and vLLM-id entries: wherever
+    it answers, the same lists; wherever an entry is not plain, None (steps() then reads the answer)."""
+    from detllm.backends.openai.answers import plain_steps, steps
+
+    rng = random.Random(0)
+    odd = [0, -1, float("nan"), float("inf"), None, "x", "-0.5"]  # values that are not finite floats
+    answered = fell_back = 0
+    for _ in range(3000):
+        n = rng.randint(0, 5)
+        tokens = [rng.choice([" a", " b", "c", "", "token_id:7", "\u00e9"]) for _ in range(n)]
+        lps = [rng.choice([-0.5, -1.25, -0.0, 0.0, float("nan"), None]) for _ in range(n)]
+        tops = []
+        for _ in range(n):
+            keys = rng.sample([" a", " b", " c", " d", "token_id:3"], rng.randint(0, 4))
+            tops.append({k: rng.choice([-0.5, -1.5, -1.5, -2.0]) if rng.random() < 0.93 else rng.choice(odd) for k in keys})
+        lp = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
+        if rng.random() < 0.05:
+            lp[rng.choice(["token_logprobs", "top_logprobs"])] = (lps if rng.random() < 0.5 else tops)[:-1] or None
+        got = plain_steps(lp)
+        if got is None:
+            fell_back += 1
+            continue
+        answered += 1
+        assert got == _as_generation(steps(lp)), lp
+        assert got[0] is not got[1]  # ids and texts: two lists
+    assert answered > 300 and fell_back > 300, (answered, fell_back)
+    chat = {"content": [{"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5}]}]}
+    assert plain_steps(chat) is None and plain_steps(None) is None and plain_steps({"tokens": []}) is None
 
 
 def test_replay_never_takes_the_url_or_key_variable_from_a_pack(cli, stub, tmp_path):

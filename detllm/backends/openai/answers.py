@@ -87,6 +87,28 @@ def steps(lp: Any) -> list[_Step] | None:
     return None
 
 
+def plain_steps(lp: Any) -> tuple[list[str], list[str], list[float | None], list[list[tuple[str, float]]]] | None:
+    """(tokens, their texts: the same strings in a list of its own, logprobs, top-k as (text, logprob) best
+    first) of a completions answer laid out as most
+    servers send it, read without a step object each: one or more token texts (no vLLM 'token_id:N'),
+    token_logprobs and top_logprobs of the same length, every top-k entry a text and a finite float.
+    What steps() would give for it, as _generation uses it; None for anything else (steps() reads it)."""
+    if type(lp) is not dict or isinstance(lp.get("content"), list):
+        return None
+    tokens, lps, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
+    if type(tokens) is not list or not tokens or type(lps) is not list or type(tops) is not list \
+            or not len(tokens) == len(lps) == len(tops):
+        return None
+    for t in tokens:
+        if type(t) is not str or t.startswith("token_id:"):
+            return None
+    for top in tops:
+        if type(top) is not dict or not _plain(top):
+            return None
+    # reverse keeps ties in the server's order, as steps() does
+    return tokens, list(tokens), [_f(x) for x in lps], [sorted(top.items(), key=_value, reverse=True) for top in tops]
+
+
 def _plain(top: dict[Any, Any]) -> bool:
     """Every key a token text (no vLLM 'token_id:N') and every value a finite float: taken as they are."""
     for k, v in top.items():
@@ -139,4 +161,4 @@ def busy_from(source: str, body: Any) -> int | None:
     return None
 
 
-__all__ = ["busy_from", "cached_tokens", "choice", "shape", "steps"]
+__all__ = ["busy_from", "cached_tokens", "choice", "plain_steps", "shape", "steps"]

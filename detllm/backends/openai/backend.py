@@ -22,7 +22,7 @@ from ...core.errors import BackendError, BackendUnavailableError, UsageError
 from ...core.overlap import NOT_ENGAGED, served_group
 from ...models.gguf import FLOAT_TYPES as FLOAT_GGUF
 from ..base import Applied, Backend, Capabilities, Generation, Installed, ModelIdentity, Request, parse_options, request_seed
-from .answers import cached_tokens as _cached_tokens, choice as _choice, shape as _answers_shape, steps as _steps
+from .answers import cached_tokens as _cached_tokens, choice as _choice, plain_steps as _plain_steps, shape as _answers_shape, steps as _steps
 from .load import Endpoint, NoAnswer, Reply, safe_url as _safe_url
 from .options import OpenAIOptions, validate
 
@@ -379,7 +379,8 @@ class OpenAIBackend(Backend):
         choice = _choice(reply.doc)
         text = (choice.get("message") or {}).get("content") or "" if self.options.chat else choice.get("text") or ""
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        steps = _steps(choice.get("logprobs")) if want else None
+        plain = _plain_steps(choice.get("logprobs")) if want else None  # most servers' layout, read without step objects
+        steps = _steps(choice.get("logprobs")) if want and plain is None else None
         ev: dict[str, Any] = {"route": self.path, "prompt_as": self.prompt_as, "seed": body["seed"], "retries": reply.retries,
                               "timing_ms": [round(reply.started_ms, 1), round(reply.finished_ms, 1)]}
         if batch is not None:
@@ -388,10 +389,9 @@ class OpenAIBackend(Backend):
         cached = _cached_tokens(reply.doc)
         if cached is not None:
             ev["cached_prompt_tokens"] = cached
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            ev["prompt_tokens"] = usage["prompt_tokens"]
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            ev["completion_tokens"] = usage["completion_tokens"]  # more than len(token_ids): the server left steps out
+        for key in ("prompt_tokens", "completion_tokens"):  # completion_tokens > len(token_ids): the server left steps out
+            if isinstance(usage, dict) and isinstance(usage.get(key), int):
+                ev[key] = usage[key]
         timings = reply.doc.get("timings") if isinstance(reply.doc, dict) else None
         if isinstance(timings, dict) and isinstance(timings.get("predicted_ms"), (int, float)):
             # llama-server: the time the server spent on this request; overlapping ones add up to more than the wall time
@@ -399,6 +399,9 @@ class OpenAIBackend(Backend):
         if isinstance(reply.doc, dict) and reply.doc.get("system_fingerprint"):
             ev["system_fingerprint"] = str(reply.doc["system_fingerprint"])
         ev.update(extra or {})
+        if plain is not None:  # token texts, no ids: what the steps below give for such an answer
+            ev["tokens_as"] = "strings"
+            return Generation(plain[0], plain[1], text, finish, plain[2], plain[3], evidence=ev)
         if steps:
             use_ids = all(s.id is not None for s in steps) and all(t[1] is not None for s in steps for t in s.top)
             ev["tokens_as"] = "ids" if use_ids else "strings"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import itertools
 import json
 import queue
 import socket
@@ -33,22 +34,29 @@ class Server(StubServer):
 
     def __init__(self) -> None:
         self.bodies, self.peers, self.headers, self.gets, self.ended = [], set(), [], [], queue.Queue()
+        # peers: the connections that carried a request, by a number each gets when accepted, not by the
+        # client's address: the kernel may hand a closed connection's port to the next one
+        self.serial = itertools.count()
         srv = self
 
         class Handler(JSONHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self):  # once per connection accepted
+                super().setup()
+                self.conn = next(srv.serial)
 
             def finish(self):  # the client closed the connection (or the server did)
                 super().finish()
                 srv.ended.put(self.client_address)
 
             def do_GET(self):
-                srv.peers.add(self.client_address)
+                srv.peers.add(self.conn)
                 srv.gets.append(self.client_address)
                 self.send_json(200 if self.path == "/health" else 404, {"status": "ok"})
 
             def do_POST(self):
-                srv.peers.add(self.client_address)
+                srv.peers.add(self.conn)
                 srv.headers.append({k.lower(): v for k, v in self.headers.items()})
                 srv.bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 mode = self.path.rsplit("/", 1)[-1]

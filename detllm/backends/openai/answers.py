@@ -89,10 +89,10 @@ def steps(lp: Any) -> list[_Step] | None:
 
 def plain_steps(lp: Any) -> tuple[list[str], list[str], list[float | None], list[list[tuple[str, float]]]] | None:
     """(tokens, their texts: the same strings in a list of its own, logprobs, top-k as (text, logprob) best
-    first) of a completions answer laid out as most
-    servers send it, read without a step object each: one or more token texts (no vLLM 'token_id:N'),
-    token_logprobs and top_logprobs of the same length, every top-k entry a text and a finite float.
-    What steps() would give for it, as _generation uses it; None for anything else (steps() reads it)."""
+    first) of a completions answer laid out as most servers send it, read without a step object each: one
+    or more token texts (no vLLM 'token_id:N'), token_logprobs and top_logprobs of the same length, every
+    top-k entry a text and a finite float. What steps() would give for it, as _generation uses it; None
+    for anything else (steps() reads it)."""
     if type(lp) is not dict or isinstance(lp.get("content"), list):
         return None
     tokens, lps, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Callable, Iterator, Optional
 
 import typer

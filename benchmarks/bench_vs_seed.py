@@ -8,7 +8,10 @@ each built-in model's hf folder given by path. Each command is a fresh process; 
 counted; then pairs alternate which side goes first. --ours-python runs this tree on another venv's packages
 (a venv holding only `pip install -c constraints.txt '.[hf]'` is what a user of the hf backend has). With --same-venv the seed's package is also run from
 this venv (its detllm/ folder copied out, nothing else): the difference of the tools alone, the packages
-each transformers import finds (accelerate, triton, PIL here) being the same. On a shared machine compare
+each transformers import finds (accelerate, triton, PIL here) being the same. With --api the check also runs through
+detllm.check, the Python API, in a process that imports no typer: the command line's share of the peak, by difference
+(ours vs that side), and the library's own against 0.1.1 (that side vs 0.1.1); its wall carries the interpreter's
+teardown, which the console script skips when nothing of its own is left (cli/entrypoint.py). On a shared machine compare
 the CPU medians: wall carries the neighbours' load, printed before and after.
 
 Make the seed venv once (torch first, from the local wheel, so pip resolves no other torch):
@@ -17,7 +20,7 @@ Make the seed venv once (torch first, from the local wheel, so pip resolves no o
     ~/.cache/detllm/seed-venv/bin/pip install detllm==0.1.1 transformers==<ours> tokenizers==<ours> safetensors==<ours>
 
     .venv/bin/python benchmarks/bench_vs_seed.py [--models tiny,smollm2-135m] [--pairs 5] [--runs 5]
-        [--max-new-tokens 16] [--seed-python PATH] [--same-venv]
+        [--max-new-tokens 16] [--seed-python PATH] [--same-venv] [--api]
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SEED = Path(os.environ.get("DETLLM_SEED_PYTHON") or Path.home() / ".cache/detllm/seed-venv/bin/python")
 SEED_MAIN = "import sys; from detllm.cli.main import main; sys.exit(main())"  # 0.1.1's console script
+# --api: the same check through detllm.check, the Python API, in a process that never imports typer (argparse reads
+# the options, as 0.1.1's own command line does): what the command-line layer adds to the peak, by difference
+API_MAIN = """import argparse, sys
+ap = argparse.ArgumentParser()
+ap.add_argument("command")
+for o in ("--backend", "--model", "--prompt-file", "--tier", "--runs", "--batch-size", "--max-new-tokens", "--out"):
+    ap.add_argument(o)
+ap.add_argument("--no-progress", action="store_true")
+a = ap.parse_args()
+from detllm.api import check
+o = check(backend=a.backend, model=a.model, prompts=a.prompt_file, tier=int(a.tier), runs=int(a.runs),
+          batch_size=int(a.batch_size), max_new_tokens=int(a.max_new_tokens), out=a.out)
+sys.exit(0 if o.status == "PASS" else 1)
+"""
 
 
 def measure(cmd: list[str], env: dict[str, str], log: Path) -> tuple[float, float, float, int]:
@@ -74,6 +91,8 @@ def sides(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[str], di
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     out = {"detllm (this tree)": ([str(args.ours_python), "-m", "detllm"], {**base, "PYTHONPATH": str(REPO)}),
            "0.1.1 (own venv)": ([str(args.seed_python), "-c", SEED_MAIN], dict(base))}
+    if args.api:
+        out["detllm API (no typer)"] = ([str(args.ours_python), "-c", API_MAIN], {**base, "PYTHONPATH": str(REPO)})
     if args.same_venv:  # the seed's package alone, on this venv's torch/transformers and everything they import
         where = subprocess.run([str(args.seed_python), "-c", "import detllm, os; print(os.path.dirname(detllm.__file__))"],
                                capture_output=True, text=True, check=True, env=base, cwd=work).stdout.strip()
@@ -111,19 +130,20 @@ def bench_model(name: str, args: argparse.Namespace, work: Path, tools: dict) ->
                 got[t].append((wall, cpu, rss))
                 print(f"  pair {i} {t:<20} {wall:7.2f} s wall {cpu:6.2f} s CPU {rss:7.1f} MiB peak  "
                       f"(load {os.getloadavg()[0]:.1f}){wait}", flush=True)
-    ours = names[0]
+    ours, seed = names[0], "0.1.1 (own venv)"
     print(f"{'tool':<20} {'wall median':>11} {'CPU median':>11} {'peak RSS median':>16} {'max':>8}  verdict   (wall range)")
     for t in names:
         w, c, r = (statistics.median(x[k] for x in got[t]) for k in range(3))
         lo, hi = min(x[0] for x in got[t]), max(x[0] for x in got[t])
-        print(f"{t:<20} {w:9.2f} s {c:9.2f} s {r:12.1f} MiB {max(x[2] for x in got[t]):8.1f} MiB  "
+        print(f"{t:<21} {w:8.2f} s {c:9.2f} s {r:12.1f} MiB {max(x[2] for x in got[t]):8.1f} MiB  "
               f"{'/'.join(sorted(verdicts[t])):<8}  ({lo:.2f}-{hi:.2f} s)")
-    for t in names[1:]:
-        pair = [a[0] / b[0] for a, b in zip(got[ours], got[t])]
-        cpair = [a[1] / b[1] for a, b in zip(got[ours], got[t])]
-        print(f"{name} ours/{t}: wall {statistics.median(x[0] for x in got[ours]) / statistics.median(x[0] for x in got[t]):.2f}x "
+    for a, b in [(ours, t) for t in names if t != ours and t.startswith("0.1.1")] + [(t, seed) for t in names if t.startswith("detllm API")]:
+        pair = [x[0] / y[0] for x, y in zip(got[a], got[b])]
+        cpair = [x[1] / y[1] for x, y in zip(got[a], got[b])]
+        label = "ours" if a == ours else a
+        print(f"{name} {label}/{b}: wall {statistics.median(x[0] for x in got[a]) / statistics.median(x[0] for x in got[b]):.2f}x "
               f"(median of pair ratios {statistics.median(pair):.2f}x), CPU {statistics.median(cpair):.2f}x, "
-              f"peak RSS {statistics.median(x[2] for x in got[ours]) - statistics.median(x[2] for x in got[t]):+.1f} MiB "
+              f"peak RSS {statistics.median(x[2] for x in got[a]) - statistics.median(x[2] for x in got[b]):+.1f} MiB "
               f"over {len(pair)} pairs")
     print(f"load average after {name}: {os.getloadavg()[0]:.1f}")
 
@@ -139,6 +159,8 @@ def main() -> int:
     ap.add_argument("--ours-python", type=Path, default=Path(sys.executable),
                     help="python whose packages this tree runs on (default: this one); e.g. a venv holding only detllm[hf]")
     ap.add_argument("--same-venv", action="store_true", help="also run 0.1.1's package on this venv's libraries")
+    ap.add_argument("--api", action="store_true",
+                    help="also run the check through detllm.check (no typer): the command-line layer's share, by difference")
     args = ap.parse_args()
     if not args.seed_python.exists():
         print(f"no seed venv at {args.seed_python} (make it as this script's docstring says, or pass --seed-python)",

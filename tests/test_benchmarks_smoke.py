@@ -48,7 +48,8 @@ SMOKE = {
     # against this commit's own worktree: the comparison machinery, not a regression, is what is smoked here
     "bench_vs_base.py": (["HEAD", "bench_diff.py", "--pairs", "1", "--", "--prompts", "4", "--tokens", "10", "--repeat", "1",
                           "--cases", "1"], "HEAD/base"),
-    "bench_vs_seed.py": (["--models", "tiny", "--pairs", "1", "--runs", "2", "--max-new-tokens", "2"], "tiny ours/0.1.1"),
+    "bench_vs_seed.py": (["--models", "tiny", "--pairs", "1", "--runs", "2", "--max-new-tokens", "2", "--api"],
+                         "tiny detllm API (no typer)/0.1.1"),
 }
 IMPORT_ONLY = {"bench_check_vllm.py", "bench_locate_vllm.py"}  # why: the docstring above
 HELPERS = {"_overhead.py"}  # imported by bench_check*.py, started with them

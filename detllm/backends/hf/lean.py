@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import linecache
 import os
-import sys
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, ContextManager
+
+from ...core.keepout import kept_out
 
 
 def gpuless(torch: Any) -> bool:
@@ -23,18 +23,10 @@ def gpuless(torch: Any) -> bool:
     return not (getattr(version, "cuda", None) or getattr(version, "hip", None) or getattr(version, "xpu", None))
 
 
-@contextmanager
-def without_triton(torch: Any) -> Iterator[bool]:
+def without_triton(torch: Any) -> ContextManager[bool]:
     """Inside: `import triton` raises ImportError when the torch build is GPU-less and triton is not loaded
     yet (yields True then); on leaving, triton can be imported again."""
-    keep_out = "triton" not in sys.modules and gpuless(torch)
-    if keep_out:
-        sys.modules["triton"] = None  # type: ignore[assignment]  # the import system's "not importable" mark
-    try:
-        yield keep_out
-    finally:
-        if keep_out and sys.modules.get("triton", 0) is None:
-            del sys.modules["triton"]
+    return kept_out("triton", when=gpuless(torch))
 
 
 def forget_sources() -> int:

@@ -26,6 +26,8 @@ import zlib
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from ...core.keepout import kept_out
+
 _READ = 1 << 16  # bytes per socket read
 _dumps = json.dumps  # `json` is httpx's argument name in post()
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+: a deadline without a task per wait
@@ -50,14 +52,8 @@ def httpx_module() -> Any:
     if _HTTPX is None:
         with _HTTPX_LOCK:
             if _HTTPX is None:
-                keep_out = "httpx" not in sys.modules and "httpx._main" not in sys.modules
-                if keep_out:
-                    sys.modules["httpx._main"] = None  # type: ignore[assignment]  # the import system's "not importable" mark
-                try:
+                with kept_out("httpx._main", when="httpx" not in sys.modules):
                     import httpx
-                finally:
-                    if keep_out and sys.modules.get("httpx._main", 0) is None:
-                        del sys.modules["httpx._main"]
                 _HTTPX = httpx
     return _HTTPX
 
